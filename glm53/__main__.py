@@ -1,0 +1,3 @@
+from glm53.cli import main
+
+raise SystemExit(main())
