@@ -1,0 +1,256 @@
+// Device-side CLOCK expert cache for exact mode: route (bookkeeping + table rewrite)
+// and copy (home record -> VRAM slot). Both run on the caller's stream between
+// exllamav3's router and its MoE kernel, so no host sync is needed per layer.
+#include <cstddef>
+
+#include <cuda_runtime.h>
+
+#include "glm53_cuda.h"
+
+namespace {
+
+__device__ void point_tables(g53_ec *ec, int key, int64_t base)
+{
+    int layer = key / ec->n_experts;
+    int expert = key % ec->n_experts;
+    for (int p = 0; p < 3; p++) {
+        int64_t *table = reinterpret_cast<int64_t *>(ec->tables[3 * layer + p]);
+        table[expert] = base + ec->part_off[p];
+    }
+}
+
+// One warp. Dedup and lookups run across lanes; admissions run in pick order, each
+// victim search scanning 32 slots per step with a ballot (same victims as a serial CLOCK).
+__global__ void route_kernel(g53_ec *ec, const int64_t *sel, int n_sel, int layer, int admit)
+{
+    __shared__ int picks[G53_EC_MAX_PICKS];
+    __shared__ int keys[G53_EC_MAX_PICKS];
+    __shared__ int miss_keys[G53_EC_MAX_PICKS];
+    const int lane = threadIdx.x;
+    const int first = layer * ec->n_experts;
+    const uint32_t stamp = ec->stamp + 1;
+
+    for (int i = lane; i < n_sel; i += 32) {
+        int64_t e = sel[i];
+        picks[i] = (e < 0 || e >= ec->n_experts) ? -1 : first + (int)e;  // masked picks skipped
+    }
+    __syncwarp();
+
+    // dedup in order of first appearance
+    int base = 0;
+    for (int i0 = 0; i0 < n_sel; i0 += 32) {
+        int i = i0 + lane;
+        bool keep = false;
+        if (i < n_sel && picks[i] >= 0) {
+            keep = true;
+            for (int j = 0; j < i; j++) keep &= picks[j] != picks[i];
+        }
+        unsigned m = __ballot_sync(0xffffffffu, keep);
+        if (keep) keys[base + __popc(m & ((1u << lane) - 1))] = picks[i];
+        base += __popc(m);
+    }
+    int n = base;
+
+    // lookups: hits set the reference bit and are pinned (stamped) for this call
+    int hits = 0, mbase = 0;
+    for (int j0 = 0; j0 < n; j0 += 32) {
+        int j = j0 + lane;
+        bool miss = false;
+        if (j < n) {
+            int s = ec->key_slot[keys[j]];
+            if (s >= 0) {
+                ec->slot_ref[s] = 1;
+                ec->slot_stamp[s] = stamp;
+                hits++;
+            } else {
+                miss = true;
+            }
+        }
+        unsigned m = __ballot_sync(0xffffffffu, miss);
+        if (miss) miss_keys[mbase + __popc(m & ((1u << lane) - 1))] = keys[j];
+        mbase += __popc(m);
+    }
+    for (int off = 16; off > 0; off >>= 1) hits += __shfl_down_sync(0xffffffffu, hits, off);
+    int n_miss = mbase;
+    if (lane == 0) {
+        ec->stamp = stamp;
+        ec->n_jobs = 0;
+        ec->hits += hits;
+        ec->misses += n_miss;
+        ec->layer_hits[layer] += hits;
+        ec->layer_misses[layer] += n_miss;
+    }
+    __syncwarp();
+    if (!admit) return;
+
+    const int n_active = ec->n_active;
+    int hand = ec->hand;
+    int n_jobs = 0;
+    uint64_t skips = 0, evictions = 0, no_victim = 0;
+    for (int j = 0; j < n_miss; j++) {
+        int key = miss_keys[j];
+        // a free slot first (lowest index)
+        int victim = -1;
+        bool took_free = false;
+        for (int s0 = 0; ec->n_used < n_active && s0 < n_active && victim < 0; s0 += 32) {
+            int s = s0 + lane;
+            unsigned m = __ballot_sync(0xffffffffu, s < n_active && ec->slot_key[s] < 0);
+            if (m) { victim = s0 + __ffs(m) - 1; took_free = true; }
+        }
+        // else the hand: pass referenced slots (clearing their bit) and pinned ones
+        for (int scanned = 0; victim < 0 && scanned < 2 * n_active + 32; scanned += 32) {
+            int s = (hand + lane) % n_active;
+            bool in_range = lane < n_active;
+            bool pinned = in_range && ec->slot_stamp[s] == stamp;
+            bool ref = in_range && !pinned && ec->slot_ref[s];
+            bool cand = in_range && !pinned && !ref;
+            unsigned m = __ballot_sync(0xffffffffu, cand);
+            int stop = m ? __ffs(m) - 1 : min(32, n_active);  // lanes before stop were passed
+            if (lane < stop && ref) ec->slot_ref[s] = 0;
+            skips += __popc(__ballot_sync(0xffffffffu, lane < stop && pinned));
+            if (m) victim = (hand + stop) % n_active;
+            hand = (hand + stop + (m ? 1 : 0)) % n_active;
+            __syncwarp();
+        }
+        __syncwarp();
+        if (victim < 0) { no_victim++; continue; }  // stays zero-copy: still exact
+        if (lane == 0) {
+            int old = ec->slot_key[victim];
+            if (old >= 0) {
+                ec->key_slot[old] = -1;
+                point_tables(ec, old, ec->home[old]);
+                evictions++;
+            }
+            if (took_free) ec->n_used++;
+            ec->slot_key[victim] = key;
+            ec->key_slot[key] = victim;
+            ec->slot_ref[victim] = 0;
+            ec->slot_stamp[victim] = stamp;
+            int64_t dst = (int64_t)(ec->slot_base + (int64_t)victim * ec->slot_bytes);
+            ec->job_src[n_jobs] = ec->home[key];
+            ec->job_dst[n_jobs] = dst;
+            point_tables(ec, key, dst);
+        }
+        n_jobs++;
+        __syncwarp();
+    }
+    if (lane == 0) {
+        ec->hand = hand;
+        ec->n_jobs = n_jobs;
+        ec->admits += n_jobs;
+        ec->evictions += evictions;
+        ec->pinned_skips += skips;
+        ec->no_victim += no_victim;
+    }
+}
+
+// Grid-stride copy of n_jobs records of slot_bytes (a multiple of 16) each.
+__global__ void copy_kernel(g53_ec *ec)
+{
+    int n_jobs = ec->n_jobs;
+    int64_t vec_per_job = ec->slot_bytes / 16;
+    int64_t total = vec_per_job * n_jobs;
+    int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        int64_t job = i / vec_per_job;
+        int64_t off = i - job * vec_per_job;
+        const int4 *src = reinterpret_cast<const int4 *>(ec->job_src[job]);
+        int4 *dst = reinterpret_cast<int4 *>(ec->job_dst[job]);
+        dst[off] = __ldcs(src + off);
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 0) ec->bytes_copied += (uint64_t)n_jobs * ec->slot_bytes;
+}
+
+__global__ void reset_kernel(g53_ec *ec)
+{
+    int n = ec->n_keys;
+    for (int key = blockIdx.x * blockDim.x + threadIdx.x; key < n; key += gridDim.x * blockDim.x) {
+        int s = ec->key_slot[key];
+        int64_t base = s >= 0 ? (int64_t)(ec->slot_base + (int64_t)s * ec->slot_bytes) : ec->home[key];
+        point_tables(ec, key, base);
+    }
+}
+
+int status(void)
+{
+    cudaError_t e = cudaGetLastError();
+    return e == cudaSuccess ? 0 : (int)e;
+}
+
+}  // namespace
+
+extern "C" int g53_ec_route(g53_ec *ec, const int64_t *sel, int n_sel, int layer, int admit,
+                            uintptr_t stream)
+{
+    if (!ec || !sel || n_sel < 0 || layer < 0) return G53_CU_EINVAL;
+    if (n_sel > G53_EC_MAX_PICKS) return G53_CU_ETOOMANY;
+    route_kernel<<<1, 32, 0, (cudaStream_t)stream>>>(ec, sel, n_sel, layer, admit);
+    return status();
+}
+
+extern "C" int g53_ec_copy(g53_ec *ec, int n_blocks, uintptr_t stream)
+{
+    if (!ec || n_blocks <= 0) return G53_CU_EINVAL;
+    copy_kernel<<<n_blocks, 256, 0, (cudaStream_t)stream>>>(ec);
+    return status();
+}
+
+extern "C" int g53_ec_reset_tables(g53_ec *ec, uintptr_t stream)
+{
+    if (!ec) return G53_CU_EINVAL;
+    reset_kernel<<<64, 256, 0, (cudaStream_t)stream>>>(ec);
+    return status();
+}
+
+extern "C" int g53_host_register(void *ptr, size_t nbytes)
+{
+    if (!ptr || nbytes == 0) return G53_CU_EINVAL;
+    cudaError_t e = cudaHostRegister(ptr, nbytes, cudaHostRegisterMapped | cudaHostRegisterPortable);
+    return e == cudaSuccess ? 0 : (int)e;
+}
+
+extern "C" int g53_host_unregister(void *ptr)
+{
+    cudaError_t e = cudaHostUnregister(ptr);
+    return e == cudaSuccess ? 0 : (int)e;
+}
+
+extern "C" int g53_host_device_pointer(void *ptr, uintptr_t *dev_ptr)
+{
+    void *d = nullptr;
+    cudaError_t e = cudaHostGetDevicePointer(&d, ptr, 0);
+    *dev_ptr = (uintptr_t)d;
+    return e == cudaSuccess ? 0 : (int)e;
+}
+
+extern "C" int g53_stream_sync(uintptr_t stream)
+{
+    cudaError_t e = cudaStreamSynchronize((cudaStream_t)stream);
+    return e == cudaSuccess ? 0 : (int)e;
+}
+
+#define G53_OFF(f) offsets[n++] = (int64_t)offsetof(g53_ec, f)
+extern "C" int g53_ec_layout(int64_t *offsets, int cap)
+{
+    if (cap < 32) return G53_CU_EINVAL;
+    int n = 0;
+    G53_OFF(n_slots); G53_OFF(n_active); G53_OFF(n_keys); G53_OFF(n_experts); G53_OFF(n_layers);
+    G53_OFF(hand); G53_OFF(stamp); G53_OFF(n_jobs); G53_OFF(n_used); G53_OFF(slot_bytes);
+    G53_OFF(part_off); G53_OFF(slot_base); G53_OFF(key_slot); G53_OFF(slot_key); G53_OFF(slot_ref);
+    G53_OFF(slot_stamp); G53_OFF(home); G53_OFF(tables); G53_OFF(job_src); G53_OFF(job_dst);
+    G53_OFF(layer_hits); G53_OFF(layer_misses); G53_OFF(hits); G53_OFF(misses); G53_OFF(admits);
+    G53_OFF(evictions); G53_OFF(pinned_skips); G53_OFF(no_victim); G53_OFF(bytes_copied);
+    offsets[n++] = (int64_t)sizeof(g53_ec);
+    return n;
+}
+
+extern "C" const char *g53_cuda_strerror(int code)
+{
+    switch (code) {
+    case 0: return "ok";
+    case G53_CU_EINVAL: return "invalid argument";
+    case G53_CU_ENOMEM: return "out of memory";
+    case G53_CU_ETOOMANY: return "too many picks in one call (max G53_EC_MAX_PICKS)";
+    default: return code > 0 ? cudaGetErrorString((cudaError_t)code) : "unknown error";
+    }
+}

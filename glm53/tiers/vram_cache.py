@@ -1,0 +1,208 @@
+"""The exact-mode VRAM expert cache: a CLOCK table kept on the GPU (cuda/ec.cu).
+
+Routed experts live at home in pinned host memory; exllamav3's MoE kernels find them
+through int64 pointer tables. After each MoE layer's router runs, `route` (one warp)
+looks the picks up, admits misses into VRAM slots (evicting with CLOCK), rewrites the
+table entries and queues copies that `copy` performs on the same stream, before the MoE
+kernel reads the tables. A table entry always points at a valid copy of its expert
+(its slot or its home), so the output never depends on what the cache holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+# Mirror of `struct g53_ec` (cuda/glm53_cuda.h), field order as declared there.
+EC_FIELDS: list[tuple[str, str, int]] = [
+    ("n_slots", "<i4", 1), ("n_active", "<i4", 1), ("n_keys", "<i4", 1),
+    ("n_experts", "<i4", 1), ("n_layers", "<i4", 1), ("hand", "<i4", 1),
+    ("stamp", "<u4", 1), ("n_jobs", "<i4", 1), ("n_used", "<i4", 1),
+    ("slot_bytes", "<i8", 1), ("part_off", "<i8", 3), ("slot_base", "<u8", 1),
+    ("key_slot", "<u8", 1), ("slot_key", "<u8", 1), ("slot_ref", "<u8", 1),
+    ("slot_stamp", "<u8", 1), ("home", "<u8", 1), ("tables", "<u8", 1),
+    ("job_src", "<u8", 1), ("job_dst", "<u8", 1), ("layer_hits", "<u8", 1),
+    ("layer_misses", "<u8", 1), ("hits", "<u8", 1), ("misses", "<u8", 1),
+    ("admits", "<u8", 1), ("evictions", "<u8", 1), ("pinned_skips", "<u8", 1),
+    ("no_victim", "<u8", 1), ("bytes_copied", "<u8", 1),
+]  # fmt: skip
+COUNTERS = ("hits", "misses", "admits", "evictions", "pinned_skips", "no_victim", "bytes_copied")
+
+
+def ec_dtype(layout: list[int]) -> np.dtype:
+    """The numpy dtype of the struct, with offsets from the compiled library."""
+    if len(layout) != len(EC_FIELDS) + 1:
+        raise RuntimeError(
+            f"glm53._cuda reports {len(layout) - 1} g53_ec fields, the Python mirror has "
+            f"{len(EC_FIELDS)}: rebuild glm53 (pip install .) so both come from one source"
+        )
+    return np.dtype(
+        {
+            "names": [f[0] for f in EC_FIELDS],
+            "formats": [(f[1], (f[2],)) if f[2] > 1 else f[1] for f in EC_FIELDS],
+            "offsets": layout[:-1],
+            "itemsize": layout[-1],
+        }
+    )
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    n_layers: int  # MoE layers
+    n_experts: int  # routed experts per MoE layer
+    part_bytes: tuple[int, int, int]  # gate, up, down trellis bytes of one expert
+
+    @property
+    def part_off(self) -> tuple[int, int, int]:
+        g, u, _ = self.part_bytes
+        return (0, g, g + u)
+
+    @property
+    def record_bytes(self) -> int:
+        """One expert's trellis, gate|up|down, padded to 256 bytes (16-byte vector copies)."""
+        return -(-sum(self.part_bytes) // 256) * 256
+
+    @property
+    def n_keys(self) -> int:
+        return self.n_layers * self.n_experts
+
+
+class DeviceExpertCache:
+    """Owns the slot arena and the CLOCK state in VRAM (torch tensors) and drives the
+    route/copy kernels. `home` holds the UVA address of every expert record, `tables`
+    the device addresses of exllamav3's pointer tables, [layer][gate, up, down]."""
+
+    def __init__(self, geo: CacheGeometry, n_slots: int, home, tables, device, copy_blocks=None):
+        import torch
+
+        from glm53 import _cuda
+
+        self.geo, self.n_slots, self.device = geo, int(n_slots), torch.device(device)
+        if self.n_slots < 1:
+            raise ValueError(f"the expert cache needs at least 1 slot, got {n_slots}")
+        home = np.asarray(home, dtype=np.int64)
+        tables = np.asarray(tables, dtype=np.int64).reshape(-1)
+        if home.shape != (geo.n_keys,):
+            raise ValueError(f"home must have {geo.n_keys} addresses, got {home.shape}")
+        if tables.shape != (3 * geo.n_layers,):
+            raise ValueError(f"tables must have {3 * geo.n_layers} addresses, got {tables.shape}")
+        if any(h % 16 for h in home):
+            raise ValueError("every home record must be 16-byte aligned")
+
+        dev = self.device
+        t = {
+            "slots": torch.empty(self.n_slots * geo.record_bytes, dtype=torch.uint8, device=dev),
+            "key_slot": torch.full((geo.n_keys,), -1, dtype=torch.int32, device=dev),
+            "slot_key": torch.full((self.n_slots,), -1, dtype=torch.int32, device=dev),
+            "slot_ref": torch.zeros(self.n_slots, dtype=torch.uint8, device=dev),
+            "slot_stamp": torch.zeros(self.n_slots, dtype=torch.int32, device=dev),
+            "home": torch.from_numpy(home).to(dev),
+            "tables": torch.from_numpy(tables).to(dev),
+            "job_src": torch.zeros(_cuda.MAX_PICKS, dtype=torch.int64, device=dev),
+            "job_dst": torch.zeros(_cuda.MAX_PICKS, dtype=torch.int64, device=dev),
+            "layer_hits": torch.zeros(geo.n_layers, dtype=torch.int64, device=dev),
+            "layer_misses": torch.zeros(geo.n_layers, dtype=torch.int64, device=dev),
+        }
+        self._t = t
+        self._dtype = ec_dtype(_cuda.ec_layout())
+        s = np.zeros(1, dtype=self._dtype)[0]
+        s["n_slots"] = s["n_active"] = self.n_slots
+        s["n_keys"], s["n_experts"], s["n_layers"] = geo.n_keys, geo.n_experts, geo.n_layers
+        s["slot_bytes"] = geo.record_bytes
+        s["part_off"] = geo.part_off
+        s["slot_base"] = t["slots"].data_ptr()
+        for name in ("key_slot", "slot_key", "slot_ref", "slot_stamp", "home", "tables"):
+            s[name] = t[name].data_ptr()
+        for name in ("job_src", "job_dst", "layer_hits", "layer_misses"):
+            s[name] = t[name].data_ptr()
+        raw = np.frombuffer(s.tobytes(), dtype=np.uint8).copy()
+        self._struct = torch.from_numpy(raw).to(dev)
+        self._ptr = self._struct.data_ptr()
+        props = torch.cuda.get_device_properties(dev)
+        self.copy_blocks = int(copy_blocks or 4 * props.multi_processor_count)
+        self._cuda = _cuda
+
+    def _stream(self) -> int:
+        import torch
+
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    def route(self, layer: int, selected, admit: bool = True) -> None:
+        """Look up one MoE layer's picks (an int64 CUDA tensor of expert ids) and, when
+        admit, bring misses into slots; the copy is queued on the current stream."""
+        n = selected.numel()
+        if n > self._cuda.MAX_PICKS:
+            raise ValueError(
+                f"{n} picks in one call exceed the cache's limit of {self._cuda.MAX_PICKS}: "
+                "route decode steps only (prefill reads misses zero-copy)"
+            )
+        if not selected.is_contiguous() or selected.dtype.itemsize != 8:
+            raise ValueError("selected experts must be a contiguous int64 CUDA tensor")
+        stream = self._stream()
+        self._cuda.ec_route(self._ptr, selected.data_ptr(), n, layer, admit, stream)
+        if admit:
+            self._cuda.ec_copy(self._ptr, self.copy_blocks, stream)
+
+    def reset_tables(self) -> None:
+        self._cuda.ec_reset_tables(self._ptr, self._stream())
+
+    def state(self) -> dict:
+        """Counters and per-layer hit rates (synchronizes with the device)."""
+        s = np.frombuffer(self._struct.cpu().numpy().tobytes(), dtype=self._dtype)[0]
+        out = {k: int(s[k]) for k in COUNTERS}
+        out.update(slots=self.n_slots, used=int(s["n_used"]), hand=int(s["hand"]))
+        hits = self._t["layer_hits"].cpu().numpy()
+        misses = self._t["layer_misses"].cpu().numpy()
+        tot = hits + misses
+        out["layer_hit_rate"] = [
+            float(h / t) if t else None for h, t in zip(hits, tot, strict=True)
+        ]
+        looked = out["hits"] + out["misses"]
+        out["hit_rate"] = out["hits"] / looked if looked else None
+        return out
+
+    def slot_keys(self) -> np.ndarray:
+        return self._t["slot_key"].cpu().numpy()
+
+    def seed(self, keys) -> int:
+        """Warm start: fill slots with keys in priority order (copies synchronously), then
+        point the tables at them. Returns the number of keys placed."""
+        import torch
+
+        keys = [int(k) for k in keys][: self.n_slots]
+        if not keys:
+            return 0
+        s = np.frombuffer(self._struct.cpu().numpy().tobytes(), dtype=self._dtype)[0]
+        if int(s["n_used"]) != 0:
+            raise RuntimeError("seed() needs an empty cache; call it right after loading")
+        home = self._t["home"].cpu().numpy()
+        rb = self.geo.record_bytes
+        for slot, key in enumerate(keys):
+            if not 0 <= key < self.geo.n_keys:
+                raise ValueError(f"heat-list key {key} is outside [0, {self.geo.n_keys})")
+            src = _uva_tensor(int(home[key]), rb, self.device)
+            self._t["slots"][slot * rb : (slot + 1) * rb].copy_(src)
+        idx = torch.arange(len(keys), dtype=torch.int32, device=self.device)
+        kt = torch.tensor(keys, dtype=torch.int64, device=self.device)
+        self._t["slot_key"][: len(keys)] = kt.to(torch.int32)
+        self._t["key_slot"][kt] = idx
+        s["n_used"] = len(keys)
+        self._struct.copy_(torch.from_numpy(np.frombuffer(s.tobytes(), dtype=np.uint8).copy()))
+        self.reset_tables()
+        return len(keys)
+
+
+def _uva_tensor(addr: int, nbytes: int, device):
+    """A uint8 CUDA tensor aliasing `nbytes` at a device-visible address (no copy)."""
+    import torch
+
+    class _View:
+        __cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (addr, False),
+            "version": 3,
+        }
+
+    return torch.as_tensor(_View(), device=device)

@@ -1,0 +1,74 @@
+# Thin launchers over the glm53 CUDA library: raw device addresses and streams in,
+# a RuntimeError naming the operation out.
+from libc.stdint cimport int64_t, uintptr_t
+
+from cuda cimport (
+    G53_EC_MAX_PICKS, g53_cuda_strerror, g53_ec, g53_ec_copy, g53_ec_layout, g53_ec_reset_tables,
+    g53_ec_route, g53_host_device_pointer, g53_host_register, g53_host_unregister, g53_stream_sync,
+)
+
+MAX_PICKS = G53_EC_MAX_PICKS
+
+
+cdef inline void _check(int rc, str op) except *:
+    if rc != 0:
+        raise RuntimeError(f"{op} failed: {g53_cuda_strerror(rc).decode()} (code {rc})")
+
+
+def ec_route(uintptr_t ec, uintptr_t sel, int n_sel, int layer, bint admit, uintptr_t stream):
+    """Route one MoE layer's picks through the device expert cache."""
+    cdef int rc
+    with nogil:
+        rc = g53_ec_route(<g53_ec *> ec, <const int64_t *> sel, n_sel, layer, admit, stream)
+    _check(rc, f"expert cache route (layer {layer}, {n_sel} picks)")
+
+
+def ec_copy(uintptr_t ec, int n_blocks, uintptr_t stream):
+    cdef int rc
+    with nogil:
+        rc = g53_ec_copy(<g53_ec *> ec, n_blocks, stream)
+    _check(rc, "expert cache slot copy")
+
+
+def ec_reset_tables(uintptr_t ec, uintptr_t stream):
+    cdef int rc
+    with nogil:
+        rc = g53_ec_reset_tables(<g53_ec *> ec, stream)
+    _check(rc, "expert cache table reset")
+
+
+def host_register(uintptr_t ptr, size_t nbytes):
+    cdef int rc
+    with nogil:
+        rc = g53_host_register(<void *> ptr, nbytes)
+    if rc != 0:
+        raise RuntimeError(
+            f"cudaHostRegister of {nbytes} bytes failed: {g53_cuda_strerror(rc).decode()}. "
+            "Pinning needs a high locked-memory limit: run with `ulimit -l unlimited` or set "
+            "LimitMEMLOCK=infinity in the systemd unit."
+        )
+
+
+def host_unregister(uintptr_t ptr):
+    _check(g53_host_unregister(<void *> ptr), "cudaHostUnregister")
+
+
+def host_device_pointer(uintptr_t ptr):
+    cdef uintptr_t dev = 0
+    _check(g53_host_device_pointer(<void *> ptr, &dev), "cudaHostGetDevicePointer")
+    return dev
+
+
+def stream_sync(uintptr_t stream):
+    cdef int rc
+    with nogil:
+        rc = g53_stream_sync(stream)
+    _check(rc, "stream synchronize")
+
+
+def ec_layout():
+    """Byte offsets of the g53_ec fields in declaration order, then sizeof(g53_ec)."""
+    cdef int64_t offs[64]
+    cdef int n = g53_ec_layout(offs, 64)
+    _check(0 if n > 0 else n, "g53_ec_layout")
+    return [offs[i] for i in range(n)]
