@@ -173,7 +173,8 @@ class DeviceExpertCache:
         keys = [int(k) for k in keys][: self.n_slots]
         if not keys:
             return 0
-        s = np.frombuffer(self._struct.cpu().numpy().tobytes(), dtype=self._dtype)[0]
+        arr = np.frombuffer(self._struct.cpu().numpy().tobytes(), dtype=self._dtype).copy()
+        s = arr[0]
         if int(s["n_used"]) != 0:
             raise RuntimeError("seed() needs an empty cache; call it right after loading")
         home = self._t["home"].cpu().numpy()
@@ -187,8 +188,8 @@ class DeviceExpertCache:
         kt = torch.tensor(keys, dtype=torch.int64, device=self.device)
         self._t["slot_key"][: len(keys)] = kt.to(torch.int32)
         self._t["key_slot"][kt] = idx
-        s["n_used"] = len(keys)
-        self._struct.copy_(torch.from_numpy(np.frombuffer(s.tobytes(), dtype=np.uint8).copy()))
+        arr[0]["n_used"] = len(keys)
+        self._struct.copy_(torch.from_numpy(arr.view(np.uint8).copy()).to(self.device))
         self.reset_tables()
         return len(keys)
 

@@ -1,0 +1,166 @@
+"""The device-side CLOCK expert cache (cuda/ec.cu) against a Python model of the same
+policy: same slots, same victims, same counters, and every table entry pointing at a
+byte-exact copy of its expert after every step."""
+
+import numpy as np
+import pytest
+import torch
+
+_cuda = pytest.importorskip("glm53._cuda")
+
+from glm53.tiers.vram_cache import CacheGeometry, DeviceExpertCache  # noqa: E402
+
+
+class ClockModel:
+    def __init__(self, n_slots):
+        self.n = n_slots
+        self.slot_key = [-1] * n_slots
+        self.key_slot = {}
+        self.ref = [0] * n_slots
+        self.stamp = [0] * n_slots
+        self.hand = self.cur = self.used = 0
+        self.c = dict(hits=0, misses=0, admits=0, evictions=0, pinned_skips=0)
+
+    def route(self, keys, admit=True):
+        self.cur += 1
+        uniq = list(dict.fromkeys(keys))
+        misses = []
+        for k in uniq:
+            s = self.key_slot.get(k)
+            if s is None:
+                misses.append(k)
+            else:
+                self.ref[s] = 1
+                self.stamp[s] = self.cur
+        self.c["hits"] += len(uniq) - len(misses)
+        self.c["misses"] += len(misses)
+        if not admit:
+            return
+        for k in misses:
+            if self.used < self.n:
+                v = self.slot_key.index(-1)
+                self.used += 1
+            else:
+                while True:
+                    s = self.hand
+                    self.hand = (self.hand + 1) % self.n
+                    if self.stamp[s] == self.cur:
+                        self.c["pinned_skips"] += 1
+                    elif self.ref[s]:
+                        self.ref[s] = 0
+                    else:
+                        v = s
+                        break
+            old = self.slot_key[v]
+            if old >= 0:
+                del self.key_slot[old]
+                self.c["evictions"] += 1
+            self.slot_key[v] = k
+            self.key_slot[k] = v
+            self.ref[v] = 0
+            self.stamp[v] = self.cur
+            self.c["admits"] += 1
+
+
+def make_setup(n_layers, n_experts, parts, n_slots, seed=0):
+    geo = CacheGeometry(n_layers, n_experts, parts)
+    rb = geo.record_bytes
+    g = torch.Generator().manual_seed(seed)
+    home = torch.randint(0, 256, (geo.n_keys * rb,), dtype=torch.uint8, generator=g).pin_memory()
+    base = _cuda.host_device_pointer(home.data_ptr())
+    home_addr = base + np.arange(geo.n_keys, dtype=np.int64) * rb
+    tables = torch.empty((n_layers, 3, n_experts), dtype=torch.int64, device="cuda")
+    for p, off in enumerate(geo.part_off):
+        tables[:, p, :] = torch.from_numpy(home_addr.reshape(n_layers, n_experts) + off).cuda()
+    addrs = [tables[layer, p].data_ptr() for layer in range(n_layers) for p in range(3)]
+    cache = DeviceExpertCache(geo, n_slots, home_addr, addrs, "cuda")
+    return geo, home, home_addr, tables, cache
+
+
+def check_tables(geo, home, home_addr, tables, cache, model):
+    torch.cuda.synchronize()
+    slots = cache._t["slots"]
+    assert cache.slot_keys().tolist() == model.slot_key
+    slot_base = slots.data_ptr()
+    t = tables.cpu().numpy()
+    for key in range(geo.n_keys):
+        layer, e = divmod(key, geo.n_experts)
+        s = model.key_slot.get(key)
+        base = slot_base + s * geo.record_bytes if s is not None else home_addr[key]
+        assert [t[layer, p, e] for p in range(3)] == [base + o for o in geo.part_off]
+    rb = geo.record_bytes
+    for s, key in enumerate(model.slot_key):
+        if key >= 0:
+            got = slots[s * rb : (s + 1) * rb].cpu()
+            assert torch.equal(got, home[key * rb : (key + 1) * rb])
+
+
+@pytest.mark.parametrize("n_slots", [5, 37, 100])
+def test_device_clock_matches_model(n_slots):
+    geo, home, home_addr, tables, cache = make_setup(4, 24, (1024, 1024, 2048), n_slots)
+    model = ClockModel(n_slots)
+    rng = np.random.default_rng(n_slots)
+    popularity = rng.dirichlet(np.full(geo.n_experts, 0.3), size=geo.n_layers)
+    for step in range(300):
+        layer = step % geo.n_layers
+        rows = int(rng.integers(1, 5))
+        picks = np.stack([
+            rng.choice(geo.n_experts, size=4, replace=False, p=popularity[layer]) for _ in range(rows)
+        ])  # fmt: skip
+        if n_slots == 5:
+            picks = picks[:1]  # never more unique picks than slots
+        sel = torch.from_numpy(picks.astype(np.int64)).cuda()
+        cache.route(layer, sel, admit=True)
+        model.route([layer * geo.n_experts + int(e) for e in picks.reshape(-1)])
+        if step % 25 == 0 or step == 299:
+            check_tables(geo, home, home_addr, tables, cache, model)
+    st = cache.state()
+    for k, v in model.c.items():
+        assert st[k] == v, k
+    assert st["no_victim"] == 0
+    assert st["bytes_copied"] == model.c["admits"] * geo.record_bytes
+
+
+def test_count_only_route_leaves_tables_alone():
+    geo, home, home_addr, tables, cache = make_setup(2, 16, (512, 512, 1024), 8)
+    before = tables.clone()
+    cache.route(1, torch.arange(8, dtype=torch.int64, device="cuda"), admit=False)
+    torch.cuda.synchronize()
+    assert torch.equal(before, tables)
+    st = cache.state()
+    assert (st["hits"], st["misses"], st["admits"]) == (0, 8, 0)
+
+
+def test_all_slots_pinned_leaves_misses_zero_copy():
+    geo, home, home_addr, tables, cache = make_setup(1, 32, (512, 512, 1024), 4)
+    model = ClockModel(4)
+    sel = torch.arange(10, dtype=torch.int64, device="cuda")  # 10 unique picks, 4 slots
+    cache.route(0, sel, admit=True)
+    torch.cuda.synchronize()
+    st = cache.state()
+    assert st["admits"] == 4 and st["no_victim"] == 6
+    model.route(list(range(4)))
+    check_tables(geo, home, home_addr, tables, cache, model)
+
+
+def test_masked_and_out_of_range_picks_are_skipped():
+    geo, home, home_addr, tables, cache = make_setup(1, 8, (512, 512, 1024), 4)
+    cache.route(0, torch.tensor([-1, 3, 99, 3], dtype=torch.int64, device="cuda"))
+    st = cache.state()
+    assert (st["misses"], st["admits"]) == (1, 1)
+
+
+def test_seed_fills_slots_in_priority_order():
+    geo, home, home_addr, tables, cache = make_setup(2, 8, (512, 512, 1024), 4)
+    assert cache.seed([9, 3, 12]) == 3
+    model = ClockModel(4)
+    model.slot_key[:3] = [9, 3, 12]
+    model.key_slot = {9: 0, 3: 1, 12: 2}
+    model.used = 3
+    check_tables(geo, home, home_addr, tables, cache, model)
+
+
+def test_too_many_picks_is_a_clear_error():
+    geo, home, home_addr, tables, cache = make_setup(1, 8, (512, 512, 1024), 4)
+    with pytest.raises(ValueError, match="exceed the cache's limit"):
+        cache.route(0, torch.zeros(_cuda.MAX_PICKS + 1, dtype=torch.int64, device="cuda"))
