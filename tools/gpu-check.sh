@@ -59,7 +59,8 @@ fi
 if stage bench; then
   for b in micro_gemv gpu_slice; do
     [ -f "$REPO/bench/$b.py" ] || continue
-    run "bench-$b" python3 "$REPO/bench/$b.py" --json \
+    extra=(); [ "$b" = gpu_slice ] && extra=(--plot "$OUT/gpu_slice.png")
+    run "bench-$b" python3 "$REPO/bench/$b.py" --json "${extra[@]}" \
       && tail -1 "$OUT/bench-$b.log" >"$OUT/$b.json"
   done
 fi

@@ -1,0 +1,280 @@
+"""Exact mode on stock exllamav3 1.6.5, without editing it.
+
+Two class-level hooks and pointer-table writes, nothing else:
+
+- `SafetensorsCollection.get_tensor` is wrapped: for a checkpoint registered with a
+  `PinnedExpertHome`, a routed expert's `.trellis` is read straight from its shard into a
+  per-layer pinned, mapped host arena, and exllamav3 gets a CUDA alias of those bytes
+  (`ext.pinned_cuda_view`). So the loader never puts routed experts in VRAM, and the MoE
+  pointer tables it builds point at host memory (UVA). `suh`/`svh` load normally (VRAM).
+- `BlockSparseMLP.routing_fn` becomes a class-level property: on a module that has a
+  `DeviceExpertCache` attached, the router's picks go through `cache.route` (device-side
+  CLOCK: lookup, admission, table rewrite, slot copy) before the MoE kernel reads the tables.
+
+A table entry always points at a byte-exact copy of its expert (home or slot), so the
+output is bit-identical to stock exllamav3 with every expert in VRAM.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import resource
+from dataclasses import dataclass, field
+
+import numpy as np
+
+PINNED_EXLLAMAV3 = "1.6.5"
+EXPERT_TRELLIS = re.compile(
+    r"^(?P<mlp>.*\.layers\.(?P<layer>\d+)\.mlp)\.experts\.(?P<expert>\d+)\."
+    r"(?P<proj>gate_proj|up_proj|down_proj)\.trellis$"
+)
+PROJ_INDEX = {"gate_proj": 0, "up_proj": 1, "down_proj": 2}
+DECODE_MAX_ROWS = 8  # exllamav3's fused decode path (MAX_BSZN); larger calls are prefill
+
+
+class UnsupportedExllamaV3(RuntimeError):
+    pass
+
+
+def check_exllamav3(allow_unsupported: bool = False) -> str:
+    """The installed exllamav3 version; refuses anything but the pinned one unless told."""
+    try:
+        from exllamav3.version import __version__ as version
+    except ImportError as exc:
+        raise UnsupportedExllamaV3(
+            f"exllamav3 is not installed: the GPU engine needs exllamav3=={PINNED_EXLLAMAV3} "
+            "(pip install 'glm53[gpu]')"
+        ) from exc
+    if version != PINNED_EXLLAMAV3 and not allow_unsupported:
+        raise UnsupportedExllamaV3(
+            f"exllamav3 {version} is installed; glm53's hooks are checked against "
+            f"{PINNED_EXLLAMAV3} only. Install exllamav3=={PINNED_EXLLAMAV3}, or pass "
+            "--allow-unsupported-exllamav3 to try this version anyway (unsupported)."
+        )
+    return version
+
+
+def memlock_limit() -> int:
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return -1 if soft == resource.RLIM_INFINITY else soft
+
+
+@dataclass
+class _LayerArena:
+    layer: int
+    buf: mmap.mmap
+    view: np.ndarray
+    filled: set = field(default_factory=set)
+
+
+class PinnedExpertHome:
+    """Routed experts' trellis in pinned, mapped host arenas: one arena per MoE layer,
+    record-major (`record = expert`, gate|up|down at `part_off`), registered with CUDA."""
+
+    def __init__(self, directory: str, moe_layers: list[int], n_experts: int, part_bytes, device):
+        from glm53.tiers.vram_cache import CacheGeometry
+
+        self.directory = os.path.realpath(directory)
+        self.moe_layers = list(moe_layers)
+        self.moe_index = {layer: i for i, layer in enumerate(self.moe_layers)}
+        self.geo = CacheGeometry(len(self.moe_layers), n_experts, tuple(part_bytes))
+        self.device = device
+        self.arenas: dict[int, _LayerArena] = {}
+        self.bytes_pinned = 0
+        need = self.geo.n_keys * self.geo.record_bytes
+        limit = memlock_limit()
+        if 0 <= limit < need:
+            raise RuntimeError(
+                f"the locked-memory limit is {limit} bytes, but pinning the routed experts needs "
+                f"{need} bytes: raise it (`ulimit -l unlimited`, or LimitMEMLOCK=infinity in the "
+                "systemd unit) and start again"
+            )
+
+    def _arena(self, layer: int) -> _LayerArena:
+        arena = self.arenas.get(layer)
+        if arena is not None:
+            return arena
+        import torch
+
+        nbytes = self.geo.n_experts * self.geo.record_bytes
+        buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        view = np.frombuffer(buf, dtype=np.uint8)
+        rc = torch.cuda.cudart().cudaHostRegister(
+            view.ctypes.data, nbytes, 1 | 2
+        )  # portable|mapped
+        if int(rc) != 0:
+            raise RuntimeError(
+                f"cudaHostRegister of {nbytes} bytes for MoE layer {layer} failed (error {int(rc)}): "
+                "check `ulimit -l` (LimitMEMLOCK) and free RAM"
+            )
+        self.bytes_pinned += nbytes
+        arena = self.arenas[layer] = _LayerArena(layer, buf, view)
+        return arena
+
+    def home_addresses(self) -> np.ndarray:
+        """Device (UVA) address of every expert record, key order."""
+        out = np.zeros(self.geo.n_keys, dtype=np.int64)
+        for layer, i in self.moe_index.items():
+            arena = self.arenas.get(layer)
+            if arena is None or len(arena.filled) != 3 * self.geo.n_experts:
+                got = 0 if arena is None else len(arena.filled)
+                raise RuntimeError(
+                    f"MoE layer {layer}: {got} of {3 * self.geo.n_experts} expert trellis tensors "
+                    "reached the pinned home; the loader bypassed the hook"
+                )
+            base = arena.view.ctypes.data
+            out[i * self.geo.n_experts : (i + 1) * self.geo.n_experts] = (
+                base + np.arange(self.geo.n_experts, dtype=np.int64) * self.geo.record_bytes
+            )
+        return out
+
+    def load(self, stc, key: str, m: re.Match, device):
+        """Read one expert trellis into its place in the arena; return a CUDA alias."""
+        import torch
+        from exllamav3.ext import exllamav3_ext as ext
+
+        layer, expert, proj = int(m["layer"]), int(m["expert"]), PROJ_INDEX[m["proj"]]
+        if layer not in self.moe_index or not 0 <= expert < self.geo.n_experts:
+            raise RuntimeError(f"{key}: not a routed expert of the layers this home was built for")
+        filename = stc.tensor_file_map[key]
+        header = stc.file_headers[filename]
+        h = header[key]
+        beg, end = h["data_offsets"]
+        nbytes = end - beg
+        if h["dtype"] != "I16" or nbytes != self.geo.part_bytes[proj]:
+            raise RuntimeError(
+                f"{key}: expected I16 trellis of {self.geo.part_bytes[proj]} bytes, found "
+                f"{h['dtype']} of {nbytes}: every routed expert of a layer must share its shape"
+            )
+        arena = self._arena(layer)
+        off = expert * self.geo.record_bytes + self.geo.part_off[proj]
+        dst = memoryview(arena.buf)[off : off + nbytes]
+        fd = os.open(filename, os.O_RDONLY)
+        try:
+            pos, done = header["_header_offset"] + beg, 0
+            while done < nbytes:
+                n = os.preadv(fd, [dst[done:]], pos + done)
+                if n <= 0:
+                    raise OSError(f"{filename}: short read of {key} at byte {pos + done}")
+                done += n
+            os.posix_fadvise(fd, pos, nbytes, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        arena.filled.add((expert, proj))
+        host = torch.from_numpy(arena.view[off : off + nbytes]).view(torch.int16).view(h["shape"])
+        dev = torch.device(device)
+        return ext.pinned_cuda_view(host, dev.index if dev.index is not None else 0)
+
+    def close(self) -> None:
+        import torch
+
+        for arena in self.arenas.values():
+            torch.cuda.cudart().cudaHostUnregister(arena.view.ctypes.data)
+        self.arenas.clear()
+
+
+_homes: dict[str, PinnedExpertHome] = {}
+_installed = False
+
+
+def install_hooks() -> None:
+    """Install the two class-level hooks (idempotent). Call before Model.from_config."""
+    global _installed
+    if _installed:
+        return
+    from exllamav3.loader.safetensors import SafetensorsCollection
+    from exllamav3.modules.block_sparse_mlp import BlockSparseMLP
+
+    original_get_tensor = SafetensorsCollection.get_tensor
+
+    def get_tensor(self, key, device=None, *args, **kwargs):
+        home = _homes.get(os.path.realpath(self.directory)) if _homes else None
+        if home is not None:
+            m = EXPERT_TRELLIS.match(key)
+            if m is not None and key in self.tensor_file_map:
+                odd = {
+                    k: v for k, v in kwargs.items() if k in ("transpose", "pad_to", "fidx") and v
+                }
+                if odd or args:
+                    raise RuntimeError(
+                        f"{key}: unexpected load options {odd or args} for a routed expert"
+                    )
+                return home.load(self, key, m, device)
+        return original_get_tensor(self, key, device, *args, **kwargs)
+
+    get_tensor.__wrapped__ = original_get_tensor
+    SafetensorsCollection.get_tensor = get_tensor
+
+    def _get(self):
+        fn = self.__dict__.get("_g53_routing_fn")
+        cache = self.__dict__.get("_g53_cache")
+        if fn is None or cache is None:
+            return fn
+        layer = self.__dict__["_g53_moe_index"]
+
+        def routed(bsz, cfg, z, params):
+            selected, weights = fn(bsz, cfg, z, params)
+            if bsz <= DECODE_MAX_ROWS and not params.get("activate_all_experts"):
+                cache.route(layer, selected.reshape(-1), admit=True)
+            return selected, weights
+
+        return routed
+
+    def _set(self, fn):
+        self.__dict__["_g53_routing_fn"] = fn
+
+    BlockSparseMLP.routing_fn = property(_get, _set)
+    _installed = True
+
+
+def register_home(home: PinnedExpertHome) -> None:
+    _homes[home.directory] = home
+
+
+def unregister_home(home: PinnedExpertHome) -> None:
+    _homes.pop(home.directory, None)
+
+
+def moe_modules(model) -> list:
+    """exllamav3's BlockSparseMLP modules in layer order, with their model layer index."""
+    from exllamav3.modules.block_sparse_mlp import BlockSparseMLP
+
+    found = []
+
+    def walk(mod):
+        if isinstance(mod, BlockSparseMLP):
+            found.append(mod)
+            return
+        for sub in getattr(mod, "modules", []):
+            walk(sub)
+
+    for mod in model.modules:
+        walk(mod)
+    return found
+
+
+def table_addresses(modules) -> list[int]:
+    """[layer][gate, up, down] device addresses of the trellis pointer tables."""
+    out = []
+    for mod in modules:
+        gate = mod.multi_gate if mod.multi_gate is not None else mod.multi_up
+        for multi in (gate, mod.multi_up, mod.multi_down):
+            if multi is None:
+                raise RuntimeError(
+                    f"{mod.key}: no pointer tables (the MoE layer is not fully EXL3)"
+                )
+            out.append(multi.ptrs_trellis.data_ptr())
+    return out
+
+
+def attach_cache(modules, cache) -> None:
+    for i, mod in enumerate(modules):
+        mod.__dict__["_g53_moe_index"] = i
+        mod.__dict__["_g53_cache"] = cache
+
+
+def detach_cache(modules) -> None:
+    for mod in modules:
+        mod.__dict__.pop("_g53_cache", None)
