@@ -101,6 +101,7 @@ def main(argv=None):
     from glm53.engine import exl3_load
 
     rows = {}
+    offload_errors = {}
     geo = None
     with torch.inference_mode():
         for mode in ("stock", "zerocopy", "exact"):
@@ -119,6 +120,23 @@ def main(argv=None):
             loaded.close()
             del loaded
             torch.cuda.empty_cache()
+
+    # stock exllamav3's own offload at the same VRAM budget, in a subprocess (workaround applied)
+    import subprocess
+
+    split = geo.n_experts - max(1, round(args.share * geo.n_experts))
+    for arena in (False, True):
+        cmd = [sys.executable, os.path.join(os.path.dirname(__file__), "exl3_offload.py"),
+               "--model", args.model, "--split", str(split), "--json"]  # fmt: skip
+        cmd += ["--pinned-arena"] if arena else []
+        cmd += ["--quick"] if args.quick else []
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
+        lines = p.stdout.strip().splitlines()
+        res = json.loads(lines[-1])["figures"] if lines else {"error": p.stderr[-2000:]}
+        if "decode" in res:
+            rows["stock_offload_arena" if arena else "stock_offload"] = res
+        else:
+            offload_errors[f"arena={arena}"] = res
 
     # roofline of exact mode at its measured hit rate: per token, the all-VRAM time plus the
     # miss bytes at the zero-copy bandwidth measured between the stock and zerocopy rows
@@ -150,7 +168,11 @@ def main(argv=None):
         "exact_vs_roofline": ex / roof if roof else None,
         "exact_vs_zerocopy": ex / rows["zerocopy"]["decode"]["c1"]["per_stream_tok_s"],
         "exact_vs_stock_vram": ex / rows["stock"]["decode"]["c1"]["per_stream_tok_s"],
-        "exact_vs_stock_offload": None,
+        "exact_vs_stock_offload": (
+            ex / rows["stock_offload"]["decode"]["c1"]["per_stream_tok_s"]
+            if "stock_offload" in rows
+            else None
+        ),
         "prefill8k_vs_target_ref": p8 / prefill_ref,
     }
     config = {
@@ -161,9 +183,9 @@ def main(argv=None):
         "share": args.share,
         "slots": rows["exact"]["slots"],
         "device": torch.cuda.get_device_name(),
-        "stock_offload": "not run: stock moe_cpu_split segfaults in exl3_moe_cpu_core_order() on "
-        "this host unless patched in parent and worker (facts: exllamav3-glm5next-checkpoint.md "
-        "§7.8); the anchor measured with that workaround is 57 tok/s decode / 213 tok/s prefill",
+        "stock_offload": f"moe_cpu_split={split} with EXL3_MOE_CPU_PIN=0 and a sysfs "
+        "exl3_moe_cpu_core_order in parent and worker (stock segfaults without that workaround)",
+        "stock_offload_errors": offload_errors,
         "rows": rows,
     }
     if args.plot:

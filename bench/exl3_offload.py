@@ -1,0 +1,82 @@
+"""Anchor: stock exllamav3 1.6.5's own expert offload (`moe_cpu_split`: the last N experts of
+every MoE layer on the CPU worker, the rest in VRAM), optionally with its pinned arena, on the
+same checkpoint and protocol as bench/gpu_slice.py. Runs the segfault workaround in
+bench/anchors/sitecustomize.py (EXL3_MOE_CPU_PIN=0 + a sysfs core order, parent and worker).
+
+    python bench/exl3_offload.py --model DIR --split N [--pinned-arena] --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_child(args) -> dict:
+    import torch
+
+    sys.path.insert(0, os.path.join(HERE, ".."))
+    sys.path.insert(0, HERE)
+    from exllamav3 import Cache, Config, Model, Tokenizer
+    from gpu_slice import measure
+
+    from glm53.engine.exl3_load import Loaded, moe_geometry
+
+    with torch.inference_mode():
+        config = Config.from_directory(args.model)
+        geo = moe_geometry(config.stc)
+        model = Model.from_config(config)
+        cache = Cache(model, max_num_tokens=16384, max_batch_size=4)
+        model.load("cuda:0")
+        loaded = Loaded("stock-offload", config, model, cache, Tokenizer.from_config(config), geo)
+        out = measure(loaded, config.vocab_size, args.quick)
+        model.unload()
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--split", type=int, required=True, help="experts per layer on the CPU")
+    ap.add_argument("--pinned-arena", action="store_true")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        print(json.dumps(run_child(args), default=float))
+        return 0
+    env = dict(os.environ)
+    env.update(
+        EXL3_MOE_CPU_SPLIT=str(args.split),
+        EXL3_MOE_PINNED_ARENA="1" if args.pinned_arena else "0",
+        EXL3_MOE_CPU_PIN="0",
+        GLM53_EXL3_CORE_ORDER_FIX="1",
+        PYTHONPATH=os.path.join(HERE, "anchors") + os.pathsep + env.get("PYTHONPATH", ""),
+    )
+    cmd = [sys.executable, os.path.abspath(__file__), "--model", args.model, "--split",
+           str(args.split), "--child"] + (["--quick"] if args.quick else [])  # fmt: skip
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+    if p.returncode != 0:
+        tail = (p.stdout + p.stderr)[-2000:]
+        result = {"error": f"stock offload exited {p.returncode}", "tail": tail}
+    else:
+        result = json.loads(p.stdout.strip().splitlines()[-1])
+    out = {
+        "bench": "exl3_offload",
+        "figures": result,
+        "ratios": {},
+        "config": {"split": args.split, "pinned_arena": args.pinned_arena,
+                   "workaround": "EXL3_MOE_CPU_PIN=0 + sysfs exl3_moe_cpu_core_order"},
+    }  # fmt: skip
+    print(json.dumps(out, default=float))
+    return 0 if p.returncode == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
