@@ -161,6 +161,69 @@ __global__ void copy_kernel(g53_ec *ec)
     if (blockIdx.x == 0 && threadIdx.x == 0) ec->bytes_copied += (uint64_t)n_jobs * ec->slot_bytes;
 }
 
+// One block of 1024 threads; experts in order, ballot prefix sums give staging indices.
+__global__ void stage_kernel(g53_ec *ec, int layer, uint8_t *buf, int buf_slots, int64_t *job_src,
+                             int64_t *job_dst, int32_t *n_jobs)
+{
+    __shared__ int warp_counts[32];
+    __shared__ int base_s;
+    const int n_exp = ec->n_experts;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    if (threadIdx.x == 0) base_s = 0;
+    __syncthreads();
+    for (int e0 = 0; e0 < n_exp; e0 += blockDim.x) {
+        int e = e0 + threadIdx.x;
+        int key = layer * n_exp + e;
+        bool want = e < n_exp && ec->key_slot[key] < 0;
+        unsigned m = __ballot_sync(0xffffffffu, want);
+        if (lane == 0) warp_counts[warp] = __popc(m);
+        __syncthreads();
+        int before = base_s;
+        for (int w = 0; w < warp; w++) before += warp_counts[w];
+        int idx = before + __popc(m & ((1u << lane) - 1));
+        if (want && idx < buf_slots) {
+            int64_t dst = (int64_t)(buf + (int64_t)idx * ec->slot_bytes);
+            job_src[idx] = ec->home[key];
+            job_dst[idx] = dst;
+            point_tables(ec, key, dst);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int total = 0;
+            for (int w = 0; w < n_warps; w++) total += warp_counts[w];
+            base_s += total;
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) *n_jobs = min(base_s, buf_slots);
+}
+
+__global__ void unstage_kernel(g53_ec *ec, int layer)
+{
+    for (int e = threadIdx.x; e < ec->n_experts; e += blockDim.x) {
+        int key = layer * ec->n_experts + e;
+        int s = ec->key_slot[key];
+        int64_t base = s >= 0 ? (int64_t)(ec->slot_base + (int64_t)s * ec->slot_bytes) : ec->home[key];
+        point_tables(ec, key, base);
+    }
+}
+
+__global__ void copy_jobs_kernel(const int64_t *job_src, const int64_t *job_dst,
+                                 const int32_t *n_jobs_p, int64_t bytes)
+{
+    int n_jobs = *n_jobs_p;
+    int64_t vec_per_job = bytes / 16;
+    int64_t total = vec_per_job * n_jobs;
+    int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        int64_t job = i / vec_per_job;
+        int64_t off = i - job * vec_per_job;
+        const int4 *src = reinterpret_cast<const int4 *>(job_src[job]);
+        int4 *dst = reinterpret_cast<int4 *>(job_dst[job]);
+        dst[off] = __ldcs(src + off);
+    }
+}
+
 __global__ void reset_kernel(g53_ec *ec)
 {
     int n = ec->n_keys;
@@ -199,6 +262,32 @@ extern "C" int g53_ec_reset_tables(g53_ec *ec, uintptr_t stream)
 {
     if (!ec) return G53_CU_EINVAL;
     reset_kernel<<<64, 256, 0, (cudaStream_t)stream>>>(ec);
+    return status();
+}
+
+extern "C" int g53_ec_stage(g53_ec *ec, int layer, uint8_t *buf, int buf_slots, int64_t *job_src,
+                            int64_t *job_dst, int32_t *n_jobs, uintptr_t stream)
+{
+    if (!ec || !buf || buf_slots <= 0 || !job_src || !job_dst || !n_jobs || layer < 0)
+        return G53_CU_EINVAL;
+    stage_kernel<<<1, 1024, 0, (cudaStream_t)stream>>>(ec, layer, buf, buf_slots, job_src, job_dst,
+                                                        n_jobs);
+    return status();
+}
+
+extern "C" int g53_ec_unstage(g53_ec *ec, int layer, uintptr_t stream)
+{
+    if (!ec || layer < 0) return G53_CU_EINVAL;
+    unstage_kernel<<<1, 512, 0, (cudaStream_t)stream>>>(ec, layer);
+    return status();
+}
+
+extern "C" int g53_copy_jobs(const int64_t *job_src, const int64_t *job_dst, const int32_t *n_jobs,
+                             int64_t bytes, int n_blocks, uintptr_t stream)
+{
+    if (!job_src || !job_dst || !n_jobs || bytes <= 0 || bytes % 16 || n_blocks <= 0)
+        return G53_CU_EINVAL;
+    copy_jobs_kernel<<<n_blocks, 256, 0, (cudaStream_t)stream>>>(job_src, job_dst, n_jobs, bytes);
     return status();
 }
 

@@ -61,6 +61,16 @@ int g53_ec_copy(g53_ec *ec_dev, int n_blocks, uintptr_t stream);
 /* Point every table entry of every layer at home; empties nothing (slots keep keys). */
 int g53_ec_reset_tables(g53_ec *ec_dev, uintptr_t stream);
 
+/* Prefill staging. stage: for every expert of `layer` that is not in a cache slot, in
+ * expert order and up to buf_slots of them, queue a copy home -> buf[i] (job_src/job_dst,
+ * *n_jobs) and point its table entries at buf[i]. unstage: point every entry of `layer` back
+ * at its cache slot or its home. copy_jobs: run the queued copies (bytes each). */
+int g53_ec_stage(g53_ec *ec_dev, int layer, uint8_t *buf, int buf_slots, int64_t *job_src,
+                 int64_t *job_dst, int32_t *n_jobs, uintptr_t stream);
+int g53_ec_unstage(g53_ec *ec_dev, int layer, uintptr_t stream);
+int g53_copy_jobs(const int64_t *job_src, const int64_t *job_dst, const int32_t *n_jobs,
+                  int64_t bytes, int n_blocks, uintptr_t stream);
+
 /* Pinned host memory. */
 int g53_host_register(void *ptr, size_t nbytes);
 int g53_host_unregister(void *ptr);

@@ -1,10 +1,11 @@
 # Thin launchers over the glm53 CUDA library: raw device addresses and streams in,
 # a RuntimeError naming the operation out.
-from libc.stdint cimport int64_t, uintptr_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uintptr_t
 
 from cuda cimport (
-    G53_EC_MAX_PICKS, g53_cuda_strerror, g53_ec, g53_ec_copy, g53_ec_layout, g53_ec_reset_tables,
-    g53_ec_route, g53_host_device_pointer, g53_host_register, g53_host_unregister, g53_stream_sync,
+    G53_EC_MAX_PICKS, g53_copy_jobs, g53_cuda_strerror, g53_ec, g53_ec_copy, g53_ec_layout,
+    g53_ec_reset_tables, g53_ec_route, g53_ec_stage, g53_ec_unstage, g53_host_device_pointer,
+    g53_host_register, g53_host_unregister, g53_stream_sync,
 )
 
 MAX_PICKS = G53_EC_MAX_PICKS
@@ -35,6 +36,32 @@ def ec_reset_tables(uintptr_t ec, uintptr_t stream):
     with nogil:
         rc = g53_ec_reset_tables(<g53_ec *> ec, stream)
     _check(rc, "expert cache table reset")
+
+
+def ec_stage(uintptr_t ec, int layer, uintptr_t buf, int buf_slots, uintptr_t job_src,
+             uintptr_t job_dst, uintptr_t n_jobs, uintptr_t stream):
+    """Queue copies of a layer's uncached experts into a staging buffer; point tables there."""
+    cdef int rc
+    with nogil:
+        rc = g53_ec_stage(<g53_ec *> ec, layer, <uint8_t *> buf, buf_slots, <int64_t *> job_src,
+                          <int64_t *> job_dst, <int32_t *> n_jobs, stream)
+    _check(rc, f"prefill staging of MoE layer {layer}")
+
+
+def ec_unstage(uintptr_t ec, int layer, uintptr_t stream):
+    cdef int rc
+    with nogil:
+        rc = g53_ec_unstage(<g53_ec *> ec, layer, stream)
+    _check(rc, f"unstaging MoE layer {layer}")
+
+
+def copy_jobs(uintptr_t job_src, uintptr_t job_dst, uintptr_t n_jobs, int64_t nbytes,
+              int n_blocks, uintptr_t stream):
+    cdef int rc
+    with nogil:
+        rc = g53_copy_jobs(<const int64_t *> job_src, <const int64_t *> job_dst,
+                           <const int32_t *> n_jobs, nbytes, n_blocks, stream)
+    _check(rc, "staging copy")
 
 
 def host_register(uintptr_t ptr, size_t nbytes):

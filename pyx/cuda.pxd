@@ -1,5 +1,5 @@
 # C API of the glm53 CUDA library (cuda/glm53_cuda.h), callable without the GIL.
-from libc.stdint cimport int64_t, uintptr_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uintptr_t
 
 cdef extern from "glm53_cuda.h" nogil:
     int G53_EC_MAX_PICKS
@@ -9,6 +9,11 @@ cdef extern from "glm53_cuda.h" nogil:
                      uintptr_t stream)
     int g53_ec_copy(g53_ec *ec, int n_blocks, uintptr_t stream)
     int g53_ec_reset_tables(g53_ec *ec, uintptr_t stream)
+    int g53_ec_stage(g53_ec *ec, int layer, uint8_t *buf, int buf_slots, int64_t *job_src,
+                     int64_t *job_dst, int32_t *n_jobs, uintptr_t stream)
+    int g53_ec_unstage(g53_ec *ec, int layer, uintptr_t stream)
+    int g53_copy_jobs(const int64_t *job_src, const int64_t *job_dst, const int32_t *n_jobs,
+                      int64_t nbytes, int n_blocks, uintptr_t stream)
     int g53_host_register(void *ptr, size_t nbytes)
     int g53_host_unregister(void *ptr)
     int g53_host_device_pointer(void *ptr, uintptr_t *dev_ptr)

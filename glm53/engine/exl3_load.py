@@ -62,6 +62,7 @@ class Loaded:
     moe: list = field(default_factory=list)
     home: exl3_hooks.PinnedExpertHome | None = None
     ec: object | None = None
+    stager: object | None = None
 
     def close(self) -> None:
         exl3_hooks.detach_cache(self.moe)
@@ -80,6 +81,8 @@ def load(
     ec_slots: int | None = None,
     ec_max_slots: int | None = None,
     ec_reserve_gb: float = 1.0,
+    ec_stage_gb: float | None = None,
+    stage_min_rows: int = 256,
     allow_unsupported: bool = False,
 ) -> Loaded:
     import torch
@@ -131,7 +134,15 @@ def load(
 
         torch.cuda.synchronize(dev)
         free, _ = torch.cuda.mem_get_info(dev)
-        fit = int((free - ec_reserve_gb * GIB) // home.geo.record_bytes)
+        rb = home.geo.record_bytes
+        stage_slots = 0
+        if ec_stage_gb is None:  # default: two whole layers, if that leaves room for the cache
+            want = 2 * home.geo.n_experts * rb
+            ec_stage_gb = want / GIB if want < 0.25 * (free - ec_reserve_gb * GIB) else 0.0
+        if ec_stage_gb > 0:
+            stage_slots = min(home.geo.n_experts, int(ec_stage_gb * GIB // (2 * rb)))
+        free -= 2 * stage_slots * rb
+        fit = int((free - ec_reserve_gb * GIB) // rb)
         slots = ec_slots if ec_slots is not None else fit
         if ec_max_slots is not None:
             slots = min(slots, ec_max_slots)
@@ -143,8 +154,13 @@ def load(
                 f"{ec_reserve_gb:.2f} GiB reserved (--ec-reserve-gb) leaves room for {fit}"
             )
         ec = DeviceExpertCache(home.geo, slots, home_addr, exl3_hooks.table_addresses(moe), dev)
-        exl3_hooks.attach_cache(moe, ec)
-        loaded.ec = ec
+        stager = None
+        if stage_slots > 0:
+            from glm53.tiers.vram_cache import PrefillStager
+
+            stager = PrefillStager(ec, stage_slots, min_rows=stage_min_rows)
+        exl3_hooks.attach_cache(moe, ec, stager)
+        loaded.ec, loaded.stager = ec, stager
     return loaded
 
 

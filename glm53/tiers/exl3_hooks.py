@@ -214,10 +214,16 @@ def install_hooks() -> None:
             return fn
         layer = self.__dict__["_g53_moe_index"]
 
+        stager = self.__dict__.get("_g53_stager")
+
         def routed(bsz, cfg, z, params):
             selected, weights = fn(bsz, cfg, z, params)
-            if bsz <= DECODE_MAX_ROWS and not params.get("activate_all_experts"):
+            if params.get("activate_all_experts"):
+                return selected, weights
+            if bsz <= DECODE_MAX_ROWS:
                 cache.route(layer, selected.reshape(-1), admit=True)
+            elif stager is not None and bsz >= stager.min_rows:
+                stager.on_layer(layer)
             return selected, weights
 
         return routed
@@ -269,10 +275,11 @@ def table_addresses(modules) -> list[int]:
     return out
 
 
-def attach_cache(modules, cache) -> None:
+def attach_cache(modules, cache, stager=None) -> None:
     for i, mod in enumerate(modules):
         mod.__dict__["_g53_moe_index"] = i
         mod.__dict__["_g53_cache"] = cache
+        mod.__dict__["_g53_stager"] = stager
 
 
 def detach_cache(modules) -> None:

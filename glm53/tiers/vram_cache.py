@@ -207,3 +207,65 @@ def _uva_tensor(addr: int, nbytes: int, device):
         }
 
     return torch.as_tensor(_View(), device=device)
+
+
+class PrefillStager:
+    """Prefill staging: two VRAM buffers of `buf_slots` expert records. For a prefill chunk
+    (at least `min_rows` rows), the uncached experts of MoE layer l are copied into buffer
+    l % 2 and the layer's table entries pointed there; the copy for layer l + 1 runs on a
+    side stream while layer l computes. A buffer's previous layer is unstaged (entries back
+    to slot or home) before it is overwritten, so every entry always points at a valid copy.
+    No admissions happen here: the cache itself is untouched by prefill."""
+
+    def __init__(self, cache: DeviceExpertCache, buf_slots: int, min_rows: int = 256):
+        import torch
+
+        if buf_slots < 1:
+            raise ValueError(f"a staging buffer needs at least 1 slot, got {buf_slots}")
+        self.cache, self.buf_slots, self.min_rows = cache, int(buf_slots), int(min_rows)
+        dev, rb = cache.device, cache.geo.record_bytes
+        self.bufs = [torch.empty(self.buf_slots * rb, dtype=torch.uint8, device=dev) for _ in "ab"]
+        self.job_src = [torch.zeros(self.buf_slots, dtype=torch.int64, device=dev) for _ in "ab"]
+        self.job_dst = [torch.zeros(self.buf_slots, dtype=torch.int64, device=dev) for _ in "ab"]
+        self.n_jobs = [torch.zeros(1, dtype=torch.int32, device=dev) for _ in "ab"]
+        self.owner = [-1, -1]
+        self.side = torch.cuda.Stream(dev)
+        self.pending: dict = {}
+        self.stages = 0
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.buf_slots * self.cache.geo.record_bytes
+
+    def _stage(self, layer: int, stream) -> None:
+        c = self.cache._cuda
+        b, ec, s = layer % 2, self.cache._ptr, stream.cuda_stream
+        if self.owner[b] >= 0:
+            c.ec_unstage(ec, self.owner[b], s)
+        c.ec_stage(ec, layer, self.bufs[b].data_ptr(), self.buf_slots, self.job_src[b].data_ptr(),
+                   self.job_dst[b].data_ptr(), self.n_jobs[b].data_ptr(), s)  # fmt: skip
+        c.copy_jobs(self.job_src[b].data_ptr(), self.job_dst[b].data_ptr(),
+                    self.n_jobs[b].data_ptr(), self.cache.geo.record_bytes,
+                    self.cache.copy_blocks, s)  # fmt: skip
+        self.owner[b] = layer
+        self.stages += 1
+
+    def on_layer(self, layer: int) -> None:
+        """Called after MoE layer `layer`'s router, before its MoE kernel, on a prefill chunk."""
+        import torch
+
+        main = torch.cuda.current_stream(self.cache.device)
+        ready = self.pending.pop(layer, None)
+        if ready is None:
+            self._stage(layer, main)
+        else:
+            main.wait_event(ready)
+        nxt = layer + 1
+        if nxt < self.cache.geo.n_layers:
+            started = torch.cuda.Event()
+            started.record(main)
+            self.side.wait_event(started)
+            self._stage(nxt, self.side)
+            done = torch.cuda.Event()
+            done.record(self.side)
+            self.pending[nxt] = done
