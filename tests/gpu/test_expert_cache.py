@@ -164,3 +164,40 @@ def test_too_many_picks_is_a_clear_error():
     geo, home, home_addr, tables, cache = make_setup(1, 8, (512, 512, 1024), 4)
     with pytest.raises(ValueError, match="exceed the cache's limit"):
         cache.route(0, torch.zeros(_cuda.MAX_PICKS + 1, dtype=torch.int64, device="cuda"))
+
+
+def test_stage_and_unstage_keep_every_entry_on_a_valid_copy():
+    from glm53.tiers.vram_cache import PrefillStager
+
+    geo, home, home_addr, tables, cache = make_setup(3, 16, (512, 512, 1024), 6)
+    cache.route(1, torch.tensor([2, 5, 7], dtype=torch.int64, device="cuda"))  # 3 cached
+    stager = PrefillStager(cache, buf_slots=10, min_rows=1)
+    for layer in range(3):
+        stager.on_layer(layer)
+    torch.cuda.synchronize()
+    rb, t = geo.record_bytes, tables.cpu().numpy()
+    cached = {1 * 16 + e for e in (2, 5, 7)}
+    for key in range(geo.n_keys):
+        layer, e = divmod(key, 16)
+        addr = int(t[layer, 0, e])
+        blob = _read(addr, rb)
+        assert torch.equal(blob, home[key * rb : (key + 1) * rb]), key
+        in_buf = any(b.data_ptr() <= addr < b.data_ptr() + b.numel() for b in stager.bufs)
+        if key in cached:
+            assert not in_buf
+        elif layer == 1:  # 13 uncached, 10 staged, 3 left at home
+            assert in_buf == (
+                e not in (2, 5, 7) and sorted(set(range(16)) - {2, 5, 7}).index(e) < 10
+            )
+    for layer in range(3):
+        _cuda.ec_unstage(cache._ptr, layer, torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    model = ClockModel(6)
+    model.route([16 + 2, 16 + 5, 16 + 7])
+    check_tables(geo, home, home_addr, tables, cache, model)
+
+
+def _read(addr, nbytes):
+    from glm53.tiers.vram_cache import _uva_tensor
+
+    return _uva_tensor(addr, nbytes, "cuda").cpu()
