@@ -10,7 +10,9 @@ import sys
 from glm53 import __version__
 
 # name -> module that defines add_parser(subparsers) and sets `func` on its parser
-SUBCOMMANDS: dict[str, str] = {}
+SUBCOMMANDS: dict[str, str] = {
+    "synth": "glm53.synth_cli",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,293 @@
+"""Write a synthetic GLM-5.3-Flash EXL3 checkpoint, shard by shard.
+
+Each shard's header is computed from the tensor plan first, then every tensor is generated and
+written in file order, so at most one tensor is in memory at a time. Every tensor's values come
+from its own random stream, seeded by (seed, key): the same seed gives the same bytes, and no
+tensor depends on the order in which others were made.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from glm53.models import routing
+from glm53.models.checkpoint import MUL1_MARKER, Checkpoint
+from glm53.models.synth_layout import (
+    SynthShape,
+    TensorSpec,
+    model_config,
+    plan,
+    processor_config,
+    quantization_config,
+    router_keys,
+)
+from glm53.models.tokenizer import token_ids, write_json, write_tokenizer
+
+CHAT_TEMPLATE_PATH = Path(__file__).resolve().parents[1] / "chat" / "chat_template.jinja"
+DEFAULT_SHARD_BYTES = 2 << 30
+ROUTER_CALIBRATION_TOKENS = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingReport:
+    """Measured popularity curve (and decode locality) of each MoE layer."""
+
+    mode: str
+    source: str  # what the router inputs were: "stand-in inputs" or "greedy decode"
+    curves: dict[int, routing.PopularityCurve]
+    reuse: dict[int, float]
+
+    def lines(self) -> list[str]:
+        target = routing.target_shares(self.mode)
+        out = [
+            f"routing {self.mode} measured on {self.source}; target "
+            + " ".join(
+                f"{int(f * 100)}%->{t * 100:.1f}%"
+                for f, t in zip(routing.CURVE_FRACTIONS, target, strict=True)
+            )
+        ]
+        for layer, curve in self.curves.items():
+            out.append(
+                f"  layer {layer:3d}: {curve}  max err {curve.max_error(target) * 100:.1f} pts, "
+                f"reuse {self.reuse[layer] * 100:.0f}%"
+            )
+        return out
+
+
+def tensor_rng(seed: int, key: str) -> np.random.Generator:
+    digest = hashlib.sha256(key.encode()).digest()
+    words = [int.from_bytes(digest[i : i + 4], "little") for i in range(0, 16, 4)]
+    return np.random.default_rng([seed, *words])
+
+
+def to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns, round to nearest even."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+    return (rounded >> np.uint32(16)).astype(np.uint16)
+
+
+def encode(spec: TensorSpec, values: np.ndarray) -> bytes:
+    """Float or integer values -> the bytes of spec.dtype."""
+    if spec.dtype == "BF16":
+        return to_bf16_bits(values).tobytes()
+    np_dtype = {"F32": "<f4", "F16": "<f2", "I16": "<i2", "I32": "<i4"}[spec.dtype]
+    return np.ascontiguousarray(values, dtype=np_dtype).tobytes()
+
+
+def generate(spec: TensorSpec, seed: int) -> np.ndarray:
+    rng = tensor_rng(seed, spec.key)
+    shape = spec.shape
+    match spec.fill:
+        case "trellis":
+            count = int(np.prod(shape))
+            return np.frombuffer(rng.bytes(2 * count), dtype="<i2").reshape(shape)
+        case "signs":
+            return np.where(rng.random(shape) < 0.5, -spec.scale, spec.scale).astype(np.float32)
+        case "mul1":
+            return np.array(MUL1_MARKER, dtype=np.int32)
+        case "ones":
+            return np.ones(shape, dtype=np.float32)
+        case "zeros":
+            return np.zeros(shape, dtype=np.float32)
+        case "normal":
+            return rng.standard_normal(shape, dtype=np.float32) * np.float32(spec.scale)
+        case "log_uniform_1_16":
+            return np.log(rng.uniform(1.0, 16.0, shape)).astype(np.float32)
+        case "hc_base":
+            # pre 4, post 4, then the 4x4 combine block = 2*I: leans to identity, keeps streams apart
+            hc = int(round((-2 + (4 + 4 * shape[0]) ** 0.5) / 2))
+            base = np.zeros(shape, dtype=np.float32)
+            base[2 * hc :] = (2.0 * np.eye(hc, dtype=np.float32)).reshape(-1)
+            return base
+    raise ValueError(f"unknown fill {spec.fill!r} for {spec.key}")
+
+
+def header_bytes(specs: list[TensorSpec]) -> bytes:
+    header, offset = {}, 0
+    for spec in specs:
+        header[spec.key] = {
+            "dtype": spec.dtype,
+            "shape": list(spec.shape),
+            "data_offsets": [offset, offset + spec.nbytes],
+        }
+        offset += spec.nbytes
+    header["__metadata__"] = {"format": "pt"}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def split_shards(groups: list[list[TensorSpec]], shard_bytes: int) -> list[list[TensorSpec]]:
+    """Pack whole groups (one layer each) into shards of about shard_bytes; a group larger than
+    a shard is split at tensor boundaries."""
+    shards: list[list[TensorSpec]] = [[]]
+    size = 0
+    for group in groups:
+        for spec in group:
+            if shards[-1] and size + spec.nbytes > shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append(spec)
+            size += spec.nbytes
+    return shards
+
+
+class SynthWriter:
+    """Writes one synthetic checkpoint; `overrides` replaces planned values (router tensors)."""
+
+    def __init__(self, shape: SynthShape, seed: int, out_dir: Path):
+        self.shape = shape
+        self.seed = seed
+        self.out_dir = Path(out_dir)
+        self.overrides: dict[str, np.ndarray] = {}
+
+    def values(self, spec: TensorSpec) -> np.ndarray:
+        if spec.key in self.overrides:
+            return self.overrides[spec.key]
+        return generate(spec, self.seed)
+
+    def write_shards(self, shard_bytes: int) -> None:
+        shards = split_shards(plan(self.shape), shard_bytes)
+        weight_map, total = {}, 0
+        for i, specs in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            with open(self.out_dir / name, "wb") as f:
+                f.write(header_bytes(specs))
+                for spec in specs:
+                    data = encode(spec, self.values(spec))
+                    if len(data) != spec.nbytes:
+                        raise AssertionError(
+                            f"{spec.key}: {len(data)} bytes, planned {spec.nbytes}"
+                        )
+                    f.write(data)
+                    weight_map[spec.key] = name
+                    total += spec.nbytes
+        write_json(
+            self.out_dir / "model.safetensors.index.json",
+            {"metadata": {"total_size": total}, "weight_map": weight_map},
+        )
+
+    def write_metadata(self) -> None:
+        ids = token_ids()
+        s = self.shape
+        write_json(self.out_dir / "config.json", model_config(s, ids))
+        qcfg = quantization_config(s)
+        qcfg["tensor_storage"] = tensor_storage(plan(s))
+        write_json(self.out_dir / "quantization_config.json", qcfg)
+        write_json(self.out_dir / "processor_config.json", processor_config())
+        template = read_chat_template()
+        (self.out_dir / "chat_template.jinja").write_text(template, encoding="utf-8")
+        write_tokenizer(self.out_dir, s.vocab_size, template, s.max_position_embeddings)
+
+    def calibrate_on_stand_in_inputs(self, mode: str) -> RoutingReport:
+        """Fit every MoE layer's selection bias on stand-in router inputs (the router math only)."""
+        s = self.shape
+        curves, reuse = {}, {}
+        for layer in s.moe_layers:
+            gate_key, bias_key = router_keys(layer)
+            gate_spec = TensorSpec(
+                gate_key, "F16", (s.num_experts, s.hidden_size), "normal", s.hidden_size**-0.5
+            )
+            weight = torch.from_numpy(
+                generate(gate_spec, self.seed).astype(np.float16).astype(np.float32)
+            )
+            fit_x = routing.hidden_like_inputs(
+                ROUTER_CALIBRATION_TOKENS, s.hidden_size, self.seed, layer
+            )
+            bias = fit_layer_bias(mode, weight, fit_x, s, self.seed, layer)
+            self.overrides[bias_key] = bias.numpy()
+            # measure on fresh stand-in inputs, not the ones the bias was fitted on
+            check_x = routing.hidden_like_inputs(
+                ROUTER_CALIBRATION_TOKENS, s.hidden_size, self.seed + 1, layer
+            )
+            picks = routing.select(
+                routing.router_scores(check_x, weight), bias, s.num_experts_per_tok
+            )
+            curves[layer] = routing.popularity_curve(routing.pick_counts(picks, s.num_experts))
+            reuse[layer] = routing.reuse_rate(picks)
+        return RoutingReport(mode, "stand-in inputs", curves, reuse)
+
+
+def fit_layer_bias(
+    mode: str, weight: torch.Tensor, x: torch.Tensor, s: SynthShape, seed: int, layer: int
+) -> torch.Tensor:
+    rates = routing.target_pick_rates(mode, s.num_experts, s.num_experts_per_tok)
+    target = np.empty(s.num_experts)
+    target[routing.hot_order(s.num_experts, seed, layer)] = rates
+    scores = routing.router_scores(x, weight)
+    return routing.fit_bias(scores, target, s.num_experts_per_tok)
+
+
+def tensor_storage(groups: list[list[TensorSpec]]) -> dict:
+    """quantization_config.json's per-module listing, as exllamav3's converter writes it."""
+    modules: dict[str, dict] = {}
+    torch_dtype = {
+        "F32": "torch.float32",
+        "F16": "torch.float16",
+        "BF16": "torch.bfloat16",
+        "I16": "torch.int16",
+        "I32": "torch.int32",
+    }
+    for spec in (t for g in groups for t in g):
+        module, _, leaf = spec.key.rpartition(".")
+        entry = modules.setdefault(module, {"stored_tensors": {}})
+        entry["stored_tensors"][spec.key] = {
+            "shape": list(spec.shape),
+            "n_bytes": spec.nbytes,
+            "dtype": torch_dtype[spec.dtype],
+        }
+        if leaf == "trellis":
+            entry["quant_format"] = "exl3"
+            entry["bits_per_weight"] = spec.shape[-1] // 16
+            entry["mul1_multiplier"] = MUL1_MARKER & 0xFFFFFFFF
+    return modules
+
+
+def read_chat_template() -> str:
+    if not CHAT_TEMPLATE_PATH.is_file():
+        raise FileNotFoundError(
+            f"{CHAT_TEMPLATE_PATH} is missing; the synthetic checkpoint ships the project's "
+            "GLM-5.3-Flash chat template from that path (reinstall glm53)"
+        )
+    return CHAT_TEMPLATE_PATH.read_text(encoding="utf-8")
+
+
+def rewrite_tensor(checkpoint: Checkpoint, key: str, values: np.ndarray) -> None:
+    """Overwrite one tensor's bytes in place (same dtype and shape as stored)."""
+    info = checkpoint.info(key)
+    spec = TensorSpec(key, info.dtype, info.shape, "override")
+    data = encode(spec, values)
+    if len(data) != info.nbytes or tuple(values.shape) != info.shape:
+        raise ValueError(f"{key}: new values {values.shape} do not match stored {info.shape}")
+    with open(info.path, "r+b") as f:
+        f.seek(info.offset_bytes)
+        f.write(data)
+
+
+def write_checkpoint(
+    shape: SynthShape,
+    out_dir: str | Path,
+    seed: int = 0,
+    routing_mode: str = "glm53",
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> RoutingReport:
+    """Write the checkpoint into out_dir (created; must be empty) and return its routing report."""
+    shape.check()
+    routing.target_shares(routing_mode)
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} is not empty; pass a new or empty directory")
+    out.mkdir(parents=True, exist_ok=True)
+    writer = SynthWriter(shape, seed, out)
+    writer.write_metadata()
+    report = writer.calibrate_on_stand_in_inputs(routing_mode)
+    writer.write_shards(shard_bytes)
+    return report

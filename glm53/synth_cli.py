@@ -1,0 +1,68 @@
+"""`glm53 synth`: write a synthetic GLM-5.3-Flash EXL3 checkpoint (demo or slice preset)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "synth",
+        help="write a synthetic GLM-5.3-Flash EXL3 checkpoint",
+        description="Write a random-weight checkpoint with GLM-5.3-Flash's architecture and file "
+        "layout, loadable by exllamav3 1.6.5 and by glm53's CPU engine. See docs/synthetic.md.",
+    )
+    p.add_argument(
+        "--preset",
+        choices=("demo", "slice"),
+        default="demo",
+        help="demo: tiny, CPU-friendly; slice: real widths, fewer layers (default demo)",
+    )
+    p.add_argument("--out", required=True, help="output directory (created; must be empty)")
+    p.add_argument(
+        "--seed", type=int, default=0, help="random seed; same seed, same bytes (default 0)"
+    )
+    p.add_argument(
+        "--routing",
+        choices=("uniform", "glm53"),
+        default="glm53",
+        help="router skew: glm53 (the real model's popularity curve) or uniform",
+    )
+    p.add_argument("--layers", type=int, help="number of layers (override)")
+    p.add_argument("--dense-layers", type=int, help="leading dense-MLP layers (override)")
+    p.add_argument("--experts", type=int, help="routed experts per MoE layer (override)")
+    p.add_argument("--top-k", type=int, help="experts per token (override)")
+    p.add_argument("--bits", type=int, help="EXL3 bits per weight K, 1..8 (default 3)")
+    p.add_argument("--head-bits", type=int, help="lm_head bits (default 6)")
+    p.add_argument("--shard-mb", type=int, default=2048, help="shard size in MiB (default 2048)")
+    p.add_argument(
+        "--calibrate-tokens",
+        type=int,
+        default=None,
+        help="demo only: greedy tokens decoded per calibration round (default 96)",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from glm53.models.synth import write_checkpoint
+    from glm53.models.synth_layout import preset
+
+    shape = preset(
+        args.preset,
+        num_layers=args.layers,
+        num_dense_layers=args.dense_layers,
+        num_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        bits=args.bits,
+        head_bits=args.head_bits,
+    )
+    start = time.monotonic()
+    report = write_checkpoint(
+        shape, args.out, seed=args.seed, routing_mode=args.routing, shard_bytes=args.shard_mb << 20
+    )
+    print(f"wrote {shape.name} checkpoint to {args.out} in {time.monotonic() - start:.1f} s")
+    for line in report.lines():
+        print(line)
+    return 0

@@ -1,0 +1,181 @@
+import argparse
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from glm53 import synth_cli
+from glm53.models.checkpoint import MUL1_MARKER, Checkpoint
+from glm53.models.synth import CHAT_TEMPLATE_PATH, write_checkpoint
+from glm53.models.synth_layout import DEMO, SLICE, plan, preset
+from glm53.models.tokenizer import MARKUP_TOKENS, SPECIAL_TOKENS
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("synth") / "demo"
+    write_checkpoint(preset("demo"), out, seed=0)
+    return out
+
+
+def _all(groups):
+    return [t for g in groups for t in g]
+
+
+def test_plan_reproduces_the_layouts_exllamav3_loaded_on_the_gpu():
+    # facts/exllamav3-glm5next-checkpoint.md: the two random checkpoints that loaded and
+    # generated with exllamav3 1.6.5 (vocab 4096, lm_head K=3): tensor counts and data bytes
+    slice_ = replace(SLICE, vocab_size=4096, head_bits=3)
+    tiny = replace(
+        slice_,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=256,
+        num_experts=16,
+        num_experts_per_tok=4,
+    )
+    for shape, count, nbytes in ((slice_, 21086, 17117825404), (tiny, 1502, 153794428)):
+        specs = _all(plan(shape))
+        assert (len(specs), sum(t.nbytes for t in specs)) == (count, nbytes)
+
+
+def test_every_quantized_dim_of_both_presets_is_a_multiple_of_128():
+    for shape in (DEMO, SLICE):
+        for spec in _all(plan(shape)):
+            if spec.key.endswith(".trellis"):
+                assert (16 * spec.shape[0]) % 128 == 0 and (16 * spec.shape[1]) % 128 == 0, spec
+
+
+def test_same_seed_gives_identical_bytes_and_another_seed_does_not(demo_dir, tmp_path):
+    again = tmp_path / "again"
+    write_checkpoint(preset("demo"), again, seed=0)
+    names = sorted(p.name for p in demo_dir.iterdir())
+    assert names == sorted(p.name for p in again.iterdir())
+    for name in names:
+        assert (demo_dir / name).read_bytes() == (again / name).read_bytes(), name
+    other = tmp_path / "other"
+    write_checkpoint(preset("demo", num_layers=1, num_dense_layers=1), other, seed=1)
+    first = Checkpoint(demo_dir).read("model.language_model.layers.0.self_attn.qkv_proj.trellis")
+    assert not np.array_equal(
+        first, Checkpoint(other).read("model.language_model.layers.0.self_attn.qkv_proj.trellis")
+    )
+
+
+def test_transformers_reads_the_config_as_glm5_next(demo_dir):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(demo_dir)
+    assert type(config).__name__ == "Glm5NextConfig"
+    text = config.text_config
+    assert (text.hidden_size, text.num_hidden_layers, text.n_routed_experts) == (256, 8, 32)
+    assert text.layer_types == ["linear_attention"] * 3 + ["indexed_attention"] + [
+        "linear_attention"
+    ] * 3 + ["indexed_attention"]
+    assert text.mlp_layer_types == ["dense"] * 2 + ["sparse"] * 6
+    assert (text.routed_scaling_factor, text.swiglu_limit, text.index_kpool) == (2.5, 10.0, 4)
+    assert (text.linear_num_heads, text.linear_head_dim, text.linear_lower_bound) == (2, 128, -5.0)
+
+
+def test_config_carries_what_exllamav3_requires(demo_dir):
+    config = json.loads((demo_dir / "config.json").read_text())
+    assert config["architectures"] == ["Glm5NextForConditionalGeneration"]
+    assert config["vision_config"]["model_type"] == "glm5_next_vision"
+    assert (config["image_start_token_id"], config["image_end_token_id"]) == (10, 11)
+    processor = json.loads((demo_dir / "processor_config.json").read_text())
+    assert processor["image_processor"]["image_processor_type"] == "Glm5NextImageProcessor"
+    text = config["text_config"]
+    assert set(text["layer_types"]) == {"linear_attention", "deepseek_sparse_attention"}
+    assert text["eos_token_id"] == [0, 7, 9] and text["pad_token_id"] == 0
+
+
+def test_tokenizer_has_the_glm_tokens_at_fixed_ids_and_keeps_markup_when_decoding(demo_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(demo_dir)
+    assert len(tok) == 2048
+    for i, name in enumerate(SPECIAL_TOKENS + MARKUP_TOKENS):
+        assert tok.convert_tokens_to_ids(name) == i
+    text = "[gMASK]<sop><|user|>hi<|assistant|><think>ok</think><tool_call>f<arg_key>a</arg_key>"
+    ids = tok(text)["input_ids"]
+    assert ids[:3] == [2, 4, 7]
+    assert (
+        tok.decode(ids, skip_special_tokens=True)
+        == "hi<think>ok</think><tool_call>f<arg_key>a</arg_key>"
+    )
+    assert tok.decode(ids) == text
+
+
+def test_chat_template_is_the_projects_own(demo_dir):
+    template = CHAT_TEMPLATE_PATH.read_text(encoding="utf-8")
+    assert (demo_dir / "chat_template.jinja").read_text(encoding="utf-8") == template
+    assert json.loads((demo_dir / "tokenizer_config.json").read_text())["chat_template"] == template
+
+
+def test_weights_follow_the_sane_random_recipe(demo_dir):
+    ckpt = Checkpoint(demo_dir)
+    p = "model.language_model.layers.4"
+    suh = ckpt.read(f"{p}.self_attn.qkv_proj.suh").astype(np.float32)
+    np.testing.assert_allclose(np.abs(suh), 256**-0.25, rtol=1e-3)
+    assert 0.4 < (suh > 0).mean() < 0.6
+    assert ckpt.read(f"{p}.self_attn.o_proj.mul1") == MUL1_MARKER
+    base = ckpt.read(f"{p}.hc_ffn_base")
+    np.testing.assert_array_equal(base, np.r_[np.zeros(8), 2 * np.eye(4).ravel()])
+    a_log = ckpt.read(f"{p}.self_attn.A_log")
+    assert a_log.dtype == np.float32 and a_log.min() >= 0 and a_log.max() <= np.log(16)
+    assert ckpt.info(f"{p}.self_attn.q_conv1d.weight").dtype == "BF16"
+    assert ckpt.info(f"{p}.mlp.gate.weight").dtype == "F16"
+    assert ckpt.info(f"{p}.mlp.gate.e_score_correction_bias").dtype == "F32"
+    router = ckpt.read_f32(f"{p}.mlp.gate.weight")
+    assert abs(router.std() - 256**-0.5) < 0.1 * 256**-0.5
+
+
+def test_tiny_slice_override_keeps_the_real_widths(tmp_path):
+    shape = preset("slice", num_layers=1, num_dense_layers=0, num_experts=8)
+    write_checkpoint(shape, tmp_path / "slice", seed=0, routing_mode="uniform")
+    ckpt = Checkpoint(tmp_path / "slice")
+    p = "model.language_model.layers.0"
+    assert ckpt.info(f"{p}.self_attn.qkv_proj.trellis").shape == (256, 1536, 48)
+    assert ckpt.info(f"{p}.self_attn.f_b_proj.weight").shape == (8192, 128)
+    gate, up, down = ckpt.experts(0)[7].linears
+    assert (gate.in_features, gate.out_features, down.in_features) == (4096, 2048, 2048)
+    assert ckpt.experts(0)[7].nbytes == 9474060
+
+
+def test_cli_writes_a_checkpoint_and_prints_the_routing_curve(tmp_path, capsys):
+    out = tmp_path / "cli"
+    parser = argparse.ArgumentParser(prog="glm53")
+    synth_cli.add_parser(parser.add_subparsers())
+    args = parser.parse_args(
+        [
+            "synth",
+            "--preset",
+            "demo",
+            "--out",
+            str(out),
+            "--layers",
+            "3",
+            "--dense-layers",
+            "2",
+            "--seed",
+            "5",
+        ]
+    )
+    assert args.func(args) == 0
+    printed = capsys.readouterr().out
+    assert f"wrote demo checkpoint to {out}" in printed
+    assert "routing glm53 measured on" in printed and "layer   2:" in printed
+    assert Checkpoint(out).moe_layers == [2]
+
+
+def test_writer_refuses_a_non_empty_directory(tmp_path):
+    (tmp_path / "x").write_text("keep me")
+    with pytest.raises(FileExistsError) as err:
+        write_checkpoint(preset("demo"), tmp_path)
+    assert str(err.value) == f"{tmp_path} is not empty; pass a new or empty directory"
+
+
+def test_overrides_are_validated():
+    with pytest.raises(ValueError) as err:
+        preset("demo", num_experts_per_tok=40)
+    assert str(err.value) == "top-k 40 must lie in [1, experts 32]"
