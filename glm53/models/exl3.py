@@ -150,6 +150,15 @@ def codebook_values(states: np.ndarray, codebook: str) -> np.ndarray:
     raise Exl3FormatError(f"unknown EXL3 codebook {codebook!r}; expected one of {CODEBOOKS}")
 
 
+def decode_tiles(trellis: np.ndarray, codebook: str = "mul1") -> np.ndarray:
+    """The fp16 weights `[16 kt, 16 nt]` of int16 tiles `[kt, nt, W]`, rows = input index."""
+    kt, nt, _ = trellis.shape
+    values = codebook_values(decode_states(trellis), codebook)
+    tiles = np.empty((kt, nt, 256), dtype=np.float16)
+    tiles[:, :, tc_perm()] = values
+    return tiles.reshape(kt, nt, 16, 16).transpose(0, 2, 1, 3).reshape(16 * kt, 16 * nt)
+
+
 def unpack_signs(packed: np.ndarray) -> np.ndarray:
     """Legacy packed sign vector (`su`/`sv`, int16, 16 signs per word, bit set = -1) as fp16 +-1."""
     bits = (packed.view(np.uint16)[:, None] >> np.arange(16, dtype=np.uint16)) & 1
@@ -260,11 +269,7 @@ class Exl3Weights:
 
     def inner_weight(self) -> np.ndarray:
         """Wq `[k, n]` fp16 in the rotated basis: exllamav3's `reconstruct`, bit for bit."""
-        kt, nt, _ = self.trellis.shape
-        values = codebook_values(decode_states(self.trellis), self.codebook)
-        tiles = np.empty((kt, nt, 256), dtype=np.float16)
-        tiles[:, :, tc_perm()] = values
-        return tiles.reshape(kt, nt, 16, 16).transpose(0, 2, 1, 3).reshape(16 * kt, 16 * nt)
+        return decode_tiles(self.trellis, self.codebook)
 
     def weight(self) -> np.ndarray:
         """W `[k, n]` fp16 in the original basis, with `get_weight_tensor`'s fp16 rounding points."""
@@ -273,13 +278,16 @@ class Exl3Weights:
         w = _blocks_f32(w, axis=1).astype(np.float16)
         return (w.astype(np.float32) * self.svh.astype(np.float32)[None, :]).astype(np.float16)
 
-    def apply(self, x: np.ndarray) -> np.ndarray:
-        """`had(had(x * suh) @ Wq) * svh (+ bias)` for rows `x [..., k]`, in fp64; returns fp64."""
+    def apply(self, x: np.ndarray, inner: np.ndarray | None = None) -> np.ndarray:
+        """`had(had(x * suh) @ Wq) * svh (+ bias)` for rows `x [..., k]`, in fp64; returns fp64.
+        `inner`: Wq already decoded (`inner_weight()`), to decode a linear once for many calls."""
         x = np.asarray(x, dtype=np.float64)
         if x.shape[-1] != self.in_features:
             raise ValueError(f"x has {x.shape[-1]} features; this linear takes {self.in_features}")
+        if inner is None:
+            inner = self.inner_weight()
         xh = _blocks(x * self.suh.astype(np.float64), axis=-1)
-        y = _blocks(xh @ self.inner_weight().astype(np.float64), axis=-1)
+        y = _blocks(xh @ inner.astype(np.float64), axis=-1)
         y = y * self.svh.astype(np.float64)
         if self.bias is not None:
             y = y + self.bias.astype(np.float64)

@@ -1,0 +1,345 @@
+"""The CPU expert lane, Python side: which CPUs it runs on, expert tables built from EXL3 arrays,
+the exact reference it is tested against, and the per-host cost model the planner reads.
+
+The kernels and the pinned pool are native (`glm53._gemv`, pyx/gemv.h); this module only sets
+them up. The lane computes routed experts in fp32 from the EXL3 trellis; `reference_moe` is the
+same computation in fp64 from the numpy decoder.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from glm53 import _gemv
+from glm53.models.exl3 import Exl3Weights
+
+log = logging.getLogger(__name__)
+
+SWIGLU_LIMIT = 10.0  # GLM-5.3-Flash swiglu_limit
+RESERVED_CORES = 2  # left to the OS, the main thread and the host controller
+SYS_CPU = Path("/sys/devices/system/cpu")
+
+VARIANTS = {_gemv.variant_name(v): v for v in (_gemv.SCALAR, _gemv.AVX2, _gemv.AVX512)}
+
+
+class LaneConfigError(ValueError):
+    """A CPU lane setting (--cpus / GLM53_CT_CPUS, --cpu-threads / GLM53_CT_THREADS) that cannot
+    be used; the message names the setting and the fix."""
+
+
+# --- CPU layout --------------------------------------------------------------------------------
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """'2-5,8,10-11' -> [2, 3, 4, 5, 8, 10, 11] (the kernel's cpulist format)."""
+    cpus: list[int] = []
+    for part in text.replace(" ", "").split(","):
+        if not part:
+            continue
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise LaneConfigError(
+                f"--cpus {text!r}: {part!r} is not a CPU number or range like 2-23"
+            )
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if last < first:
+            raise LaneConfigError(f"--cpus {text!r}: range {part!r} runs backwards")
+        cpus.extend(range(first, last + 1))
+    if not cpus:
+        raise LaneConfigError(f"--cpus {text!r} names no CPU; give a list like 2-23 or 0,2,4")
+    if len(set(cpus)) != len(cpus):
+        raise LaneConfigError(f"--cpus {text!r} names a CPU twice")
+    return cpus
+
+
+def physical_cores(allowed: set[int] | None = None) -> list[int]:
+    """One logical CPU (the lowest SMT sibling) per physical core this process may run on, in
+    CPU order."""
+    allowed = set(os.sched_getaffinity(0)) if allowed is None else allowed
+    first_of_core: dict[tuple[str, str], int] = {}
+    for cpu in sorted(allowed):
+        topo = SYS_CPU / f"cpu{cpu}" / "topology"
+        try:
+            core = (
+                (topo / "physical_package_id").read_text().strip(),
+                (topo / "core_id").read_text().strip(),
+            )
+        except OSError:  # no sysfs topology (containers, odd kernels): every CPU is a core
+            core = ("", str(cpu))
+        first_of_core.setdefault(core, cpu)
+    return sorted(first_of_core.values())
+
+
+@dataclass(frozen=True, slots=True)
+class LaneLayout:
+    """The CPUs the lane's workers are pinned to (one worker each), and how they were chosen."""
+
+    cpus: tuple[int, ...]
+    note: str = ""
+
+    @property
+    def threads(self) -> int:
+        return len(self.cpus)
+
+
+def lane_layout(cpus: str | None = None, threads: int | None = None) -> LaneLayout:
+    """Resolve --cpus / --cpu-threads (Settings.cpus, Settings.cpu_threads) into a layout.
+
+    Default: one worker per physical core except the first two. With fewer than three cores that
+    leaves none: the lane then runs one worker on the last core, and the note says so."""
+    allowed = set(os.sched_getaffinity(0))
+    if threads is not None and threads < 1:
+        raise LaneConfigError(f"--cpu-threads {threads}: the lane needs at least 1 thread")
+    if cpus is not None:
+        listed = parse_cpu_list(cpus)
+        outside = sorted(set(listed) - allowed)
+        if outside:
+            raise LaneConfigError(
+                f"--cpus {cpus}: CPUs {outside} are outside this process's affinity mask "
+                f"{_cpu_list_text(sorted(allowed))}; choose CPUs inside it (GLM53_CT_CPUS)"
+            )
+        if threads is not None and threads > len(listed):
+            raise LaneConfigError(
+                f"--cpu-threads {threads} exceeds the {len(listed)} CPUs of --cpus {cpus}; "
+                "list more CPUs or ask for fewer threads"
+            )
+        return LaneLayout(tuple(listed[: threads or len(listed)]), "from --cpus")
+    cores = physical_cores(allowed)
+    lane = cores[RESERVED_CORES:]
+    if threads is not None:
+        if threads > len(cores):
+            raise LaneConfigError(
+                f"--cpu-threads {threads} exceeds the {len(cores)} physical cores available; "
+                "list CPUs with --cpus to use SMT siblings"
+            )
+        pool = lane + cores[:RESERVED_CORES]  # reserved cores last
+        note = "" if threads <= len(lane) else "shares the reserved cores"
+        return LaneLayout(tuple(pool[:threads]), note)
+    if not lane:
+        note = (
+            f"only {len(cores)} physical core(s): the CPU lane runs 1 thread on cpu {cores[-1]}, "
+            "sharing it with the OS and the controller"
+        )
+        log.warning(note)
+        return LaneLayout((cores[-1],), note)
+    return LaneLayout(tuple(lane), f"every physical core but the first {RESERVED_CORES}")
+
+
+def _cpu_list_text(cpus: Sequence[int]) -> str:
+    runs: list[list[int]] = []
+    for cpu in sorted(cpus):
+        if runs and runs[-1][1] == cpu - 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
+
+
+# --- experts -----------------------------------------------------------------------------------
+
+Expert = tuple[Exl3Weights, Exl3Weights, Exl3Weights]  # gate, up, down
+
+
+def expert_table(experts: Sequence[Expert]) -> _gemv.ExpertTable:
+    """An ExpertTable pointing at the arrays of `experts` (no copy). All must be mul1 at one
+    bitrate, gate/up `hidden -> inter` and down `inter -> hidden`."""
+    if not experts:
+        raise ValueError("expert_table: no experts")
+    gate = experts[0][0]
+    hidden, inter, k2 = gate.in_features, gate.out_features, gate.k2
+    table = _gemv.ExpertTable(len(experts), hidden, inter, k2)
+    for index, linears in enumerate(experts):
+        for name, lin in zip(("gate", "up", "down"), linears, strict=True):
+            if lin.codebook != "mul1":
+                raise ValueError(
+                    f"expert {index} {name}: the CPU lane decodes the mul1 codebook only, this "
+                    f"linear uses {lin.codebook}; serve it from the GPU"
+                )
+            if lin.k2 != k2:
+                raise ValueError(
+                    f"expert {index} {name}: {lin.bits} bits per weight, expert 0 has {k2 / 2}; "
+                    "one table holds one bitrate"
+                )
+            if lin.bias is not None:
+                raise ValueError(f"expert {index} {name}: biased experts are not supported")
+        table.set(index, *((lin.trellis, lin.suh, lin.svh) for lin in linears))
+    return table
+
+
+def swiglu(g: np.ndarray, u: np.ndarray, limit: float = SWIGLU_LIMIT) -> np.ndarray:
+    """GLM's clamped SwiGLU, silu(min(g, L)) * clamp(u, -L, L); L = 0 means no clamp.
+
+    (exllamav3's CPU kernel caps silu(g) at L instead; the two differ only where g > L.)"""
+    if limit > 0:
+        g = np.minimum(g, limit)
+        u = np.clip(u, -limit, limit)
+    return g / (1.0 + np.exp(-g)) * u
+
+
+def reference_moe(
+    x: np.ndarray,
+    rows: Sequence[int],
+    expert_ids: Sequence[int],
+    weights: Sequence[float],
+    experts: Sequence[Expert],
+    act_limit: float = SWIGLU_LIMIT,
+) -> np.ndarray:
+    """What the lane computes, in fp64 from the numpy decoder: `[num_rows, hidden]`."""
+    x = np.asarray(x, dtype=np.float64)
+    out = np.zeros_like(x)
+    inner: dict[int, tuple[np.ndarray, ...]] = {}
+    for r, e, w in zip(rows, expert_ids, weights, strict=True):
+        if e not in inner:  # decode each expert once
+            inner[e] = tuple(lin.inner_weight().astype(np.float64) for lin in experts[e])
+        gate, up, down = experts[e]
+        wg, wu, wd = inner[e]
+        g = gate.apply(x[r], inner=wg)
+        u = up.apply(x[r], inner=wu)
+        out[r] += w * down.apply(swiglu(g, u, act_limit), inner=wd)
+    return out
+
+
+# --- the lane ----------------------------------------------------------------------------------
+
+
+class CpuLane:
+    """The pinned worker pool and the kernel variant it runs. Thread-safe: jobs queue in C."""
+
+    def __init__(self, layout: LaneLayout | None = None, variant: str | int = "best"):
+        self.layout = layout or lane_layout()
+        if isinstance(variant, str):
+            if variant == "best":
+                variant = _gemv.best_variant()
+            elif variant in VARIANTS:
+                variant = VARIANTS[variant]
+            else:
+                raise LaneConfigError(
+                    f"kernel variant {variant!r} is not one of best, {', '.join(VARIANTS)}"
+                )
+        if not _gemv.variant_supported(variant):
+            raise LaneConfigError(
+                f"this CPU cannot run the {_gemv.variant_name(variant)} kernels; "
+                f"it runs {_gemv.variant_name(_gemv.best_variant())}"
+            )
+        self.variant = variant
+        self.pool = _gemv.Pool(self.layout.threads, self.layout.cpus)
+
+    @property
+    def variant_name(self) -> str:
+        return _gemv.variant_name(self.variant)
+
+    def describe(self) -> str:
+        cpus = _cpu_list_text(sorted(self.layout.cpus))
+        note = f" ({self.layout.note})" if self.layout.note else ""
+        return (
+            f"CPU lane: {self.variant_name}, {self.layout.threads} thread(s) on cpus {cpus}{note}"
+        )
+
+    def run(self, table, x, rows, expert_ids, weights, out=None, act_limit=SWIGLU_LIMIT):
+        """MoE output rows (float32 [num_rows, hidden]) for the picks, computed on the lane."""
+        return self.pool.run(
+            table, x, rows, expert_ids, weights, out, variant=self.variant, act_limit=act_limit
+        )
+
+
+# --- cost model ---------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class LaneCost:
+    """Measured lane time per job, `a_ms + b_ms * experts`, for each (threads, rows), where every
+    expert of the job is picked by `rows` rows (decoded once, applied to each)."""
+
+    variant: str
+    bits: float
+    fits: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
+    samples: list[tuple[int, int, int, float]] = field(default_factory=list)  # threads, rows, E, ms
+
+    def ms(self, threads: int, rows: int, experts: int) -> float:
+        a, b = self.fits[(threads, rows)]
+        return a + b * experts
+
+
+def random_expert(rng: np.random.Generator, hidden: int, inter: int, bits: float = 3) -> Expert:
+    """A mul1 expert with uniform random trellis and scales near 1, like a synthetic checkpoint's."""
+    k2 = int(round(2 * bits))
+
+    def linear(k: int, n: int) -> Exl3Weights:
+        trellis = rng.integers(-(2**15), 2**15, (k // 16, n // 16, 8 * k2), dtype=np.int16)
+        suh = (rng.choice([-1.0, 1.0], k) * rng.uniform(0.01, 0.02, k)).astype(np.float16)
+        svh = rng.uniform(0.5, 1.0, n).astype(np.float16)
+        return Exl3Weights(trellis, suh, svh, "mul1")
+
+    return linear(hidden, inter), linear(hidden, inter), linear(inter, hidden)
+
+
+def calibrate(
+    thread_counts: Sequence[int] | None = None,
+    rows: Sequence[int] = tuple(range(1, 9)),
+    expert_counts: Sequence[int] = (1, 2, 4, 8),
+    hidden: int = 4096,
+    inter: int = 2048,
+    bits: float = 3,
+    layout: LaneLayout | None = None,
+    variant: str | int = "best",
+    pool_bytes: int = 1 << 30,
+    repeats: int = 3,
+    seed: int = 0,
+) -> LaneCost:
+    """Measure the lane on this host and fit `a + b * experts` (ms) per thread count and rows.
+
+    Experts are random GLM-5.3-Flash-shaped mul1 experts; `pool_bytes` of them (more than a
+    last-level cache) are cycled through so every job reads its trellis from DRAM, as the lane
+    does in service. Each point is the best of `repeats` runs."""
+    layout = layout or lane_layout()
+    thread_counts = list(thread_counts or _default_thread_counts(layout.threads))
+    rng = np.random.default_rng(seed)
+    one = random_expert(rng, hidden, inter, bits)
+    expert_bytes = sum(lin.trellis.nbytes for lin in one)
+    num = max(max(expert_counts), min(256, pool_bytes // expert_bytes))
+    experts = [one] + [random_expert(rng, hidden, inter, bits) for _ in range(num - 1)]
+    table = expert_table(experts)
+    x = rng.standard_normal((max(rows), hidden)).astype(np.float32)
+    cost = LaneCost(variant="", bits=bits)
+    cursor = 0
+    for threads in thread_counts:
+        lane = CpuLane(LaneLayout(layout.cpus[:threads]), variant)
+        cost.variant = lane.variant_name
+        for m in rows:
+            points = []
+            for count in expert_counts:
+                if count * m > _gemv.MAX_PICKS:
+                    continue
+                best = float("inf")
+                for _ in range(repeats):
+                    ids = [(cursor + i) % num for i in range(count)]
+                    cursor += count
+                    r_ids = [r for _ in ids for r in range(m)]
+                    e_ids = [e for e in ids for _ in range(m)]
+                    weights = np.full(len(r_ids), 0.125, np.float32)
+                    start = time.perf_counter()
+                    lane.run(table, x[:m], r_ids, e_ids, weights)
+                    best = min(best, (time.perf_counter() - start) * 1e3)
+                points.append((count, best))
+                cost.samples.append((threads, m, count, best))
+            if len(points) >= 2:
+                b, a = np.polyfit([p[0] for p in points], [p[1] for p in points], 1)
+                cost.fits[(threads, m)] = (float(a), float(b))
+        del lane
+    return cost
+
+
+def _default_thread_counts(max_threads: int) -> list[int]:
+    counts = [1]
+    while counts[-1] * 2 < max_threads:
+        counts.append(counts[-1] * 2)
+    if counts[-1] != max_threads:
+        counts.append(max_threads)
+    return counts

@@ -1,0 +1,111 @@
+/* gemv.h: the CPU expert lane. Routed-expert MoE for EXL3 `mul1` experts, computed straight from
+ * the trellis (no dense copy of any weight), in fp32.
+ *
+ * For picks (row r, expert e, weight w) the job computes, for every row r of x,
+ *     out[r] = sum over its picks of  w * down_e( act( gate_e(x[r]), up_e(x[r]) ) )
+ *     act(g, u) = silu(min(g, L)) * clamp(u, -L, L)        (GLM's SwiGLU clamp, L = act_limit)
+ * where each EXL3 linear is  y = had(had(x * suh) @ Wq) * svh  (had: 128-point Walsh-Hadamard
+ * blocks scaled by 1/sqrt(128); Wq: the decoded fp16 tile weights, bit-identical to exllamav3's
+ * reconstruct). Everything after the fp16 weights is fp32: inputs, accumulation, outputs.
+ * An expert picked by several rows is decoded once per job.
+ *
+ * Layouts (all caller memory, never copied, never written except `out`, `done` and `status`):
+ *   trellis   int16 tiles [k/16][n/16][8 * k2], exllamav3's native layout (k2 = 2 K: 6 for 3 bits,
+ *             5 for the half rate 2.5); `gemv_matrix.trellis` points at tile [0][0]
+ *   suh, svh  fp16 [k] and [n] (raw bits)
+ *   x         fp32 [num_rows][hidden];  out  fp32 [num_rows][hidden], overwritten
+ * Each expert is three matrices: gate and up (hidden -> inter), down (inter -> hidden), given as
+ * separate pointers, so a packed store record and separate arrays work the same way.
+ *
+ * Threads: a pool of pinned workers runs one job at a time, all workers on it together. Submit
+ * and wait never touch Python; everything here is safe to call without the GIL.
+ * Current limits: mul1 codebook only, K = 1..8 or 1.5 / 2.5 / 3.5, rows 1..8, picks <= 64,
+ * hidden and inter multiples of 128.
+ */
+#ifndef GLM53_GEMV_H
+#define GLM53_GEMV_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define GEMV_MAX_ROWS 8
+#define GEMV_MAX_PICKS 64
+#define GEMV_MSG_BYTES 256
+
+enum gemv_variant {
+    GEMV_SCALAR = 0, /* portable C, one weight at a time: slow, for checks and old CPUs */
+    GEMV_AVX2 = 1,   /* AVX2 + FMA + F16C */
+    GEMV_AVX512 = 2, /* AVX-512 F/BW/VL + VBMI + VNNI */
+    GEMV_NUM_VARIANTS = 3,
+    GEMV_BEST = -1 /* the fastest variant this CPU runs */
+};
+
+enum gemv_status {
+    GEMV_OK = 0,
+    GEMV_EINVAL = 1,   /* a bad argument; the message names it */
+    GEMV_ENOSYS = 2,   /* the variant needs instructions this CPU lacks */
+    GEMV_ENOMEM = 3,   /* scratch memory could not be allocated */
+    GEMV_EBUSY = 4,    /* the pool's job queue is full */
+    GEMV_EPENDING = 5, /* status of a job that has not finished */
+};
+
+typedef struct {
+    const uint8_t *trellis;
+    const uint16_t *suh;
+    const uint16_t *svh;
+} gemv_matrix;
+
+typedef struct {
+    gemv_matrix gate, up, down;
+} gemv_expert;
+
+typedef struct {
+    int32_t row;
+    int32_t expert;
+    float weight;
+} gemv_pick;
+
+typedef struct gemv_job {
+    /* shape */
+    int32_t hidden; /* k of gate/up, n of down */
+    int32_t inter;  /* n of gate/up, k of down */
+    int32_t k2;     /* bits per weight in half bits */
+    float act_limit; /* SwiGLU clamp; 0 = none */
+    int32_t variant; /* enum gemv_variant */
+    /* inputs */
+    const gemv_expert *experts;
+    int32_t num_experts; /* picks index 0..num_experts-1 */
+    const float *x;
+    int32_t num_rows;
+    const gemv_pick *picks;
+    int32_t num_picks;
+    /* outputs */
+    float *out;
+    volatile uint32_t *done; /* optional: receives `seq` (release) once out and status are final */
+    uint32_t seq;
+    int32_t status; /* GEMV_EPENDING until done */
+    /* owned by the pool while the job is queued or running */
+    uint32_t finished;
+    struct gemv_job *next;
+} gemv_job;
+
+const char *gemv_variant_name(int variant);
+int gemv_variant_supported(int variant);
+int gemv_best_variant(void);
+/* Checks shapes, pointers, ids and the variant. Returns GEMV_OK, or an error code with a sentence
+ * naming the bad field in msg. */
+int gemv_job_check(const gemv_job *job, char *msg, size_t msg_len);
+
+typedef struct gemv_pool gemv_pool;
+/* num_threads workers; worker i is pinned to cpus[i] when cpus is not NULL. Returns NULL with a
+ * sentence in msg when a thread cannot be started or pinned. */
+gemv_pool *gemv_pool_create(const int *cpus, int num_threads, char *msg, size_t msg_len);
+void gemv_pool_destroy(gemv_pool *pool); /* finishes queued jobs first */
+int gemv_pool_threads(const gemv_pool *pool);
+/* Queue a checked job; returns at once. The job and everything it points at must stay valid
+ * until it is done. Returns GEMV_OK, GEMV_EBUSY, or the gemv_job_check code. */
+int gemv_pool_submit(gemv_pool *pool, gemv_job *job, char *msg, size_t msg_len);
+/* Wait (spin, then sleep) until a submitted job is done; returns its status. */
+int gemv_pool_wait(gemv_pool *pool, gemv_job *job);
+
+#endif
