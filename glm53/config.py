@@ -1,0 +1,451 @@
+"""glm53's settings: one typed Struct, one entry per setting.
+
+Each field of `Settings` is a setting. Its CLI flag (`--field-name`, plus any alias) and its
+environment twin (`GLM53_FIELD_NAME`, or the seed's spelling where one exists) are derived from
+the field, and its description, group and aliases live in the field's `Meta`. A value comes from
+the flag if given, else from the environment, else from the default; `resolve` records which.
+This is the only module that reads the environment. It imports nothing from glm53.
+
+To add a setting: add one annotated field below. The CLI, the environment, /server_info and
+docs/reference.md (`reference_markdown()`) pick it up from there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+
+class ConfigurationError(ValueError):
+    """A setting has a value glm53 cannot use; the message names the flag, the variable and the fix."""
+
+
+def _s(
+    description: str, *, group: str, flags: tuple[str, ...] = (), env: str = "", **extra
+) -> Meta:
+    return Meta(
+        description=description, extra={"group": group, "flags": flags, "env": env, **extra}
+    )
+
+
+Mode = Literal["auto", "exact", "fast", "nvme", "nvme-exact"]
+NonNegInt = Annotated[int, Meta(ge=0)]
+PosInt = Annotated[int, Meta(ge=1)]
+EngineKind = Literal["auto", "cpu", "gpu", "scripted"]
+LogLevel = Literal["debug", "info", "warning", "error"]
+
+
+class Settings(msgspec.Struct, kw_only=True, frozen=True):
+    """Every effective setting of a glm53 process. Build it with `resolve`."""
+
+    # --- model and engine ---------------------------------------------------------------------
+    model: Annotated[
+        str | None,
+        _s(
+            "Checkpoint directory (glm5_next EXL3). Without it glm53 serves the synthetic demo "
+            "checkpoint, generated on first use into --cache-dir.",
+            group="model",
+        ),
+    ] = None
+    demo: Annotated[
+        bool,
+        _s(
+            "Serve the synthetic demo checkpoint on the CPU engine (random weights: the text it "
+            "writes is gibberish; everything around it is the real product).",
+            group="model",
+        ),
+    ] = False
+    engine: Annotated[
+        EngineKind,
+        _s(
+            "Engine: gpu (exllamav3), cpu (transformers + the tiers), scripted (replays a script "
+            "file, for tests and benchmarks: not a model), or auto (gpu when CUDA is present and "
+            "a real checkpoint is given, else cpu).",
+            group="model",
+        ),
+    ] = "auto"
+    script: Annotated[
+        str | None,
+        _s(
+            "Script file (JSON) the scripted engine replays; see glm53/engine/scripted.py.",
+            group="model",
+        ),
+    ] = None
+    mode: Annotated[
+        Mode,
+        _s(
+            "Tier mode: exact (VRAM cache + zero-copy RAM, bit-identical), fast (+ CPU lane), nvme "
+            "(NVMe store -> RAM tier -> VRAM, + CPU lane), nvme-exact, or auto (planned from the host).",
+            group="model",
+        ),
+    ] = "auto"
+    cache_dir: Annotated[
+        str | None,
+        _s(
+            "Directory for generated files (the demo checkpoint); default $XDG_CACHE_HOME/glm53 or "
+            "~/.cache/glm53.",
+            group="model",
+        ),
+    ] = None
+    context: Annotated[
+        int,
+        Meta(ge=16),
+        _s(
+            "Context length in tokens (prompt + answer), capped by the checkpoint's own limit.",
+            group="model",
+            flags=("-cs",),
+        ),
+    ] = 131072
+    # --- scheduling ---------------------------------------------------------------------------
+    max_batch: Annotated[
+        int,
+        Meta(ge=1, le=1024),
+        _s(
+            "Streams decoded together in one step (GLM's recurrent KDA state needs one slot per stream).",
+            group="scheduling",
+        ),
+    ] = 4
+    chunk_size: Annotated[
+        int,
+        Meta(ge=16),
+        _s(
+            "Prefill chunk in tokens: prompt tokens processed per step, over all streams.",
+            group="scheduling",
+        ),
+    ] = 2048
+    queue_limit: Annotated[
+        int,
+        Meta(ge=0),
+        _s(
+            "Requests that may wait for a free stream slot; beyond it requests get 429 with Retry-After.",
+            group="scheduling",
+        ),
+    ] = 64
+    # --- tiers --------------------------------------------------------------------------------
+    ram_cap: Annotated[
+        NonNegInt | None,
+        _s(
+            "Cap of the RAM expert tier, in bytes (accepts 512M, 8G, 1.5GiB); default: sized from "
+            "free memory.",
+            group="tiers",
+            kind="size",
+        ),
+    ] = None
+    store: Annotated[
+        str | None,
+        _s("NVMe expert store (made by `glm53 store pack`), read with O_DIRECT.", group="tiers"),
+    ] = None
+    cpus: Annotated[
+        str | None,
+        _s(
+            "CPUs of the CPU lane, as a list like 2-23 or 0,2,4; default: one per physical core, "
+            "leaving cores for the OS and the controller.",
+            group="tiers",
+            env="GLM53_CT_CPUS",
+        ),
+    ] = None
+    cpu_threads: Annotated[
+        PosInt | None,
+        _s(
+            "Threads of the CPU lane; default: the number of --cpus.",
+            group="tiers",
+            env="GLM53_CT_THREADS",
+        ),
+    ] = None
+    ct_b: Annotated[
+        float,
+        Meta(gt=0),
+        _s(
+            "CPU lane cost model: milliseconds per expert computed on the CPU (seed figure at 22 threads).",
+            group="tiers",
+            env="GLM53_CT_B",
+        ),
+    ] = 0.104
+    ct_swz: Annotated[
+        bool,
+        _s(
+            "Keep a block-contiguous (swizzled) copy of the experts for the CPU lane: faster per "
+            "expert, twice the RAM.",
+            group="tiers",
+            env="GLM53_CT_SWZ",
+        ),
+    ] = True
+    ec_max_slots: Annotated[
+        NonNegInt | None,
+        _s("Most VRAM expert slots; default: as many as the VRAM budget allows.", group="tiers"),
+    ] = None
+    ec_reserve_gb: Annotated[
+        float,
+        Meta(ge=0),
+        _s(
+            "VRAM (GiB) kept free for activations and CUDA after the expert cache is sized.",
+            group="tiers",
+        ),
+    ] = 1.0
+    ec_elastic_gb: Annotated[
+        float,
+        Meta(ge=0),
+        _s(
+            "VRAM (GiB) of the expert cache that is lent to prefill and taken back after it.",
+            group="tiers",
+        ),
+    ] = 10.0
+    ec_stage_gb: Annotated[
+        float,
+        Meta(ge=0),
+        _s("VRAM (GiB) of the two prefill staging buffers.", group="tiers"),
+    ] = 2.6
+    triton_pin: Annotated[
+        str | None,
+        _s("Triton kernel pin file (JSON) for exact modes.", group="tiers"),
+    ] = None
+    # --- server -------------------------------------------------------------------------------
+    host: Annotated[
+        str,
+        _s(
+            "Address to bind; anything but loopback without --api-key draws a warning.",
+            group="server",
+        ),
+    ] = "127.0.0.1"
+    port: Annotated[int, Meta(ge=1, le=65535), _s("TCP port.", group="server")] = 30000
+    served_name: Annotated[
+        str,
+        Meta(min_length=1),
+        _s("Model id shown by /v1/models and accepted in requests.", group="server"),
+    ] = "glm-5.3-flash"
+    api_key: Annotated[
+        str | None,
+        _s(
+            "Require `Authorization: Bearer KEY` on every endpoint but /health.",
+            group="server",
+            secret=True,
+        ),
+    ] = None
+    reasoning_field: Annotated[
+        bool,
+        _s(
+            "Also send the reasoning text as `reasoning` (vLLM's name) beside `reasoning_content`.",
+            group="server",
+        ),
+    ] = False
+    max_body_bytes: Annotated[
+        int,
+        Meta(ge=1024),
+        _s("Largest request body; bigger ones get 413.", group="server", kind="size"),
+    ] = 32 * 1024 * 1024
+    log_level: Annotated[LogLevel, _s("Log level.", group="server")] = "info"
+    access_log: Annotated[bool, _s("Log every HTTP request.", group="server")] = False
+
+
+Source = Literal["flag", "env", "default"]
+
+
+class SettingInfo(msgspec.Struct, frozen=True):
+    """One setting as the CLI, the environment and the docs see it."""
+
+    name: str
+    flags: tuple[str, ...]
+    env: str
+    type: Any
+    default: Any
+    description: str
+    group: str
+    is_secret: bool
+    kind: str
+
+
+def _field_infos() -> list[SettingInfo]:
+    hints = typing.get_type_hints(Settings, include_extras=True)
+    infos = []
+    for field in msgspec.structs.fields(Settings):
+        metas = [m for m in getattr(hints[field.name], "__metadata__", ()) if isinstance(m, Meta)]
+        meta = next(m for m in metas if m.extra and "group" in m.extra)
+        extra = meta.extra
+        flag = "--" + field.name.replace("_", "-")
+        infos.append(
+            SettingInfo(
+                name=field.name,
+                flags=(flag, *extra["flags"]),
+                env=extra["env"] or "GLM53_" + field.name.upper(),
+                type=hints[field.name],
+                default=field.default,
+                description=meta.description or "",
+                group=extra["group"],
+                is_secret=bool(extra.get("secret")),
+                kind=extra.get("kind", ""),
+            )
+        )
+    return infos
+
+
+SETTINGS: tuple[SettingInfo, ...] = tuple(_field_infos())
+_BY_NAME = {s.name: s for s in SETTINGS}
+
+
+def _base_type(tp: Any) -> Any:
+    # Annotated[int | None, ...] -> int | None
+    return typing.get_args(tp)[0] if typing.get_origin(tp) is Annotated else tp
+
+
+def _is_bool(info: SettingInfo) -> bool:
+    return _base_type(info.type) is bool
+
+
+def add_arguments(parser: argparse.ArgumentParser, names: list[str] | None = None) -> None:
+    """Add the flags of `names` (all settings by default) to `parser`, grouped. Flags not given
+    stay absent from the namespace, so `resolve` can tell a flag from a default."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for info in SETTINGS:
+        if names is not None and info.name not in names:
+            continue
+        group = groups.get(info.group) or parser.add_argument_group(f"{info.group} settings")
+        groups[info.group] = group
+        default = "unset" if info.default is None else info.default
+        help_text = f"{info.description} [env {info.env}; default {default}]"
+        help_text = help_text.replace("%", "%%")
+        kwargs: dict[str, Any] = {
+            "dest": info.name,
+            "default": argparse.SUPPRESS,
+            "help": help_text,
+        }
+        if _is_bool(info):
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["metavar"] = info.name.upper()
+            choices = typing.get_args(_base_type(info.type))
+            if typing.get_origin(_base_type(info.type)) is Literal:
+                kwargs["choices"] = choices
+        group.add_argument(*info.flags, **kwargs)
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from `123`, `512K`, `64M`, `1.5G`, `2GiB` (binary multiples, 1K = 1024)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError(f"{text!r} is not a size; write bytes or a number with K, M, G or T")
+    number, unit = float(match.group(1)), match.group(2).lower()
+    return int(number * 1024 ** " kmgt".index(unit or " "))
+
+
+def _convert(info: SettingInfo, raw: Any, origin: str) -> Any:
+    where = f"{info.flags[0]}" if origin == "flag" else f"{info.env}"
+    if isinstance(raw, str):
+        if _is_bool(info):
+            low = raw.strip().lower()
+            if low not in _TRUE | _FALSE:
+                raise ConfigurationError(
+                    f"{where}={raw!r}: expected one of 1/0, true/false, yes/no, on/off"
+                )
+            raw = low in _TRUE
+        elif info.kind == "size":
+            try:
+                raw = parse_size(raw)
+            except ValueError as exc:
+                raise ConfigurationError(f"{where}: {exc}") from None
+    try:
+        return msgspec.convert(raw, info.type, strict=False)
+    except msgspec.ValidationError as exc:
+        message = str(exc).split(" - at ")[0]
+        raise ConfigurationError(
+            f"{where}={raw!r}: {message} ({info.flags[0]} / {info.env}: {info.description})"
+        ) from None
+
+
+def resolve(
+    flags: argparse.Namespace | Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> tuple[Settings, dict[str, Source]]:
+    """The effective settings and where each value came from: a flag given on the command line
+    wins over a GLM53_* variable, which wins over the default. An empty variable counts as unset."""
+    given = vars(flags) if isinstance(flags, argparse.Namespace) else dict(flags or {})
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    sources: dict[str, Source] = {}
+    for info in SETTINGS:
+        if info.name in given:
+            values[info.name] = _convert(info, given[info.name], "flag")
+            sources[info.name] = "flag"
+        elif environ.get(info.env, "") != "":
+            values[info.name] = _convert(info, environ[info.env], "env")
+            sources[info.name] = "env"
+        else:
+            sources[info.name] = "default"
+    return Settings(**values), sources
+
+
+def effective(settings: Settings, sources: Mapping[str, Source]) -> dict[str, dict[str, Any]]:
+    """Every setting with its value, source, flag and variable; secrets are shown as set/unset."""
+    out = {}
+    for info in SETTINGS:
+        value = getattr(settings, info.name)
+        if info.is_secret:
+            value = "<set>" if value else None
+        out[info.name] = {
+            "value": value,
+            "source": sources.get(info.name, "default"),
+            "flag": info.flags[0],
+            "env": info.env,
+        }
+    return out
+
+
+def describe(settings: Settings, sources: Mapping[str, Source]) -> list[str]:
+    """One line per setting not at its default, for the start-up log."""
+    lines = []
+    for name, item in effective(settings, sources).items():
+        if item["source"] != "default":
+            lines.append(f"{name}={item['value']!r} (from {item['source']} {item[item['source']]})")
+    return lines
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "glm53"
+
+
+def cache_dir(settings: Settings) -> Path:
+    return Path(settings.cache_dir).expanduser() if settings.cache_dir else default_cache_dir()
+
+
+def reference_markdown() -> str:
+    """The settings table of docs/reference.md: every flag, variable, default and meaning."""
+    lines = []
+    for group in dict.fromkeys(s.group for s in SETTINGS):
+        lines += [
+            f"### {group}",
+            "",
+            "| flag | environment | default | meaning |",
+            "|---|---|---|---|",
+        ]
+        for info in (s for s in SETTINGS if s.group == group):
+            default = "unset" if info.default is None else f"`{info.default}`"
+            flags = ", ".join(f"`{f}`" for f in info.flags)
+            if _is_bool(info):
+                flags += f", `--no-{info.name.replace('_', '-')}`"
+            lines.append(f"| {flags} | `{info.env}` | {default} | {info.description} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def to_json(settings: Settings, sources: Mapping[str, Source]) -> bytes:
+    """Settings and sources as one JSON document (hand-off to the server's worker process)."""
+    return msgspec.json.encode({"settings": settings, "sources": dict(sources)})
+
+
+def from_json(data: bytes | str) -> tuple[Settings, dict[str, Source]]:
+    decoded = msgspec.json.decode(data, type=dict[str, Any])
+    settings = msgspec.convert(decoded["settings"], Settings)
+    return settings, dict(decoded["sources"])

@@ -1,0 +1,122 @@
+"""Engines and the scheduler. `create_engine` is the one place that picks an engine.
+
+Each engine module (glm53.engine.cpu, glm53.engine.exl3) exposes
+`create(settings: Settings, checkpoint_dir: Path) -> Engine`; creating is cheap, `Engine.load`
+does the heavy work on the engine thread.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from glm53.config import ConfigurationError, Settings, cache_dir
+from glm53.engine.base import Engine, EngineError, EngineUnavailable, StreamWork, Tokenizer
+
+__all__ = [
+    "Engine",
+    "EngineError",
+    "EngineUnavailable",
+    "StreamWork",
+    "Tokenizer",
+    "checkpoint_dir",
+    "create_engine",
+    "engine_kind",
+    "uses_demo",
+]
+
+log = logging.getLogger("glm53.engine")
+
+_MODULES = {"cpu": "glm53.engine.cpu", "gpu": "glm53.engine.exl3"}
+
+
+def uses_demo(settings: Settings) -> bool:
+    return settings.demo or not settings.model
+
+
+def demo_dir(settings: Settings) -> Path:
+    return cache_dir(settings) / "demo-checkpoint"
+
+
+def checkpoint_dir(settings: Settings) -> Path:
+    """The checkpoint to serve: --model, or the demo checkpoint (written on first use; slow the
+    first time, so call this off the event loop)."""
+    if not uses_demo(settings):
+        path = Path(settings.model).expanduser()
+        if not (path / "config.json").is_file():
+            raise ConfigurationError(
+                f"--model {settings.model}: no config.json there; point --model at a checkpoint "
+                "directory (or leave it out to serve the demo checkpoint)"
+            )
+        return path
+    path = demo_dir(settings)
+    if (path / "config.json").is_file():
+        return path
+    try:
+        from glm53.models.synth import write_checkpoint
+        from glm53.models.synth_layout import preset
+    except ModuleNotFoundError as exc:
+        if not (exc.name or "").startswith("glm53.models"):
+            raise
+        raise EngineUnavailable(
+            "the demo checkpoint writer (glm53.models.synth) is not part of this build yet; "
+            "pass --model DIR with a checkpoint"
+        ) from None
+    log.info("writing the demo checkpoint to %s (first use)", path)
+    # Written next to its final place and renamed, so an interrupted write never looks complete.
+    partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    write_checkpoint(preset("demo"), partial, seed=0)
+    try:
+        os.replace(partial, path)
+    except OSError:
+        if not (path / "config.json").is_file():
+            raise
+        shutil.rmtree(partial, ignore_errors=True)  # another process finished first
+    return path
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def engine_kind(settings: Settings) -> str:
+    """cpu, gpu or scripted: --engine, where auto means gpu for a real checkpoint on a CUDA host."""
+    if settings.engine != "auto":
+        return settings.engine
+    return "gpu" if not uses_demo(settings) and _has_cuda() else "cpu"
+
+
+def create_engine(settings: Settings) -> Engine:
+    """The engine the settings ask for (not loaded). Raises EngineUnavailable when that engine
+    is not in this install; never substitutes another one."""
+    kind = engine_kind(settings)
+    if kind == "scripted":
+        from glm53.engine.scripted import ScriptedEngine, read_script
+
+        if not settings.script:
+            raise ConfigurationError(
+                "--engine scripted needs --script FILE (see glm53/engine/scripted.py)"
+            )
+        return ScriptedEngine(
+            checkpoint_dir(settings),
+            read_script(settings.script),
+            context_length=settings.context,
+            num_slots=settings.max_batch,
+        )
+    module_name = _MODULES[kind]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:
+            raise
+        raise EngineUnavailable(
+            f"the {kind} engine ({module_name}) is not in this build of glm53; update glm53 "
+            "or pick another engine with --engine"
+        ) from None
+    return module.create(settings, checkpoint_dir(settings))

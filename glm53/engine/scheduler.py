@@ -1,0 +1,463 @@
+"""The scheduler: a job queue in front of one Engine, driven by the engine's own thread.
+
+Threads: the engine thread owns the engine and the waiting/running lists; it loads the engine,
+then loops: take new and cancelled jobs, fill free slots from the queue, plan one step (every
+decoding stream gets its next token; prompts are fed in chunks of at most `chunk_size` tokens per
+step, over all prefilling streams), run it, sample each stream's token, and post the step's tokens
+to the event loop in one `call_soon_threadsafe`. The event loop owns each job's `JobStream`: it
+decodes tokens to text and applies stop strings there, off the engine's critical path. Nothing
+here blocks the event loop.
+
+A stream finishes on a stop token id (finish "stop"), a stop string (the text is cut before it;
+the engine slot is freed at the next step), its max_new_tokens or the end of the context
+("length"), an engine error ("error"), or a cancel (the slot is freed at the next step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from glm53.engine.base import Engine, EngineError, StreamWork
+from glm53.engine.sampling import SamplingParams, StreamSampler, sample
+from glm53.engine.stops import StopMatcher
+
+log = logging.getLogger("glm53.scheduler")
+
+
+class QueueFull(RuntimeError):
+    """Every slot is busy and the queue is at its limit; retry after `retry_after_s` seconds."""
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class PromptTooLong(ValueError):
+    def __init__(self, num_prompt_tokens: int, context_length: int):
+        super().__init__(
+            f"the prompt has {num_prompt_tokens} tokens but the context holds {context_length} "
+            "(prompt and answer together); shorten the prompt or raise --context"
+        )
+        self.num_prompt_tokens = num_prompt_tokens
+        self.context_length = context_length
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    """One generation: a prompt, how to sample, and when to stop. max_new_tokens None = up to the
+    end of the context."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_new_tokens: int | None = None
+    stop_token_ids: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()
+    request_id: str = ""
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    """New output of one stream. `text` is final (decoded, stop strings applied); `time_ns`
+    (time.monotonic_ns) is when the newest of `token_ids` left the engine."""
+
+    text: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    finish_reason: str | None = None  # "stop" | "length" | "error"
+    matched_stop: str | int | None = None
+    error: str | None = None
+    time_ns: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class _Job:
+    request: GenerationRequest
+    sampler: StreamSampler
+    max_new_tokens: int
+    stream: JobStream | None = None
+    slot: int = -1
+    num_fed: int = 0  # prompt tokens the engine has seen
+    num_generated: int = 0
+    last_token: int = -1
+    is_cancelled: bool = False
+
+
+class JobStream:
+    """The async stream of one job's TokenEvents (event-loop side). Iterate it; call `cancel()`
+    when the consumer stops early (a client disconnect), or the slot stays busy until done."""
+
+    def __init__(self, scheduler: Scheduler, job: _Job, decoder, stops: StopMatcher):
+        self._scheduler = scheduler
+        self._job = job
+        self._decoder = decoder
+        self._stops = stops
+        self._pending: list[tuple[int, str | None, str | None, int]] = []
+        self._ready = asyncio.Event()
+        self._num_generated = 0
+        self.is_done = False
+        self.submitted_ns = time.monotonic_ns()
+        self.first_token_ns = 0
+        self.finish_reason: str | None = None
+
+    @property
+    def request(self) -> GenerationRequest:
+        return self._job.request
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self._job.request.prompt_ids)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return self._num_generated
+
+    def cancel(self) -> None:
+        if not self.is_done:
+            self.is_done = True
+            self.finish_reason = self.finish_reason or "cancelled"
+            self._scheduler._cancel(self._job, counted=True)
+            self._ready.set()
+
+    def _push(self, token: int, finish: str | None, error: str | None, time_ns: int) -> None:
+        self._pending.append((token, finish, error, time_ns))
+        self._ready.set()
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        while not self._pending:
+            if self.is_done:
+                raise StopAsyncIteration
+            self._ready.clear()
+            await self._ready.wait()
+        items, self._pending = self._pending, []
+        if self.is_done:  # cancelled while tokens were in flight
+            raise StopAsyncIteration
+        return self._assemble(items)
+
+    def _assemble(self, items) -> TokenEvent:
+        job, stop_ids = self._job, self._job.request.stop_token_ids
+        parts: list[str] = []
+        token_ids: list[int] = []
+        finish = matched = error = None
+        time_ns = 0
+        for token, step_finish, step_error, item_ns in items:
+            time_ns = item_ns
+            if step_finish == "error":
+                finish, error = "error", step_error
+                break
+            token_ids.append(token)
+            self.first_token_ns = self.first_token_ns or item_ns
+            if step_finish == "stop" and token in stop_ids:
+                finish, matched = "stop", token
+                break
+            text, matched = self._stops.feed(self._decoder.step(token))
+            parts.append(text)
+            if matched is not None:
+                finish = "stop"
+                self._scheduler._cancel(job, counted=False)  # free the slot now
+                break
+            if step_finish is not None:
+                finish = step_finish
+                break
+        if finish in ("stop", "length") and not isinstance(matched, str):
+            parts.append(self._stops.flush())
+        self._num_generated += len(token_ids)
+        if finish is not None:
+            self.is_done = True
+            self.finish_reason = finish
+            self._scheduler._on_done(self)
+        return TokenEvent(
+            text="".join(parts),
+            token_ids=token_ids,
+            num_prompt_tokens=len(job.request.prompt_ids),
+            num_generated_tokens=self._num_generated,
+            finish_reason=finish,
+            matched_stop=matched,
+            error=error,
+            time_ns=time_ns,
+        )
+
+
+class Scheduler:
+    """Admits jobs (up to `max_batch` running, `queue_limit` waiting) and drives `engine`."""
+
+    def __init__(self, engine: Engine, *, max_batch: int, chunk_size: int, queue_limit: int):
+        if max_batch < 1 or chunk_size < 1 or queue_limit < 0:
+            raise ValueError(
+                f"max_batch ({max_batch}) and chunk_size ({chunk_size}) must be >= 1, "
+                f"queue_limit ({queue_limit}) >= 0"
+            )
+        self.engine = engine
+        self.max_batch = max_batch
+        self.chunk_size = chunk_size
+        self.queue_limit = queue_limit
+        self.num_slots = 0
+        self.context_length = 0
+        self.is_ready = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._cv = threading.Condition()
+        self._inbox: list[_Job] = []
+        self._cancels: list[_Job] = []
+        self._is_stopping = False
+        self._thread: threading.Thread | None = None
+        # engine thread
+        self._waiting: collections.deque[_Job] = collections.deque()
+        self._running: list[_Job] = []
+        # event loop
+        self._num_active = 0
+        self._job_seconds = 2.0  # moving average of a job's duration, for Retry-After
+        self.counters: collections.Counter[str] = collections.Counter()  # event loop only
+        # engine thread only; fixed keys, so a reader on another thread never sees the dict grow
+        self.step_counters = {
+            "steps": 0,
+            "prompt_tokens": 0,
+            "generated_tokens": 0,
+            "step_errors": 0,
+        }
+
+    # --- event loop side ---------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start the engine thread and wait for the engine to load (raises what load raised)."""
+        self._loop = asyncio.get_running_loop()
+        loaded = self._loop.create_future()
+        self._thread = threading.Thread(
+            target=self._thread_main, args=(loaded,), name="glm53-engine", daemon=True
+        )
+        self._thread.start()
+        await loaded
+        self.is_ready = True
+
+    def submit(self, request: GenerationRequest) -> JobStream:
+        if not self.is_ready:
+            raise RuntimeError("the scheduler is not started")
+        num_prompt = len(request.prompt_ids)
+        if num_prompt == 0:
+            raise ValueError("the prompt is empty")
+        if num_prompt >= self.context_length:
+            raise PromptTooLong(num_prompt, self.context_length)
+        if self._num_active >= self.num_slots + self.queue_limit:
+            self.counters["requests_rejected"] += 1
+            raise QueueFull(
+                f"all {self.num_slots} slots are busy and {self.queue_limit} requests are waiting",
+                self.retry_after_s(),
+            )
+        room = self.context_length - num_prompt
+        max_new = room if request.max_new_tokens is None else min(request.max_new_tokens, room)
+        job = _Job(request, StreamSampler(request.sampling), max_new)
+        stream = JobStream(
+            self, job, self.engine.tokenizer.new_decoder(), StopMatcher(request.stop_strings)
+        )
+        job.stream = stream
+        self._num_active += 1
+        self.counters["requests_submitted"] += 1
+        with self._cv:
+            self._inbox.append(job)
+            self._cv.notify()
+        return stream
+
+    def retry_after_s(self) -> int:
+        waves = (self._num_active - self.num_slots + 1) / max(1, self.num_slots)
+        return max(1, min(60, math.ceil(self._job_seconds * max(1.0, waves))))
+
+    def _on_done(self, stream: JobStream) -> None:
+        self._num_active -= 1
+        self.counters[f"requests_{stream.finish_reason}"] += 1
+        seconds = (time.monotonic_ns() - stream.submitted_ns) / 1e9
+        self._job_seconds = 0.8 * self._job_seconds + 0.2 * seconds
+
+    def _cancel(self, job: _Job, *, counted: bool) -> None:
+        if counted:
+            self._on_done(job.stream)
+        job.is_cancelled = True
+        with self._cv:
+            self._cancels.append(job)
+            self._cv.notify()
+
+    def _deliver(self, outputs) -> None:
+        for job, token, finish, error, time_ns in outputs:
+            if not job.stream.is_done:
+                job.stream._push(token, finish, error, time_ns)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "num_slots": self.num_slots,
+            "max_batch": self.max_batch,
+            "chunk_size": self.chunk_size,
+            "queue_limit": self.queue_limit,
+            "num_running": len(self._running),
+            "num_waiting": len(self._waiting),
+            "num_active": self._num_active,
+            **self.step_counters,
+            **self.counters,
+        }
+
+    async def close(self) -> None:
+        with self._cv:
+            self._is_stopping = True
+            self._cv.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+
+    # --- engine thread -----------------------------------------------------------------------
+    def _post(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    def _thread_main(self, loaded: asyncio.Future) -> None:
+        try:
+            self.engine.load()
+            self.num_slots = min(self.max_batch, self.engine.num_slots)
+            self.context_length = self.engine.context_length
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            self._close_engine()
+            self._post(_set_exception, loaded, exc)
+            return
+        self._post(_set_result, loaded)
+        free_slots = list(range(self.num_slots - 1, -1, -1))
+        try:
+            while self._next_step(free_slots):
+                pass
+        finally:
+            outputs = [(j, -1, "error", "the server is shutting down", 0) for j in self._all_jobs()]
+            if outputs:
+                self._post(self._deliver, outputs)
+            self._close_engine()
+
+    def _close_engine(self) -> None:
+        try:
+            self.engine.close()
+        except Exception:  # noqa: BLE001 - closing is best effort at shutdown
+            log.exception("engine.close() failed")
+
+    def _all_jobs(self) -> list[_Job]:
+        return [*self._running, *self._waiting, *self._inbox]
+
+    def _next_step(self, free_slots: list[int]) -> bool:
+        with self._cv:
+            while not (
+                self._is_stopping or self._inbox or self._cancels or self._running or self._waiting
+            ):
+                self._cv.wait()
+            if self._is_stopping:
+                return False
+            inbox, self._inbox = self._inbox, []
+            cancels, self._cancels = self._cancels, []
+        self._waiting.extend(inbox)
+        for job in cancels:
+            self._drop(job, free_slots)
+        while self._waiting and free_slots:
+            job = self._waiting.popleft()
+            if job.is_cancelled:
+                continue
+            job.slot = free_slots.pop()
+            self._running.append(job)
+        if self._running:
+            self._run_step(free_slots)
+        return True
+
+    def _drop(self, job: _Job, free_slots: list[int]) -> None:
+        if job in self._running:
+            self._running.remove(job)
+            self._release(job, free_slots)
+        elif job in self._waiting:
+            self._waiting.remove(job)
+
+    def _release(self, job: _Job, free_slots: list[int]) -> None:
+        try:
+            self.engine.release(job.slot)
+        except Exception:  # noqa: BLE001 - a failed release must not stop the other streams
+            log.exception("engine.release(%d) failed", job.slot)
+        free_slots.append(job.slot)
+        job.slot = -1
+
+    def _plan(self) -> tuple[list[StreamWork], list[tuple[_Job, int]], list[_Job]]:
+        work: list[StreamWork] = []
+        fed: list[tuple[_Job, int]] = []  # (job, prompt tokens fed in this step)
+        rows: list[_Job] = []  # jobs that get a logits row, in order
+        budget = self.chunk_size
+        for job in self._running:
+            prompt = job.request.prompt_ids
+            if job.num_fed < len(prompt):
+                if budget <= 0:
+                    continue
+                n = min(budget, len(prompt) - job.num_fed)
+                budget -= n
+                is_last = job.num_fed + n == len(prompt)
+                work.append(
+                    StreamWork(
+                        job.slot, prompt[job.num_fed : job.num_fed + n], job.num_fed, is_last
+                    )
+                )
+                fed.append((job, n))
+                if is_last:
+                    rows.append(job)
+            else:
+                pos = len(prompt) + job.num_generated - 1
+                work.append(StreamWork(job.slot, [job.last_token], pos, True))
+                rows.append(job)
+        return work, fed, rows
+
+    def _run_step(self, free_slots: list[int]) -> None:
+        work, fed, rows = self._plan()
+        if not work:
+            return
+        try:
+            logits = self.engine.step(work)
+            tokens = sample(logits, [job.sampler for job in rows])
+        except Exception as exc:  # noqa: BLE001 - fail the streams concerned, keep serving
+            # An EngineError naming slots left the other streams untouched: they run again next
+            # step. Any other failure fails every stream of the step.
+            slots = exc.slots if isinstance(exc, EngineError) else ()
+            slots = slots or tuple(w.slot for w in work)
+            failed = [j for j in self._running if j.slot in slots]
+            self.step_counters["step_errors"] += 1
+            log.exception("engine step failed for slots %s", [j.slot for j in failed])
+            outputs = []
+            for job in failed:
+                self._running.remove(job)
+                self._release(job, free_slots)
+                outputs.append((job, -1, "error", f"engine error: {exc}", time.monotonic_ns()))
+            self._post(self._deliver, outputs)
+            return
+        now_ns = time.monotonic_ns()
+        self.step_counters["steps"] += 1
+        for job, n in fed:
+            job.num_fed += n
+        self.step_counters["prompt_tokens"] += sum(n for _, n in fed)
+        outputs = []
+        for job, token in zip(rows, tokens, strict=True):
+            job.num_generated += 1
+            job.last_token = token
+            finish = None
+            if token in job.request.stop_token_ids:
+                finish = "stop"
+            elif job.num_generated >= job.max_new_tokens:
+                finish = "length"
+            if finish is not None:
+                self._running.remove(job)
+                self._release(job, free_slots)
+            outputs.append((job, token, finish, None, now_ns))
+        self.step_counters["generated_tokens"] += len(outputs)
+        self._post(self._deliver, outputs)
+
+
+def _set_result(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

@@ -1,0 +1,106 @@
+"""A checkpoint's tokenizer (tokenizer.json through the `tokenizers` library), its chat template,
+its stop token ids and its default sampling settings, read from the checkpoint's JSON files."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers.decoders import DecodeStream
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+
+
+def _ids(value: Any) -> list[int]:
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int)]
+    return []
+
+
+class _StreamDecoder:
+    __slots__ = ("_stream", "_tokenizer")
+
+    def __init__(self, tokenizer: _HFTokenizer):
+        self._tokenizer = tokenizer
+        self._stream = DecodeStream(skip_special_tokens=False)
+
+    def step(self, token_id: int) -> str:
+        return self._stream.step(self._tokenizer, token_id) or ""
+
+
+class CheckpointTokenizer:
+    """The Tokenizer of a checkpoint directory (implements glm53.engine.base.Tokenizer)."""
+
+    def __init__(self, tokenizer: _HFTokenizer, chat_template: str, eos_token_ids: Sequence[int]):
+        self._tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.eos_token_ids = tuple(dict.fromkeys(eos_token_ids))
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_dir(cls, directory: str | Path) -> CheckpointTokenizer:
+        directory = Path(directory)
+        path = directory / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing: a checkpoint needs its tokenizer.json")
+        tokenizer = _HFTokenizer.from_file(str(path))
+        tok_config = _read_json(directory / "tokenizer_config.json")
+        template_file = directory / "chat_template.jinja"
+        if template_file.is_file():
+            template = template_file.read_text(encoding="utf-8")
+        elif isinstance(tok_config.get("chat_template"), str):
+            template = tok_config["chat_template"]
+        else:
+            raise FileNotFoundError(
+                f"{directory} has no chat template: expected chat_template.jinja or a "
+                "chat_template string in tokenizer_config.json"
+            )
+        config = _read_json(directory / "config.json")
+        eos = _ids(_read_json(directory / "generation_config.json").get("eos_token_id"))
+        eos += _ids(config.get("eos_token_id")) + _ids(
+            config.get("text_config", {}).get("eos_token_id")
+        )
+        if isinstance(tok_config.get("eos_token"), str):
+            eos += _ids(tokenizer.token_to_id(tok_config["eos_token"]))
+        if not eos:
+            raise ValueError(
+                f"{directory} names no eos token id (generation_config.json or config.json)"
+            )
+        return cls(tokenizer, template, eos)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=False)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tokenizer.token_to_id(token)
+
+    def new_decoder(self) -> _StreamDecoder:
+        return _StreamDecoder(self._tokenizer)
+
+
+_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p")
+
+
+def read_generation_defaults(directory: str | Path) -> dict[str, float]:
+    """The checkpoint's sampling defaults from generation_config.json (do_sample false means
+    greedy), used for fields a request leaves out."""
+    config = _read_json(Path(directory) / "generation_config.json")
+    out = {k: float(config[k]) for k in _SAMPLING_KEYS if isinstance(config.get(k), int | float)}
+    if config.get("do_sample") is False:
+        out["temperature"] = 0.0
+    return out
