@@ -12,6 +12,8 @@ from glm53 import __version__
 # name -> module that defines add_parser(subparsers) and sets `func` on its parser
 SUBCOMMANDS: dict[str, str] = {
     "synth": "glm53.synth_cli",
+    "doctor": "glm53.doctor.cli",
+    "download": "glm53.download",
 }
 
 

@@ -1,0 +1,123 @@
+"""`glm53 doctor`: probe this host, check it, plan a mode and predict its speed."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from glm53.doctor.checks import run_checks
+from glm53.doctor.cpu import parse_cpu_list
+from glm53.doctor.plan import PlanRequest, make_plan
+from glm53.doctor.probes import probe_host
+from glm53.doctor.report import DoctorReport, render, to_json
+from glm53.doctor.source import FixtureSource, LiveSource
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from 123, 512K, 42G, 1.5GiB (binary multiples), as serve's --ram-cap reads them."""
+    m = _SIZE.match(text)
+    if not m:
+        raise ValueError(
+            f"--ram-cap {text!r} is not a size; write bytes or a number with K, M, G or T"
+        )
+    return int(float(m.group(1)) * 1024 ** " kmgt".index(m.group(2).lower() or " "))
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "doctor",
+        help="probe this host, check it and plan a mode with predicted speed",
+        description="Probes GPUs, CPU, memory, storage and software (each probe bounded by a "
+        "timeout), checks them against what glm53 needs, and recommends a mode with its flags "
+        "and a predicted decode and prefill speed. Never changes the system: steps that need "
+        "root (a RAID0, mkfs) are printed as proposals.",
+    )
+    p.add_argument("--json", action="store_true", help="print everything as one JSON document")
+    p.add_argument("--model", metavar="DIR", help="the checkpoint directory, to check it")
+    p.add_argument(
+        "--store",
+        metavar="DIR",
+        help="where the NVMe expert store goes (or is): checks O_DIRECT and measures its read "
+        "rate with a temporary 1 GiB probe file",
+    )
+    p.add_argument(
+        "--ram-cap",
+        metavar="SIZE",
+        help="cap of the RAM expert tier, as serve's --ram-cap (e.g. 42G); default: planned "
+        "from available memory",
+    )
+    p.add_argument("--cpus", metavar="LIST", help="CPUs of the CPU lane, e.g. 2-23")
+    p.add_argument("--ec-max-slots", metavar="N", type=int, help="most VRAM expert slots")
+    p.add_argument("--gpu", metavar="N", type=int, help="plan for this GPU (nvidia-smi index)")
+    p.add_argument(
+        "--compare",
+        metavar="FILE",
+        help="a bench/sweep.py --json result to set beside the prediction",
+    )
+    p.add_argument(
+        "--no-measure",
+        action="store_true",
+        help="skip the micro-measurements (DRAM, PCIe, CPU lane, store read)",
+    )
+    p.add_argument("--timeout", metavar="S", type=float, default=30.0, help="per probe (seconds)")
+    p.add_argument("--capture", metavar="DIR", help="also save the raw probe outputs under DIR")
+    p.add_argument(
+        "--replay",
+        metavar="DIR",
+        help="plan from outputs saved with --capture instead of this host",
+    )
+    p.set_defaults(func=run)
+
+
+def _request(args) -> PlanRequest:
+    return PlanRequest(
+        model_dir=os.path.abspath(args.model) if args.model else None,
+        store=os.path.abspath(args.store) if args.store else None,
+        ram_cap_bytes=parse_size(args.ram_cap) if args.ram_cap else None,
+        cpus=parse_cpu_list(args.cpus) if args.cpus else None,
+        ec_max_slots=args.ec_max_slots,
+        gpu_index=args.gpu,
+        compare=args.compare,
+    )
+
+
+def run(args) -> int:
+    err = Console(stderr=True)
+    try:
+        req = _request(args)
+    except ValueError as e:
+        err.print(f"glm53 doctor: {e}")
+        return 2
+    if args.replay:
+        source = FixtureSource(args.replay)
+    else:
+        source = LiveSource(timeout_s=args.timeout)
+        if not args.json:
+            err.print("probing this host (each probe bounded by a timeout) ...")
+    host = probe_host(
+        source,
+        measure_host=not args.no_measure,
+        store=req.store,
+        cpus=req.cpus,
+        timeout_s=args.timeout,
+    )
+    try:
+        plan = make_plan(host, req)
+    except (ValueError, FileNotFoundError) as e:
+        err.print(f"glm53 doctor: {e}")
+        return 2
+    report = DoctorReport(host=host, checks=run_checks(host, plan, req), plan=plan)
+    if args.capture and isinstance(source, LiveSource):
+        written = source.capture_to(Path(args.capture))
+        err.print(f"captured {len(written)} probe outputs under {args.capture}")
+    if args.json:
+        sys.stdout.write(to_json(report) + "\n")
+    else:
+        render(report, Console(highlight=False))
+    return 0

@@ -1,0 +1,267 @@
+"""The planner's cost model: predicted decode time per token (concurrency 1) and prefill rate
+for each mode, from the model's geometry and a few host figures.
+
+Decode. A token runs the non-MoE work, then 42 MoE layers one after another. In each layer the
+router picks 8 experts; each pick is VRAM-resident, in RAM, or (nvme modes) only on the store,
+with probabilities from the published popularity curve at the capacity of each tier. The picks
+go to lanes that run in parallel: the GPU (resident experts at t_hit, RAM experts copied over
+PCIe at bytes/PCIe + t_hit), the CPU lane (a + b x experts), and the store (a first read
+latency, then bytes/read rate), and the planner chooses the CPU share that minimises the
+slowest lane, as the seed's planner does (seed-project.md §3.5, §3.6). A layer costs the
+controller's fixed overhead plus its slowest lane; the expectation over the multinomial of the
+8 picks is exact, not sampled.
+
+Prefill (exact in every mode) streams every expert not in VRAM once per chunk, overlapped with
+the GPU's compute (the staging of DESIGN §4); store reads for experts not in RAM add on top.
+
+Constants measured on the seed's reference host (RTX 3090 on PCIe 4.0 x16, EPYC 7443P, 8-channel
+DDR4, 4x NVMe RAID0) scale with this host's figures where a physical reason says how."""
+
+from __future__ import annotations
+
+import math
+from enum import StrEnum
+
+import msgspec
+
+GIB = 1 << 30
+
+# --- model geometry (glm53-architecture.md §2, exllamav3.md §3.2, seed-project.md §2.1, §4.1)
+EXPERTS_PER_LAYER = 288
+NUM_MOE_LAYERS = 42  # model layers 3..44 are served
+STORE_LAYERS = 43  # the store also packs the MTP layer (model layer 45)
+TOP_K = 8
+TOTAL_EXPERTS = EXPERTS_PER_LAYER * NUM_MOE_LAYERS
+SCALE_BYTES_PER_EXPERT = 36_864  # suh + svh of gate, up, down (fp16)
+STORE_ALIGN = 4096
+CHECKPOINT_BYTES = 125_300_000_000  # the pinned 3.05 bpw revision on disk
+
+
+def expert_trellis_bytes(bits: int) -> int:
+    """gate and up (4096 -> 2048) and down (2048 -> 4096) at `bits` per weight."""
+    return 3 * 4096 * 2048 * bits // 8
+
+
+def store_record_bytes(bits: int) -> int:
+    raw = expert_trellis_bytes(bits) + SCALE_BYTES_PER_EXPERT
+    return -(-raw // STORE_ALIGN) * STORE_ALIGN
+
+
+def store_total_bytes(bits: int) -> int:
+    return STORE_LAYERS * EXPERTS_PER_LAYER * store_record_bytes(bits)
+
+
+# --- popularity: hottest 25/50/75 % of a layer's experts serve 73.5/90.7/98.4 % of decode picks
+# (exllamav3.md §4.4). Hit fraction at capacity c is (1 - e^(-L c)) / (1 - e^(-L)), L fitted by
+# least squares to those three points (largest error 0.021, at 50 %).
+POPULARITY_POINTS = ((0.25, 0.735), (0.5, 0.907), (0.75, 0.984))
+POPULARITY_LAMBDA = 5.094
+
+
+def hit_fraction(capacity: float) -> float:
+    """Share of decode picks served by a tier holding the hottest `capacity` of each layer."""
+    c = min(1.0, max(0.0, capacity))
+    return (1 - math.exp(-POPULARITY_LAMBDA * c)) / (1 - math.exp(-POPULARITY_LAMBDA))
+
+
+# --- reference host constants (seed-project.md)
+REF_VRAM_GBPS = 936.0  # RTX 3090 memory bandwidth (spec)
+REF_FP16_TFLOPS = 71.0  # RTX 3090 dense FP16 tensor, FP32 accumulate (spec)
+REF_NON_MOE_MS = 11.2  # §6.5 C1 breakdown: non-MoE GPU work per token
+REF_HIT_MS = 0.023  # §3.5 GLM53_CT_THIT: one VRAM-resident expert
+CONTROLLER_MS_PER_LAYER = 4.7 / NUM_MOE_LAYERS  # §6.5: host plan / bubbles, 4.7 ms per token
+REF_PREFILL_TOK_S = 700.0  # §6.5: exact 697, fast 709.7 at 8k (GPU-bound, 99 % busy)
+PREFILL_CHUNK_TOKENS = 8192
+# §3.5 lane at 22 threads: 9.44 MB per 0.104 ms = 90.7 GB/s of the 136-140 GB/s measured DRAM
+LANE_DRAM_SHARE = 0.66
+# §3.6 the in-place (native layout) lane the nvme modes use: ca 0.145 ms, cb 0.165 ms at 22
+# threads; the seed's rule b ~ 1/threads (§3.4 "GLM53_CT_B ~ 0.104 x 22 / N")
+SEED_LANE_A_MS = 0.145
+SEED_LANE_B_MS_22 = 0.165
+SEED_LANE_THREADS = 22
+
+# --- memory (seed-project.md §2.3, §4.2, §6.5)
+# VRAM used at ready besides the expert slots: 22.7 GiB (P001) - 1,376 slots
+VRAM_NON_EXPERT_BYTES = int(22.7 * GIB) - 1376 * expert_trellis_bytes(3)
+MIN_FREE_VRAM_MIB = 23_000
+# host RAM besides the experts: exact used 111.1 GiB with all 12,096 experts pinned
+HOST_BASE_ALL_RAM_BYTES = int(111.1 * GIB) - TOTAL_EXPERTS * expert_trellis_bytes(3)
+# nvme: memory.current before the RAM tier, from 55 GiB -> 4,832 slots (P003 log)
+HOST_BASE_NVME_BYTES = int(3.54 * GIB)
+NVME_MIN_CAP_BYTES = 15 * GIB
+NVME_SMALL_BELOW_BYTES = 24 * GIB
+
+
+class Mode(StrEnum):
+    EXACT = "exact"
+    FAST = "fast"
+    NVME = "nvme"
+    NVME_EXACT = "nvme-exact"
+
+
+LANE_MODES = {Mode.FAST, Mode.NVME}
+STORE_MODES = {Mode.NVME, Mode.NVME_EXACT}
+BIT_EXACT_MODES = {Mode.EXACT, Mode.NVME_EXACT}
+
+
+def reserve_bytes(mode: Mode) -> int:
+    """VRAM left free after the slot arena: 1.5 GiB with a CPU lane, 1.0 without (§2.3)."""
+    return int((1.5 if mode in LANE_MODES else 1.0) * GIB)
+
+
+def vram_slots(free_mib: int, mode: Mode, bits: int = 3, max_slots: int | None = None) -> int:
+    room = free_mib * 2**20 - VRAM_NON_EXPERT_BYTES - reserve_bytes(mode)
+    slots = max(0, room // expert_trellis_bytes(bits))
+    return min(slots, max_slots) if max_slots is not None else slots
+
+
+def _nvme_overhead_bytes(small: bool, bits: int) -> float:
+    """Process memory of the nvme modes besides the RAM tier (§4.2): the baseline, a margin,
+    the prefill ring, the recurrent-state cache and 0.3 GiB; smaller on hosts under 24 GiB."""
+    margin = (1.5 if small else 3.0) * GIB
+    ring = (128 if small else 192) * expert_trellis_bytes(bits)
+    rcs = (1.0 if small else 4.0) * GIB
+    return HOST_BASE_NVME_BYTES + margin + ring + rcs + 0.3 * GIB
+
+
+def ram_tier_slots(cap_bytes: int, bits: int = 3) -> int:
+    """Expert slots of the nvme modes' RAM tier when the whole process is capped at cap_bytes."""
+    room = cap_bytes - _nvme_overhead_bytes(cap_bytes < NVME_SMALL_BELOW_BYTES, bits)
+    return max(0, int(room // expert_trellis_bytes(bits)))
+
+
+def nvme_process_bytes(tier_slots: int, bits: int = 3) -> int:
+    """The process cap that gives a RAM tier of tier_slots (the inverse of ram_tier_slots)."""
+    tier = tier_slots * expert_trellis_bytes(bits)
+    small = tier + _nvme_overhead_bytes(True, bits)
+    if small < NVME_SMALL_BELOW_BYTES:
+        return math.ceil(small)
+    return math.ceil(tier + _nvme_overhead_bytes(False, bits))
+
+
+def all_ram_bytes(bits: int = 3) -> int:
+    """Host RAM of the all-RAM modes (exact, fast): every expert pinned plus the baseline."""
+    return TOTAL_EXPERTS * expert_trellis_bytes(bits) + HOST_BASE_ALL_RAM_BYTES
+
+
+def seed_lane(threads: int, dram_gbps: float | None, bits: int = 3) -> tuple[float, float]:
+    """(a, b) in ms for an uncalibrated lane: the seed's in-place figures scaled by 22/threads,
+    and b no faster than the lane's share of this host's DRAM bandwidth allows."""
+    b = SEED_LANE_B_MS_22 * SEED_LANE_THREADS / max(1, threads)
+    if dram_gbps:
+        b = max(b, expert_trellis_bytes(bits) / (LANE_DRAM_SHARE * dram_gbps * 1e6))
+    return SEED_LANE_A_MS, b
+
+
+class CostInputs(msgspec.Struct, frozen=True):
+    """What the model needs. Rates in GB/s (1e9 B/s), times in ms."""
+
+    vram_slots: int
+    pcie_gbps: float
+    vram_gbps: float = REF_VRAM_GBPS
+    gpu_fp16_tflops: float = REF_FP16_TFLOPS
+    expert_bits: int = 3
+    ram_tier_slots: int | None = None  # nvme modes only
+    lane_a_ms: float | None = None  # lane modes only
+    lane_b_ms: float | None = None
+    store_gbps: float | None = None  # nvme modes only
+    store_latency_ms: float | None = None
+
+
+class Prediction(msgspec.Struct, frozen=True):
+    mode: Mode
+    decode_tok_s: float
+    ms_per_token: float
+    non_moe_ms: float
+    moe_ms: float  # all 42 layers, controller overhead included
+    vram_share: float  # of decode picks
+    ram_share: float
+    store_share: float
+    cpu_experts_per_layer: float
+    prefill_tok_s: float
+
+
+def _multinomial(n: int, pv: float, pr: float, pn: float):
+    for nv in range(n + 1):
+        for nr in range(n + 1 - nv):
+            nn = n - nv - nr
+            ways = math.factorial(n) // (
+                math.factorial(nv) * math.factorial(nr) * math.factorial(nn)
+            )
+            p = ways * pv**nv * pr**nr * pn**nn
+            if p > 0:
+                yield p, nv, nr, nn
+
+
+def _layer(
+    nv: int, nr: int, nn: int, t_hit: float, t_copy: float, lane, t_read: float, t_first: float
+) -> tuple[float, int]:
+    """(slowest lane in ms, experts on the CPU) for one layer's picks, best CPU share."""
+    best = (math.inf, 0)
+    for k in range(nr + 1) if lane else (0,):
+        gpu = t_hit * nv + t_copy * (nr - k)
+        cpu = lane[0] + lane[1] * k if k else 0.0
+        on_cpu = k
+        for j in range(nn):  # store reads land one after another, then go where cheaper
+            arrive = t_first + j * t_read
+            to_gpu = max(gpu, arrive) + t_copy
+            to_cpu = max(cpu or lane[0], arrive) + lane[1] if lane else math.inf
+            if to_cpu < to_gpu:
+                cpu, on_cpu = to_cpu, on_cpu + 1
+            else:
+                gpu = to_gpu
+        best = min(best, (max(gpu, cpu), on_cpu))
+    return best
+
+
+def predict(mode: Mode, x: CostInputs) -> Prediction:
+    """Decode (concurrency 1) and prefill prediction for one mode; raises ValueError naming
+    the missing input when the mode needs one that x lacks."""
+    eb = expert_trellis_bytes(x.expert_bits)
+    lane = None
+    if mode in LANE_MODES:
+        if x.lane_a_ms is None or x.lane_b_ms is None:
+            raise ValueError(f"mode {mode}: needs the CPU lane's lane_a_ms and lane_b_ms")
+        lane = (x.lane_a_ms, x.lane_b_ms)
+    cap_vram = x.vram_slots / TOTAL_EXPERTS
+    pv = hit_fraction(cap_vram)
+    stored_slots = 0
+    t_read = t_first = 0.0
+    if mode in STORE_MODES:
+        if x.ram_tier_slots is None or x.store_gbps is None or x.store_latency_ms is None:
+            raise ValueError(f"mode {mode}: needs ram_tier_slots, store_gbps and store_latency_ms")
+        near = hit_fraction((x.vram_slots + x.ram_tier_slots) / TOTAL_EXPERTS)
+        pr, pn = max(0.0, near - pv), 1.0 - near
+        stored_slots = max(0, TOTAL_EXPERTS - x.vram_slots - x.ram_tier_slots)
+        t_read = eb / (x.store_gbps * 1e6)
+        t_first = x.store_latency_ms
+    else:
+        pr, pn = 1.0 - pv, 0.0
+    scale = REF_VRAM_GBPS / x.vram_gbps
+    t_hit = REF_HIT_MS * scale
+    t_copy = eb / (x.pcie_gbps * 1e6) + t_hit
+    layer_ms = cpu_per_layer = 0.0
+    for p, nv, nr, nn in _multinomial(TOP_K, pv, pr, pn):
+        ms, on_cpu = _layer(nv, nr, nn, t_hit, t_copy, lane, t_read, t_first)
+        layer_ms += p * ms
+        cpu_per_layer += p * on_cpu
+    non_moe = REF_NON_MOE_MS * scale
+    moe = NUM_MOE_LAYERS * (CONTROLLER_MS_PER_LAYER + layer_ms)
+    total = non_moe + moe
+    # prefill: per chunk, max(GPU compute, PCIe streaming of non-VRAM experts) + store reads
+    compute_s = PREFILL_CHUNK_TOKENS / (REF_PREFILL_TOK_S * x.gpu_fp16_tflops / REF_FP16_TFLOPS)
+    stream_s = (TOTAL_EXPERTS - x.vram_slots) * eb / (x.pcie_gbps * 1e9)
+    store_s = stored_slots * eb / (x.store_gbps * 1e9) if stored_slots else 0.0
+    prefill = PREFILL_CHUNK_TOKENS / (max(compute_s, stream_s) + store_s)
+    return Prediction(
+        mode=mode,
+        decode_tok_s=round(1000 / total, 2),
+        ms_per_token=round(total, 2),
+        non_moe_ms=round(non_moe, 2),
+        moe_ms=round(moe, 2),
+        vram_share=round(pv, 4),
+        ram_share=round(pr, 4),
+        store_share=round(pn, 4),
+        cpu_experts_per_layer=round(cpu_per_layer, 2),
+        prefill_tok_s=round(prefill, 1),
+    )

@@ -1,0 +1,497 @@
+"""The planner: which mode to run on this host, with which flags, and how fast it should be.
+Every mode the host can run is predicted with the cost model; the fastest is recommended, and
+the fastest bit-exact one is named beside it when they differ."""
+
+from __future__ import annotations
+
+import os
+
+import msgspec
+
+from glm53.doctor import inputs as hi
+from glm53.doctor.costmodel import (
+    BIT_EXACT_MODES,
+    GIB,
+    LANE_MODES,
+    MIN_FREE_VRAM_MIB,
+    NVME_MIN_CAP_BYTES,
+    REF_FP16_TFLOPS,
+    REF_VRAM_GBPS,
+    STORE_MODES,
+    TOTAL_EXPERTS,
+    CostInputs,
+    Mode,
+    Prediction,
+    all_ram_bytes,
+    expert_trellis_bytes,
+    nvme_process_bytes,
+    predict,
+    ram_tier_slots,
+    seed_lane,
+    store_total_bytes,
+    vram_slots,
+)
+from glm53.doctor.cpu import format_cpu_list
+from glm53.doctor.gpu import spec_of
+from glm53.doctor.host import Gpu, HostProbe
+from glm53.doctor.sweep import SweepResult, read_sweep
+
+EB = expert_trellis_bytes(3)
+DEFAULT_CT_B_MS = 0.104  # serve's --ct-b default (glm53/config.py)
+SEED_FAST_LANE = (0.11, 0.104)  # seed §3.5: swizzled-copy lane, a and b at 22 threads
+DESKTOP_EC_MAX_SLOTS = 1376  # seed §2.3: cap when a desktop shares the GPU
+SEED_STORE_LATENCY_MS = 1.3  # seed §4.3: mean record read latency under load, 1.2-1.4 ms
+CHECKPOINT_DIRNAME = "GLM-5.3-Flash-exl3-3.05bpw"
+
+
+class PlanRequest(msgspec.Struct, frozen=True):
+    model_dir: str | None = None
+    store: str | None = None
+    ram_cap_bytes: int | None = None  # cap of the RAM expert tier, as serve's --ram-cap
+    cpus: list[int] | None = None
+    ec_max_slots: int | None = None
+    gpu_index: int | None = None
+    compare: str | None = None
+
+
+class InputValue(msgspec.Struct, frozen=True):
+    name: str
+    value: float | int | str
+    source: str
+
+
+class ModeOption(msgspec.Struct, frozen=True):
+    mode: Mode
+    feasible: bool
+    reason: str
+    host_ram_bytes: int | None = None
+    ram_tier_bytes: int | None = None
+    prediction: Prediction | None = None
+    inputs: list[InputValue] = []
+    flags: dict[str, str] = {}
+
+
+class Proposal(msgspec.Struct, frozen=True):
+    title: str
+    why: str
+    commands: list[str]
+    warning: str
+
+
+class Comparison(msgspec.Struct, frozen=True):
+    file: str
+    mode: str
+    decode_measured_tok_s: float | None
+    decode_predicted_tok_s: float | None
+    prefill_tokens: int | None
+    prefill_measured_tok_s: float | None
+    prefill_predicted_tok_s: float | None
+
+
+class Plan(msgspec.Struct):
+    headline: str
+    mode: Mode | None
+    exact_alternative: Mode | None
+    gpu_index: int | None
+    lane_cpus: list[int]
+    budget_bytes: int | None
+    budget_how: str
+    store_location: str | None
+    model_location: str | None
+    steps: list[str]  # commands in order; the last one starts the server
+    options: list[ModeOption]
+    proposals: list[Proposal]
+    comparison: Comparison | None = None
+
+
+def _gpu_inputs(gpu: Gpu, host: HostProbe) -> list[InputValue]:
+    m = host.measured
+    if m.pcie_h2d_gbps:
+        pcie = InputValue("pcie_gbps", m.pcie_h2d_gbps, "measured: pinned host-to-device copy")
+    else:
+        est = hi.link_gbps(gpu.pcie_gen_max, gpu.pcie_width_max, hi.PCIE_PRACTICAL)
+        why = m.notes.get("pcie", "not measured")
+        if est:
+            pcie = InputValue(
+                "pcie_gbps",
+                est,
+                f"estimated: PCIe {gpu.pcie_gen_max}.0 x{gpu.pcie_width_max} at 80 % of line "
+                f"rate ({why})",
+            )
+        else:
+            pcie = InputValue("pcie_gbps", 25.0, f"assumed: the seed's 4.0 x16 link ({why})")
+    if gpu.memory_bandwidth_gbps:
+        vram = InputValue(
+            "vram_gbps", gpu.memory_bandwidth_gbps, f"{gpu.source}: bus width x memory clock"
+        )
+    else:
+        vram = InputValue("vram_gbps", REF_VRAM_GBPS, "assumed: an RTX 3090's (unknown card)")
+    spec = spec_of(gpu.name)
+    if spec:
+        tflops = InputValue("gpu_fp16_tflops", spec[1], f"spec sheet of {gpu.name}")
+    else:
+        tflops = InputValue(
+            "gpu_fp16_tflops", REF_FP16_TFLOPS, "assumed: an RTX 3090's (card not in the table)"
+        )
+    return [pcie, vram, tflops]
+
+
+def _lane_inputs(mode: Mode, host: HostProbe, threads: int, swizzled: bool) -> list[InputValue]:
+    m = host.measured
+    if m.lane is not None:
+        src = f"measured: glm53.tiers.cpu_lane calibration at {m.lane.threads} threads"
+        return [
+            InputValue("lane_a_ms", m.lane.a_ms, src),
+            InputValue("lane_b_ms", m.lane.b_ms, src),
+        ]
+    why = m.notes.get("lane", "not calibrated: the lane calibration was not run")
+    if mode == Mode.FAST and swizzled:
+        a, b22 = SEED_FAST_LANE
+        b = b22 * 22 / max(1, threads)
+        src = f"{why}; seed §3.5 swizzled lane, b = 0.104 ms x 22 / {threads} threads"
+    else:
+        a, b = seed_lane(threads, m.dram_gbps)
+        src = f"{why}; seed §3.6 in-place lane, b = 0.165 ms x 22 / {threads} threads"
+        if m.dram_gbps:
+            src += f", no faster than 66 % of {m.dram_gbps:.0f} GB/s DRAM allows"
+    return [InputValue("lane_a_ms", round(a, 4), src), InputValue("lane_b_ms", round(b, 4), src)]
+
+
+def _value(values: list[InputValue], name: str):
+    return next(v.value for v in values if v.name == name)
+
+
+def _store_inputs(host: HostProbe, req: PlanRequest, spot: hi.Spot | None) -> list[InputValue]:
+    m = host.measured
+    if req.store and m.store is not None:
+        src = f"measured: O_DIRECT reads of {m.store.bytes_read >> 20} MiB in {m.store.path}"
+        return [
+            InputValue("store_gbps", m.store.read_gbps, src),
+            InputValue("store_latency_ms", m.store.record_latency_ms, src),
+        ]
+    if spot is not None and spot.read_gbps_estimate:
+        why = m.notes.get("store", "not measured: pass --store DIR")
+        return [
+            InputValue(
+                "store_gbps",
+                spot.read_gbps_estimate,
+                f"estimated from the NVMe links of {', '.join(spot.disks)} ({why})",
+            ),
+            InputValue("store_latency_ms", SEED_STORE_LATENCY_MS, "assumed: seed §4.3, under load"),
+        ]
+    return []
+
+
+def desktop_ec_max_slots(gpu: Gpu, requested: int | None) -> int | None:
+    """--ec-max-slots: the user's value, else the seed's 1,376 when a desktop (a graphics
+    process) shares the GPU and may take VRAM after the cache has sized itself (§2.3, §8.10)."""
+    if requested is not None:
+        return requested
+    if any("graphics" in proc.kind for proc in gpu.processes):
+        return DESKTOP_EC_MAX_SLOTS
+    return None
+
+
+def _demo(headline: str, reason: str) -> Plan:
+    return Plan(
+        headline=headline,
+        mode=None,
+        exact_alternative=None,
+        gpu_index=None,
+        lane_cpus=[],
+        budget_bytes=None,
+        budget_how="",
+        store_location=None,
+        model_location=None,
+        steps=["glm53 serve --demo"],
+        options=[ModeOption(mode=m, feasible=False, reason=reason) for m in Mode],
+        proposals=[],
+    )
+
+
+def _size_flag(nbytes: int) -> str:
+    return f"{int(nbytes / GIB * 10) / 10:g}G"
+
+
+def place_on(spot: hi.Spot, name: str) -> str:
+    """A directory for glm53's files on a filesystem: under its mount point, or under
+    /var/lib/glm53 on the root filesystem."""
+    base = "/var/lib/glm53" if spot.target == "/" else spot.target
+    return os.path.join(base, name)
+
+
+def store_present(path: str | None) -> bool:
+    """A store directory that already holds files (a packed store, to verify rather than pack)."""
+    return (
+        bool(path) and os.path.isdir(path) and any(not n.startswith(".") for n in os.listdir(path))
+    )
+
+
+def _store_location(host: HostProbe, req: PlanRequest, all_spots: list[hi.Spot]):
+    """(store path, the filesystem it is on, why it cannot be used or "")."""
+    need = store_total_bytes(3)
+    if not req.store:
+        spot = hi.store_spot(all_spots)
+        if spot is None:
+            return (
+                None,
+                None,
+                (
+                    f"no local xfs/ext4 filesystem on NVMe has {need / 1e9:.1f} GB free for the store"
+                ),
+            )
+        return place_on(spot, "glm53-store"), spot, ""
+    if host.measured.odirect_ok is False:
+        return req.store, None, host.measured.notes.get("odirect", "O_DIRECT refused")
+    mount = hi.mount_of(host.storage, req.store) if host.storage else None
+    spot = next((s for s in all_spots if mount and s.target == mount.target), None)
+    if store_present(req.store):
+        return req.store, spot, ""
+    if spot is None:
+        return req.store, None, f"{req.store}: not on a local disk filesystem with known free space"
+    if spot.free_bytes < need:
+        return (
+            req.store,
+            spot,
+            (
+                f"{spot.target} has {spot.free_bytes / 1e9:.1f} GB free, the store needs {need / 1e9:.1f} GB"
+            ),
+        )
+    return req.store, spot, ""
+
+
+def _options(host: HostProbe, req: PlanRequest, gpu: Gpu, lane: list[int], budget: hi.Budget,
+             store_path: str | None, spot: hi.Spot | None, store_why: str,
+             ec_max_slots: int | None) -> list[ModeOption]:  # fmt: skip
+    gpu_in = _gpu_inputs(gpu, host)
+    simd = hi.lane_simd(host.cpu) if host.cpu else None
+    experts = TOTAL_EXPERTS * EB
+    options = []
+    for mode in Mode:
+        flags: dict[str, str] = {}
+        if mode in LANE_MODES and host.cpu is None:
+            options.append(ModeOption(mode, False, "CPU probe unavailable"))
+            continue
+        if mode in LANE_MODES and simd is None:
+            options.append(
+                ModeOption(mode, False, "the CPU lacks AVX2/FMA/F16C and AVX-512: no fast lane")
+            )
+            continue
+        if mode in LANE_MODES and not lane:
+            options.append(
+                ModeOption(mode, False, "no physical core left for the CPU lane after two")
+            )
+            continue
+        slots = vram_slots(gpu.memory_free_mib, mode, max_slots=ec_max_slots)
+        values = [*gpu_in, InputValue("vram_slots", slots, "free VRAM - model - reserve")]
+        host_ram = tier_bytes = None
+        if mode in STORE_MODES:
+            if store_why:
+                options.append(ModeOption(mode, False, store_why))
+                continue
+            store_in = _store_inputs(host, req, spot)
+            if not store_in:
+                options.append(
+                    ModeOption(mode, False, "store read rate unknown: pass --store DIR on NVMe")
+                )
+                continue
+            if req.ram_cap_bytes is not None:
+                tier_slots = req.ram_cap_bytes // EB
+                src = "--ram-cap"
+            else:
+                tier_slots = ram_tier_slots(budget.bytes)
+                src = f"from the budget: {budget.how}"
+            tier_slots = min(tier_slots, TOTAL_EXPERTS - slots)
+            host_ram = nvme_process_bytes(tier_slots)
+            if host_ram < NVME_MIN_CAP_BYTES or tier_slots <= 0:
+                options.append(
+                    ModeOption(mode, False, f"needs at least {NVME_MIN_CAP_BYTES // GIB} GiB RAM")
+                )
+                continue
+            tier_bytes = tier_slots * EB
+            values += [InputValue("ram_tier_slots", tier_slots, src), *store_in]
+            flags |= {"--store": store_path or "", "--ram-cap": _size_flag(tier_bytes)}
+        else:
+            host_ram = all_ram_bytes()
+            if req.ram_cap_bytes is not None and req.ram_cap_bytes < experts:
+                options.append(
+                    ModeOption(
+                        mode,
+                        False,
+                        f"keeps every expert in RAM ({experts / GIB:.1f} GiB), more than "
+                        f"--ram-cap {req.ram_cap_bytes / GIB:.1f} GiB",
+                    )
+                )
+                continue
+        swizzled = False
+        if mode == Mode.FAST:
+            swizzled = host_ram + experts <= budget.bytes
+            if swizzled:
+                host_ram += experts  # --ct-swz (serve's default) keeps a second copy
+            else:
+                flags["--no-ct-swz"] = ""
+        if mode not in STORE_MODES and host_ram > budget.bytes:
+            options.append(
+                ModeOption(
+                    mode,
+                    False,
+                    f"needs {host_ram / GIB:.1f} GiB RAM, the budget is "
+                    f"{budget.bytes / GIB:.1f} GiB ({budget.how})",
+                    host_ram_bytes=host_ram,
+                )
+            )
+            continue
+        if mode in LANE_MODES:
+            lane_in = _lane_inputs(mode, host, len(lane), swizzled)
+            values += lane_in
+            flags["--cpus"] = format_cpu_list(lane)
+            b = float(_value(lane_in, "lane_b_ms"))
+            if abs(b - DEFAULT_CT_B_MS) > 0.01 * DEFAULT_CT_B_MS:
+                flags["--ct-b"] = f"{b:.3f}"
+        x = CostInputs(**{v.name: v.value for v in values})
+        options.append(
+            ModeOption(
+                mode,
+                True,
+                "",
+                host_ram_bytes=host_ram,
+                ram_tier_bytes=tier_bytes,
+                prediction=predict(mode, x),
+                inputs=values,
+                flags=flags,
+            )
+        )
+    return options
+
+
+def _proposals(host: HostProbe, store_spot: hi.Spot | None) -> list[Proposal]:
+    if host.storage is None or (store_spot and len(store_spot.disks) > 1):
+        return []
+    idle = hi.idle_nvme_disks(host.storage)
+    if not idle:
+        return []
+    paths = [d.path for d in idle]
+    warning = (
+        f"ERASES everything on {', '.join(paths)}. Run these yourself, as root, only after "
+        "checking that these exact devices hold nothing you need; glm53 never runs them."
+    )
+    if len(idle) >= 2:
+        return [
+            Proposal(
+                title=f"RAID0 of the {len(idle)} idle NVMe drives for the store",
+                why="the store reads fastest from a striped array (the seed used 4 drives, 512k "
+                "chunk, xfs: ~26 GB/s)",
+                commands=[
+                    f"mdadm --create /dev/md/glm53 --level=0 --chunk=512K "
+                    f"--raid-devices={len(idle)} {' '.join(paths)}",
+                    "mkfs.xfs /dev/md/glm53",
+                    "mkdir -p /mnt/glm53 && mount /dev/md/glm53 /mnt/glm53",
+                ],
+                warning=warning,
+            )
+        ]
+    return [
+        Proposal(
+            title=f"xfs on the idle NVMe drive {paths[0]} for the store",
+            why="the store needs a local xfs or ext4 filesystem on NVMe",
+            commands=[
+                f"mkfs.xfs {paths[0]}",
+                f"mkdir -p /mnt/glm53 && mount {paths[0]} /mnt/glm53",
+            ],
+            warning=warning,
+        )
+    ]
+
+
+def _command(gpus: list[Gpu], gpu: Gpu, model: str, option: ModeOption,
+             ec_max_slots: int | None) -> str:  # fmt: skip
+    parts = []
+    if len(gpus) > 1:
+        parts.append(f"CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES={gpu.index}")
+    parts += ["glm53 serve", f"--model {model}", f"--mode {option.mode}"]
+    parts += [f"{k} {v}".rstrip() for k, v in option.flags.items()]
+    if ec_max_slots is not None:
+        parts.append(f"--ec-max-slots {ec_max_slots}")
+    return " ".join(parts)
+
+
+def _compare(path: str, options: list[ModeOption], recommended: Mode) -> Comparison:
+    result: SweepResult = read_sweep(path)
+    mode = Mode(result.mode) if result.mode in {m.value for m in Mode} else recommended
+    option = next(o for o in options if o.mode == mode)
+    pred = option.prediction
+    return Comparison(
+        file=path,
+        mode=str(mode),
+        decode_measured_tok_s=result.decode_c1_tok_s,
+        decode_predicted_tok_s=pred.decode_tok_s if pred else None,
+        prefill_tokens=result.prefill_tokens,
+        prefill_measured_tok_s=result.prefill_tok_s,
+        prefill_predicted_tok_s=pred.prefill_tok_s if pred else None,
+    )
+
+
+def make_plan(host: HostProbe, req: PlanRequest) -> Plan:
+    gpus = host.gpus or []
+    if host.gpus is None:
+        return _demo("GPU probe unavailable: demo only", host.unavailable.get("gpu", "?"))
+    gpu = hi.choose_gpu(gpus, req.gpu_index)
+    if gpu is None:
+        return _demo("no GPU: demo only", host.gpu_source or "no NVIDIA GPU found")
+    if gpu.memory_free_mib < MIN_FREE_VRAM_MIB:
+        return _demo(
+            f"GPU {gpu.index} ({gpu.name}) has {gpu.memory_free_mib:,} MiB free, glm53 needs "
+            f"{MIN_FREE_VRAM_MIB:,}: demo only",
+            "not enough free VRAM",
+        )
+    if host.memory is None:
+        return _demo("memory probe unavailable: demo only", host.unavailable.get("memory", "?"))
+    budget = hi.memory_budget(host.memory)
+    lane = hi.lane_cpus(host.cpu, req.cpus) if host.cpu else []
+    all_spots = hi.spots(host.storage) if host.storage else []
+    store_path, spot, store_why = _store_location(host, req, all_spots)
+    ec_max_slots = desktop_ec_max_slots(gpu, req.ec_max_slots)
+    options = _options(host, req, gpu, lane, budget, store_path, spot, store_why, ec_max_slots)
+    feasible = [o for o in options if o.feasible and o.prediction]
+    model_spot = hi.checkpoint_spot(all_spots, spot.target if spot else None)
+    model = req.model_dir or (place_on(model_spot, CHECKPOINT_DIRNAME) if model_spot else None)
+    plan = Plan(
+        headline="",
+        mode=None,
+        exact_alternative=None,
+        gpu_index=gpu.index,
+        lane_cpus=lane,
+        budget_bytes=budget.bytes,
+        budget_how=budget.how,
+        store_location=store_path,
+        model_location=model,
+        steps=[],
+        options=options,
+        proposals=_proposals(host, spot),
+    )
+    if not feasible:
+        plan.headline = "no mode fits this host: demo only (see the checks)"
+        plan.steps = ["glm53 serve --demo"]
+        return plan
+    best = max(feasible, key=lambda o: o.prediction.decode_tok_s)
+    exact = [o for o in feasible if o.mode in BIT_EXACT_MODES]
+    if best.mode not in BIT_EXACT_MODES and exact:
+        plan.exact_alternative = max(exact, key=lambda o: o.prediction.decode_tok_s).mode
+    plan.mode = best.mode
+    p = best.prediction
+    plan.headline = (
+        f"{best.mode}: {p.decode_tok_s:.1f} tok/s decode at concurrency 1, "
+        f"{p.prefill_tok_s:.0f} tok/s prefill (predicted) on GPU {gpu.index}, {gpu.name}"
+    )
+    model_arg = model or f"/path/to/{CHECKPOINT_DIRNAME}"
+    if not (req.model_dir and os.path.isfile(os.path.join(req.model_dir, "config.json"))):
+        plan.steps.append(f"glm53 download --dir {model_arg}")
+    if best.mode in STORE_MODES:
+        if store_present(store_path):
+            plan.steps.append(f"glm53 store verify --store {store_path} --model {model_arg}")
+        else:
+            plan.steps.append(f"glm53 store pack --model {model_arg} --out {store_path}")
+    plan.steps.append(_command(gpus, gpu, model_arg, best, ec_max_slots))
+    if req.compare:
+        plan.comparison = _compare(req.compare, options, best.mode)
+    return plan

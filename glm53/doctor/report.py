@@ -1,0 +1,218 @@
+"""The doctor's output: one JSON document (`--json`) or rich tables that end with the commands
+to run."""
+
+from __future__ import annotations
+
+import msgspec
+from rich.console import Console
+from rich.markup import escape
+from rich.panel import Panel
+from rich.table import Table
+
+from glm53.doctor.checks import Check, Verdict
+from glm53.doctor.costmodel import GIB
+from glm53.doctor.host import HostProbe
+from glm53.doctor.inputs import spots
+from glm53.doctor.plan import Plan
+
+VERDICT_STYLE = {Verdict.OK: "green", Verdict.WARN: "yellow", Verdict.FAIL: "bold red"}
+
+
+class DoctorReport(msgspec.Struct):
+    host: HostProbe
+    checks: list[Check]
+    plan: Plan
+
+
+def to_json(report: DoctorReport) -> str:
+    return msgspec.json.format(msgspec.json.encode(report).decode(), indent=2)
+
+
+def _gib(n: int | None) -> str:
+    return "?" if n is None else f"{n / GIB:.1f} GiB"
+
+
+def _row(table: Table, *cells) -> None:
+    """A row of probed text: never read as rich markup (a process may be named "[x]")."""
+    table.add_row(*(escape(str(c)) for c in cells))
+
+
+def _host_tables(host: HostProbe) -> list[Table]:
+    tables = []
+    caption = (
+        None if host.gpus else (host.gpu_source or f"unavailable: {host.unavailable.get('gpu')}")
+    )
+    t = Table(title="GPUs", title_justify="left", caption=caption, caption_justify="left")
+    for col in (
+        "#",
+        "name",
+        "VRAM free / total",
+        "driver (CUDA)",
+        "cc",
+        "PCIe now / max",
+        "other work",
+    ):
+        t.add_column(col)
+    for g in host.gpus or []:
+        procs = ", ".join(
+            f"{p.name} ({p.kind[0].upper()}, {p.used_mib or '?'} MiB)" for p in g.processes
+        )
+        _row(
+            t,
+            str(g.index),
+            g.name,
+            f"{g.memory_free_mib:,} / {g.memory_total_mib:,} MiB",
+            f"{g.driver_version} ({g.cuda_driver_version or '?'})",
+            g.compute_capability or "?",
+            f"{g.pcie_gen_current or '?'}.0 x{g.pcie_width_current or '?'} / "
+            f"{g.pcie_gen_max or '?'}.0 x{g.pcie_width_max or '?'}",
+            procs or "none",
+        )
+    tables.append(t)
+    t = Table(title="CPU and memory", title_justify="left", show_header=False)
+    t.add_column()
+    t.add_column()
+    if host.cpu:
+        c = host.cpu
+        flags = [n for n, on in msgspec.structs.asdict(c.flags).items() if on]
+        _row(t, "CPU", f"{c.model}: {c.sockets} socket(s), {c.physical_cores} cores, "
+                  f"{c.logical_cpus} logical, {c.numa_nodes} NUMA node(s)")  # fmt: skip
+        _row(t, "flags", " ".join(flags) or "none of interest")
+    if host.memory:
+        m = host.memory
+        _row(t, "RAM", f"{_gib(m.total_bytes)} total, {_gib(m.available_bytes)} available")
+        swap = ", ".join(s.name for s in m.swap_devices) or "none"
+        _row(t, "swap", f"{_gib(m.swap_total_bytes)} ({swap})")
+        cg = _gib(m.cgroup_max_bytes) if m.cgroup_limited else "no limit"
+        _row(t, "cgroup", f"v{m.cgroup_version} {m.cgroup_path}: memory.max {cg}" if m.cgroup_version else "none")  # fmt: skip
+        _row(t, "memlock", "unlimited" if m.memlock_unlimited else f"{(m.memlock_bytes or 0) // 1024} KiB")  # fmt: skip
+    tables.append(t)
+    if host.storage:
+        t = Table(title="Filesystems", title_justify="left")
+        for col in ("mount", "fs", "disks", "free", "NVMe", "read est."):
+            t.add_column(col)
+        for s in spots(host.storage):
+            est = f"{s.read_gbps_estimate:.1f} GB/s" if s.read_gbps_estimate else "-"
+            _row(t, s.target, s.fstype, ",".join(s.disks) or "?", f"{s.free_bytes / 1e9:.1f} GB",
+                      "yes" if s.nvme_only else "no", est)  # fmt: skip
+        tables.append(t)
+        if host.storage.nvme or host.storage.md:
+            t = Table(title="NVMe and RAID", title_justify="left", show_header=False)
+            t.add_column()
+            t.add_column()
+            for n in host.storage.nvme:
+                _row(t, f"{n.name} ({','.join(n.namespaces)})",
+                          f"{n.model}: {n.link_speed_current} x{n.link_width_current} "
+                          f"(max {n.link_speed_max} x{n.link_width_max})")  # fmt: skip
+            for a in host.storage.md:
+                _row(
+                    t,
+                    a.name,
+                    f"{a.state} {a.level} chunk {a.chunk_kib or '?'}k: {' '.join(a.members)}",
+                )
+            tables.append(t)
+    t = Table(title="Software and measurements", title_justify="left", show_header=False)
+    t.add_column()
+    t.add_column()
+    if host.versions:
+        v = host.versions
+        _row(t, "python / torch", f"{v.python} / {v.torch or 'not installed'} (CUDA {v.torch_cuda or 'none: CPU build'})")  # fmt: skip
+        _row(t, "exllamav3 / hf_hub / nvml", f"{v.exllamav3 or '-'} / {v.huggingface_hub or '-'} / {v.nvidia_ml_py or '-'}")  # fmt: skip
+    me = host.measured
+    _row(
+        t,
+        "DRAM copy",
+        f"{me.dram_gbps} GB/s" if me.dram_gbps else me.notes.get("dram", me.notes.get("all", "-")),
+    )
+    _row(
+        t,
+        "PCIe upload",
+        f"{me.pcie_h2d_gbps} GB/s"
+        if me.pcie_h2d_gbps
+        else me.notes.get("pcie", me.notes.get("all", "-")),
+    )
+    _row(t, "CPU lane", f"a {me.lane.a_ms} ms + b {me.lane.b_ms} ms/expert at {me.lane.threads} threads"
+              if me.lane else me.notes.get("lane", me.notes.get("all", "-")))  # fmt: skip
+    _row(t, "store read", f"{me.store.read_gbps} GB/s, {me.store.record_latency_ms} ms/record"
+              if me.store else me.notes.get("store", me.notes.get("all", "-")))  # fmt: skip
+    tables.append(t)
+    return tables
+
+
+def _plan_tables(plan: Plan) -> list:
+    out: list = []
+    t = Table(title="Modes (predicted, concurrency 1)", title_justify="left")
+    for col in (
+        "mode",
+        "decode tok/s",
+        "prefill tok/s",
+        "host RAM",
+        "picks VRAM/RAM/store",
+        "CPU experts/layer",
+        "why not",
+    ):
+        t.add_column(col)
+    for o in plan.options:
+        p = o.prediction
+        mark = " *" if o.mode == plan.mode else ""
+        t.add_row(
+            f"{o.mode}{mark}",
+            f"{p.decode_tok_s:.1f}" if p else "-",
+            f"{p.prefill_tok_s:.0f}" if p else "-",
+            _gib(o.host_ram_bytes) if o.host_ram_bytes else "-",
+            f"{p.vram_share:.0%} / {p.ram_share:.0%} / {p.store_share:.0%}" if p else "-",
+            f"{p.cpu_experts_per_layer:.1f}" if p else "-",
+            escape(o.reason),
+        )
+    out.append(t)
+    chosen = next((o for o in plan.options if o.mode == plan.mode), None)
+    if chosen and chosen.prediction:
+        p = chosen.prediction
+        t = Table(title=f"Cost model inputs for {chosen.mode}: {p.ms_per_token:.1f} ms/token = "
+                  f"{p.non_moe_ms:.1f} non-MoE + {p.moe_ms:.1f} in 42 MoE layers", title_justify="left")  # fmt: skip
+        for col in ("input", "value", "from"):
+            t.add_column(col)
+        for v in chosen.inputs:
+            t.add_row(v.name, str(v.value), escape(v.source))
+        out.append(t)
+    c = plan.comparison
+    if c:
+        t = Table(title=f"Predicted vs measured ({c.file}, mode {c.mode})", title_justify="left")
+        for col in ("figure", "predicted", "measured"):
+            t.add_column(col)
+        t.add_row("decode tok/s, C1", str(c.decode_predicted_tok_s), str(c.decode_measured_tok_s))
+        t.add_row(
+            f"prefill tok/s ({c.prefill_tokens} tokens)",
+            str(c.prefill_predicted_tok_s),
+            str(c.prefill_measured_tok_s),
+        )
+        out.append(t)
+    for prop in plan.proposals:
+        body = f"{escape(prop.why)}\n\n" + "\n".join(f"  {escape(cmd)}" for cmd in prop.commands)
+        body += f"\n\n[bold red]WARNING: {escape(prop.warning)}[/bold red]"
+        out.append(Panel(body, title=f"Proposal (not run): {prop.title}", title_align="left"))
+    return out
+
+
+def render(report: DoctorReport, console: Console) -> None:
+    for table in _host_tables(report.host):
+        console.print(table)
+    t = Table(title="Checks", title_justify="left")
+    for col in ("", "check", "found", "fix"):
+        t.add_column(col)
+    for c in report.checks:
+        t.add_row(
+            f"[{VERDICT_STYLE[c.verdict]}]{c.verdict}[/]", c.name, escape(c.detail), escape(c.fix)
+        )
+    console.print(t)
+    for item in _plan_tables(report.plan):
+        console.print(item)
+    plan = report.plan
+    console.print(f"\n[bold]Plan:[/bold] {plan.headline}")
+    if plan.exact_alternative:
+        alt = next(o for o in plan.options if o.mode == plan.exact_alternative)
+        console.print(f"If outputs must be bit-identical to exllamav3: {alt.mode} "
+                      f"({alt.prediction.decode_tok_s:.1f} tok/s predicted).")  # fmt: skip
+    console.print("[bold]Run:[/bold]")
+    for step in plan.steps:
+        console.print(f"  {step}", soft_wrap=True, highlight=False, markup=False)

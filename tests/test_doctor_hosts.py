@@ -1,0 +1,193 @@
+"""Each captured host shape (tests/fixtures/doctor/<host>/) gives the right probes, checks and
+plan: the seed's reference host, a desktop with one Gen4 NVMe and 64 GB, a machine without a
+GPU, and a Blackwell card."""
+
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from glm53.doctor.checks import Verdict, run_checks, torch_runs_on
+from glm53.doctor.costmodel import GIB, Mode
+from glm53.doctor.plan import PlanRequest, make_plan
+from glm53.doctor.probes import probe_host
+from glm53.doctor.report import DoctorReport, to_json
+from glm53.doctor.source import FixtureSource
+
+FIX = Path(__file__).parent / "fixtures" / "doctor"
+
+
+def doctor(host_dir: str, req: PlanRequest | None = None):
+    req = req or PlanRequest()
+    host = probe_host(FixtureSource(FIX / host_dir))
+    plan = make_plan(host, req)
+    checks = {c.name: c for c in run_checks(host, plan, req)}
+    return host, plan, checks
+
+
+def option(plan, mode):
+    return next(o for o in plan.options if o.mode == mode)
+
+
+def test_reference_host_probes():
+    host, _, _ = doctor("reference-3090-epyc-raid0")
+    assert host.unavailable == {}
+    (gpu,) = host.gpus
+    assert gpu.name == "NVIDIA GeForce RTX 3090" and gpu.source == "nvidia-smi"
+    cpu = host.cpu
+    assert (cpu.physical_cores, cpu.logical_cpus, cpu.numa_nodes) == (24, 48, 1)
+    assert cpu.flags.avx2 and cpu.flags.fma and cpu.flags.f16c and not cpu.flags.avx512f
+    assert host.memory.cgroup_version == 2 and not host.memory.cgroup_limited
+    assert host.memory.memlock_bytes == 8192 * 1024
+    assert [c.name for c in host.storage.nvme] == ["nvme0", "nvme1", "nvme2", "nvme3", "nvme4"]
+    assert host.storage.nvme[1].namespaces == ["nvme1n1"]
+
+
+def test_reference_host_plans_fast_on_the_seeds_lane_cpus():
+    _, plan, checks = doctor("reference-3090-epyc-raid0")
+    assert plan.mode == Mode.FAST and plan.exact_alternative == Mode.EXACT
+    assert plan.lane_cpus == list(range(2, 24))  # the seed's CPUs 2-23
+    assert plan.store_location == "/nvx/glm53-store"  # the md RAID0, ~26.8 GB/s estimated
+    assert plan.steps == [
+        "glm53 download --dir /var/lib/glm53/GLM-5.3-Flash-exl3-3.05bpw",
+        "glm53 serve --model /var/lib/glm53/GLM-5.3-Flash-exl3-3.05bpw --mode fast --cpus 2-23",
+    ]
+    assert all(o.feasible for o in plan.options)
+    verdicts = {name: c.verdict for name, c in checks.items()}
+    assert verdicts["vram"] == verdicts["pcie-link"] == verdicts["driver"] == Verdict.OK
+    assert verdicts["gpu-arch"] == verdicts["exllamav3"] == verdicts["cpu-lane"] == Verdict.OK
+    assert verdicts["memlock"] == Verdict.WARN
+    assert "gen 1 now" in checks["pcie-link"].detail
+
+
+def test_reference_host_predictions_land_near_the_seeds_measurements():
+    # the capture holds the seed's host figures (measured.txt): PCIe 25 GB/s, DRAM 138 GB/s,
+    # store 23.9 GB/s at 1.3 ms; the uncalibrated lane falls back to the seed's §3.5/§3.6 figures
+    _, all_ram, _ = doctor("reference-3090-epyc-raid0")
+    req = PlanRequest(store="/nvx/glm53", ram_cap_bytes=4832 * 9_437_184)  # 55 GiB cap (§4.2)
+    _, plan, checks = doctor("reference-3090-epyc-raid0", req)
+    assert not option(plan, Mode.EXACT).feasible  # every expert in RAM does not fit the cap
+    got = {
+        o.mode: o.prediction.decode_tok_s for o in all_ram.options + plan.options if o.prediction
+    }
+    for mode, seed in ((Mode.EXACT, 12.57), (Mode.FAST, 28.15), (Mode.NVME, 17.27)):
+        assert abs(got[mode] / seed - 1) <= 0.25, (mode, got[mode], seed)
+    nvme = option(plan, Mode.NVME)
+    assert nvme.flags["--ram-cap"] == "42.4G" and nvme.flags["--store"] == "/nvx/glm53"
+    assert {v.name: v.source for v in nvme.inputs}["store_gbps"].startswith("measured: O_DIRECT")
+    assert (
+        checks["store-fs"].verdict == Verdict.OK
+        and "xfs on /dev/md127" in checks["store-fs"].detail
+    )
+    assert checks["store-odirect"].verdict == Verdict.OK
+
+
+def test_desktop_with_one_gen4_nvme_and_64_gb_plans_nvme_beside_the_desktop():
+    host, plan, checks = doctor("desktop-4090-gen4-64g")
+    assert plan.mode == Mode.NVME and plan.exact_alternative == Mode.NVME_EXACT
+    for mode in (Mode.EXACT, Mode.FAST):
+        assert not option(plan, mode).feasible
+        assert checks[f"ram-{mode}"].verdict == Verdict.FAIL
+    nvme = option(plan, Mode.NVME)
+    inputs = {v.name: v.value for v in nvme.inputs}
+    assert inputs["store_gbps"] == 6.7  # one Gen4 x4 drive at 85 % of its link
+    assert inputs["vram_slots"] == 1205 and inputs["ram_tier_slots"] == 3819
+    assert plan.steps[-1] == (
+        "glm53 serve --model /var/lib/glm53/GLM-5.3-Flash-exl3-3.05bpw --mode nvme "
+        "--store /var/lib/glm53/glm53-store --ram-cap 33.5G --cpus 2-15 --ct-b 0.259 "
+        "--ec-max-slots 1376"
+    )
+    assert plan.steps[1].startswith("glm53 store pack --model ")
+    assert (
+        checks["gpu-work"].verdict == Verdict.WARN and "Xorg (pid 2841" in checks["gpu-work"].detail
+    )
+    assert checks["exllamav3"].verdict == Verdict.FAIL
+    assert "torch-arch" not in checks  # sm_86 cubins run on an sm_89 card
+    assert checks["swap"].verdict == Verdict.OK and "zram" in checks["swap"].detail
+    assert [m.target for m in host.storage.mounts if m.fstype == "ext4"][-1] == "/home/ana/My Games"
+
+
+def test_machine_without_a_gpu_is_demo_only():
+    host, plan, checks = doctor("nogpu-i5-16g-container")
+    assert host.gpus == [] and host.gpu_source.startswith("no NVIDIA GPU: nvidia-smi not found")
+    assert plan.headline == "no GPU: demo only" and plan.mode is None
+    assert plan.steps == ["glm53 serve --demo"]
+    assert checks["gpu"].verdict == Verdict.FAIL
+    assert "store" not in checks and "checkpoint" not in checks
+    # sysfs topology (no `lscpu -p` captured) and a cgroup v1 container limit without swap
+    assert (host.cpu.physical_cores, host.cpu.logical_cpus) == (6, 6)
+    mem = host.memory
+    assert (mem.cgroup_version, mem.cgroup_max_bytes, mem.cgroup_swap_max_bytes) == (1, 8 * GIB, 0)
+    assert checks["swap"].verdict == Verdict.OK
+
+
+def test_blackwell_host_via_nvml_gets_fast_and_a_raid0_proposal():
+    host, plan, checks = doctor("blackwell-5090-192g-idle-nvme")
+    assert host.gpus[0].source == "nvml" and host.gpus[0].compute_capability == "12.0"
+    assert plan.mode == Mode.FAST
+    fast = option(plan, Mode.FAST)
+    assert "--no-ct-swz" in fast.flags  # 192 GB holds one copy of the experts, not two
+    assert fast.host_ram_bytes < 112 * GIB
+    assert checks["pcie-link"].verdict == Verdict.OK and checks["memlock"].verdict == Verdict.OK
+    assert (
+        checks["gpu-arch"].verdict == Verdict.WARN and "not measured" in checks["gpu-arch"].detail
+    )
+    (proposal,) = plan.proposals
+    assert proposal.commands[0] == (
+        "mdadm --create /dev/md/glm53 --level=0 --chunk=512K --raid-devices=2 /dev/nvme1n1 "
+        "/dev/nvme2n1"
+    )
+    assert proposal.warning.startswith("ERASES everything on /dev/nvme1n1, /dev/nvme2n1.")
+
+
+def test_slow_gpu_link_warns_with_its_expected_cost():
+    host = probe_host(FixtureSource(FIX / "reference-3090-epyc-raid0"))
+    gpu = msgspec.structs.replace(host.gpus[0], pcie_gen_max=3, pcie_width_max=8)
+    host.gpus = [gpu]
+    host.measured.pcie_h2d_gbps = None  # predicted from the link
+    plan = make_plan(host, PlanRequest())
+    check = next(c for c in run_checks(host, plan, PlanRequest()) if c.name == "pcie-link")
+    assert check.verdict == Verdict.WARN
+    assert check.detail.startswith("PCIe 3.0 x8 (gen 1 now")
+    assert "is below 4.0 x16" in check.detail and "% slower than on 4.0 x16" in check.detail
+
+
+def test_old_driver_for_torch_cuda_13_fails_with_the_fix():
+    host = probe_host(FixtureSource(FIX / "reference-3090-epyc-raid0"))
+    host.gpus = [msgspec.structs.replace(host.gpus[0], driver_version="550.127.05")]
+    plan = make_plan(host, PlanRequest())
+    check = next(c for c in run_checks(host, plan, PlanRequest()) if c.name == "driver")
+    assert check.verdict == Verdict.FAIL
+    assert check.detail == "driver 550.127.05 is too old for torch's CUDA 13.0 (needs >= 580)"
+
+
+def test_too_little_free_vram_is_demo_only():
+    host = probe_host(FixtureSource(FIX / "reference-3090-epyc-raid0"))
+    host.gpus = [msgspec.structs.replace(host.gpus[0], memory_free_mib=20_000)]
+    plan = make_plan(host, PlanRequest())
+    assert plan.headline.endswith("has 20,000 MiB free, glm53 needs 23,000: demo only")
+
+
+def test_cpus_outside_the_allowed_set_are_refused():
+    host = probe_host(FixtureSource(FIX / "nogpu-i5-16g-container"))
+    with pytest.raises(
+        ValueError, match=r"--cpus has CPUs \[8, 9\] outside this process's allowed"
+    ):
+        from glm53.doctor.inputs import lane_cpus
+
+        lane_cpus(host.cpu, [2, 8, 9])
+
+
+def test_torch_arch_list_coverage():
+    assert torch_runs_on(["sm_80", "sm_86"], "8.9")
+    assert not torch_runs_on(["sm_80", "sm_86", "sm_90"], "12.0")
+    assert torch_runs_on(["sm_90", "compute_90"], "12.0")
+
+
+def test_report_json_holds_probes_checks_and_plan():
+    host, plan, checks = doctor("desktop-4090-gen4-64g")
+    doc = msgspec.json.decode(to_json(DoctorReport(host, list(checks.values()), plan)))
+    assert set(doc) == {"host", "checks", "plan"}
+    assert doc["plan"]["mode"] == "nvme"
+    assert doc["host"]["gpus"][0]["processes"][0]["name"] == "/usr/lib/xorg/Xorg"
+    assert {"name", "verdict", "detail", "fix"} <= set(doc["checks"][0])
