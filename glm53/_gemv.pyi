@@ -9,6 +9,8 @@ MAX_PICKS: int
 SCALAR: int
 AVX2: int
 AVX512: int
+AVX512_FP16: int
+VARIANTS: tuple[int, ...]
 BEST: int
 
 Matrix = tuple[npt.NDArray[np.int16], npt.NDArray[np.float16], npt.NDArray[np.float16]]

@@ -12,16 +12,18 @@ MAX_PICKS = GEMV_MAX_PICKS
 SCALAR = GEMV_SCALAR
 AVX2 = GEMV_AVX2
 AVX512 = GEMV_AVX512
+AVX512_FP16 = GEMV_AVX512_FP16
+VARIANTS = tuple(range(GEMV_NUM_VARIANTS))
 BEST = GEMV_BEST
 
 
 def variant_name(int variant):
-    """'scalar (slow)', 'avx2' or 'avx512'."""
+    """'scalar (slow)', 'avx2', 'avx512' or 'avx512-fp16'."""
     return gemv_variant_name(variant).decode()
 
 
 def variant_supported(int variant):
-    """Whether this CPU runs `variant` (0 scalar, 1 avx2, 2 avx512)."""
+    """Whether this CPU runs `variant` (0 scalar, 1 avx2, 2 avx512, 3 avx512-fp16)."""
     return bool(gemv_variant_supported(variant))
 
 
@@ -302,6 +304,8 @@ def tiles(int variant, trellis, xh, int kt0=0, kt1=None):
         fn = gemv_tiles_avx2
     elif variant == GEMV_AVX512:
         fn = gemv_tiles_avx512
+    elif variant == GEMV_AVX512_FP16:
+        fn = gemv_tiles_avx512fp16
     cdef const uint8_t *t = <const uint8_t *><uintptr_t>trellis.ctypes.data
     cdef const float *x = <const float *><uintptr_t>xh.ctypes.data
     cdef float *a = <float *><uintptr_t>acc.ctypes.data

@@ -36,7 +36,8 @@ enum gemv_variant {
     GEMV_SCALAR = 0, /* portable C, one weight at a time: slow, for checks and old CPUs */
     GEMV_AVX2 = 1,   /* AVX2 + FMA + F16C */
     GEMV_AVX512 = 2, /* AVX-512 F/BW/VL + VBMI + VNNI */
-    GEMV_NUM_VARIANTS = 3,
+    GEMV_AVX512_FP16 = 3, /* + VBMI2 + FP16: the weights decoded 32 at a time in fp16 */
+    GEMV_NUM_VARIANTS = 4,
     GEMV_BEST = -1 /* the fastest variant this CPU runs */
 };
 

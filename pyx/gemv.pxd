@@ -15,6 +15,7 @@ cdef extern from "gemv.h" nogil:
         GEMV_SCALAR
         GEMV_AVX2
         GEMV_AVX512
+        GEMV_AVX512_FP16
         GEMV_NUM_VARIANTS
         GEMV_BEST
 
@@ -82,3 +83,5 @@ cdef extern from "gemv_kern.h" nogil:
                          const float *xh, int x_stride, int m, float *acc)
     void gemv_tiles_avx512(const uint8_t *trellis, int n_tiles, int k2, int kt0, int kt1,
                            const float *xh, int x_stride, int m, float *acc)
+    void gemv_tiles_avx512fp16(const uint8_t *trellis, int n_tiles, int k2, int kt0, int kt1,
+                               const float *xh, int x_stride, int m, float *acc)

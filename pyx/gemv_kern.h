@@ -26,6 +26,8 @@ void gemv_tiles_avx2(const uint8_t *trellis, int n_tiles, int k2, int kt0, int k
                      const float *xh, int x_stride, int m, float *acc);
 void gemv_tiles_avx512(const uint8_t *trellis, int n_tiles, int k2, int kt0, int kt1,
                        const float *xh, int x_stride, int m, float *acc);
+void gemv_tiles_avx512fp16(const uint8_t *trellis, int n_tiles, int k2, int kt0, int kt1,
+                           const float *xh, int x_stride, int m, float *acc);
 
 #define GEMV_MUL1_MULT 0x83DCD12Du
 /* mul1 weight = fp16(KINV * byte_sum + C0): the fp32 product and sum are exact (every term is a

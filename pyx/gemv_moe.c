@@ -22,6 +22,7 @@ const char *gemv_variant_name(int variant)
     case GEMV_SCALAR: return "scalar (slow)";
     case GEMV_AVX2: return "avx2";
     case GEMV_AVX512: return "avx512";
+    case GEMV_AVX512_FP16: return "avx512-fp16";
     default: return "unknown";
     }
 }
@@ -38,6 +39,10 @@ int gemv_variant_supported(int variant)
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi") &&
                __builtin_cpu_supports("avx512vnni");
+    case GEMV_AVX512_FP16:
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi") &&
+               __builtin_cpu_supports("avx512vbmi2") && __builtin_cpu_supports("avx512fp16");
     default: return 0;
     }
 }
@@ -55,6 +60,7 @@ static gemv_tiles_fn variant_tiles(int variant)
     switch (variant) {
     case GEMV_AVX2: return gemv_tiles_avx2;
     case GEMV_AVX512: return gemv_tiles_avx512;
+    case GEMV_AVX512_FP16: return gemv_tiles_avx512fp16;
     default: return gemv_tiles_scalar;
     }
 }

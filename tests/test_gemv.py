@@ -19,7 +19,7 @@ from glm53.tiers.cpu_lane import (
     reference_moe,
 )
 
-ALL_VARIANTS = [_gemv.SCALAR, _gemv.AVX2, _gemv.AVX512]
+ALL_VARIANTS = list(_gemv.VARIANTS)
 VARIANTS = [
     pytest.param(v, marks=pytest.mark.skipif(not _gemv.variant_supported(v), reason="CPU lacks it"))
     for v in ALL_VARIANTS

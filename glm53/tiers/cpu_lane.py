@@ -26,7 +26,7 @@ SWIGLU_LIMIT = 10.0  # GLM-5.3-Flash swiglu_limit
 RESERVED_CORES = 2  # left to the OS, the main thread and the host controller
 SYS_CPU = Path("/sys/devices/system/cpu")
 
-VARIANTS = {_gemv.variant_name(v): v for v in (_gemv.SCALAR, _gemv.AVX2, _gemv.AVX512)}
+VARIANTS = {_gemv.variant_name(v): v for v in _gemv.VARIANTS}
 
 
 class LaneConfigError(ValueError):
@@ -297,17 +297,32 @@ def calibrate(
 
     Experts are random GLM-5.3-Flash-shaped mul1 experts; `pool_bytes` of them (more than a
     last-level cache) are cycled through so every job reads its trellis from DRAM, as the lane
-    does in service. Each point is the best of `repeats` runs."""
-    layout = layout or lane_layout()
-    thread_counts = list(thread_counts or _default_thread_counts(layout.threads))
+    does in service."""
     rng = np.random.default_rng(seed)
     one = random_expert(rng, hidden, inter, bits)
     expert_bytes = sum(lin.trellis.nbytes for lin in one)
     num = max(max(expert_counts), min(256, pool_bytes // expert_bytes))
     experts = [one] + [random_expert(rng, hidden, inter, bits) for _ in range(num - 1)]
-    table = expert_table(experts)
-    x = rng.standard_normal((max(rows), hidden)).astype(np.float32)
-    cost = LaneCost(variant="", bits=bits)
+    return measure_cost(
+        expert_table(experts), layout, thread_counts, rows, expert_counts, variant, repeats, seed
+    )
+
+
+def measure_cost(
+    table: _gemv.ExpertTable,
+    layout: LaneLayout | None = None,
+    thread_counts: Sequence[int] | None = None,
+    rows: Sequence[int] = tuple(range(1, 9)),
+    expert_counts: Sequence[int] = (1, 2, 4, 8),
+    variant: str | int = "best",
+    repeats: int = 3,
+    seed: int = 0,
+) -> LaneCost:
+    """`calibrate` on the experts of `table`, visited in turn (each point: best of `repeats`)."""
+    layout = layout or lane_layout()
+    thread_counts = list(thread_counts or _default_thread_counts(layout.threads))
+    x = np.random.default_rng(seed).standard_normal((max(rows), table.hidden)).astype(np.float32)
+    cost = LaneCost(variant="", bits=table.k2 / 2)
     cursor = 0
     for threads in thread_counts:
         lane = CpuLane(LaneLayout(layout.cpus[:threads]), variant)
@@ -319,7 +334,7 @@ def calibrate(
                     continue
                 best = float("inf")
                 for _ in range(repeats):
-                    ids = [(cursor + i) % num for i in range(count)]
+                    ids = [(cursor + i) % table.num_experts for i in range(count)]
                     cursor += count
                     r_ids = [r for _ in ids for r in range(m)]
                     e_ids = [e for e in ids for _ in range(m)]
