@@ -1,0 +1,212 @@
+"""The ASGI application: lifespan (the model loads in the background, /health says 503 until it
+is ready), routing, authentication, body limits, and OpenAI-shaped errors for every failure."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import Callable
+
+from glm53.api import chat, completions, info, native
+from glm53.api.errors import ApiError
+from glm53.api.http import ClientGone, Receive, Send, read_body, send_error
+from glm53.api.state import ServerState
+from glm53.config import ConfigurationError, Settings, Source
+from glm53.engine import checkpoint_dir, create_engine
+from glm53.engine.base import Engine, EngineUnavailable
+from glm53.engine.scheduler import Scheduler
+
+log = logging.getLogger("glm53.server")
+
+ROUTES = {
+    ("POST", "/v1/chat/completions"): chat.chat_completions,
+    ("POST", "/v1/completions"): completions.completions,
+    ("GET", "/v1/models"): info.models,
+    ("GET", "/health"): info.health,
+    ("GET", "/stats"): info.stats,
+    ("GET", "/server_info"): info.server_info,
+    ("GET", "/metrics"): info.metrics,
+    ("GET", "/openapi.json"): info.openapi,
+    ("POST", "/generate"): native.generate,
+    ("POST", "/tokenize"): native.tokenize,
+}
+_PATHS = {path for _, path in ROUTES}
+_OPEN_PATHS = {"/health"}
+
+
+class _TrackedSend:
+    """Wraps ASGI send to know whether a response has started and ended."""
+
+    __slots__ = ("_send", "ended", "is_sse", "started")
+
+    def __init__(self, send: Send):
+        self._send = send
+        self.started = self.ended = self.is_sse = False
+
+    async def __call__(self, message: dict) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+            self.is_sse = any(
+                k == b"content-type" and v.startswith(b"text/event-stream")
+                for k, v in message["headers"]
+            )
+        elif not message.get("more_body", False):
+            self.ended = True
+        await self._send(message)
+
+
+def _bearer_ok(headers: list[tuple[bytes, bytes]], api_key: str) -> bool:
+    expected = b"bearer " + api_key.encode()
+    for name, value in headers:
+        if name == b"authorization":
+            return hmac.compare_digest(value[:7].lower() + value[7:], expected)
+    return False
+
+
+class App:
+    """glm53's ASGI app. `on_load_failed` runs after a failed model load (serve exits there)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        sources: dict[str, Source],
+        *,
+        engine_factory: Callable[[Settings], Engine] = create_engine,
+        on_load_failed: Callable[[BaseException], None] | None = None,
+    ):
+        self.state = ServerState(settings, sources)
+        self._engine_factory = engine_factory
+        self._on_load_failed = on_load_failed
+        self._load_task: asyncio.Task | None = None
+
+    async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            await self._http(scope, receive, send)
+        elif scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+
+    # --- lifespan ---------------------------------------------------------------------------
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                self._load_task = asyncio.create_task(self.load())
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.close()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    def _make_engine(self) -> Engine:
+        if self._engine_factory is create_engine:
+            self.state.checkpoint = str(checkpoint_dir(self.state.settings))
+        return self._engine_factory(self.state.settings)
+
+    async def load(self) -> None:
+        """Create and load the engine (off the event loop), then start taking requests."""
+        state, settings = self.state, self.state.settings
+        start = time.monotonic()
+        try:
+            state.engine = await asyncio.to_thread(self._make_engine)
+            log.info("loading %s", state.engine.description)
+            scheduler = Scheduler(
+                state.engine,
+                max_batch=settings.max_batch,
+                chunk_size=settings.chunk_size,
+                queue_limit=settings.queue_limit,
+            )
+            state.scheduler = scheduler
+            await scheduler.start()
+        except Exception as exc:  # noqa: BLE001 - reported in /health and by the exit status
+            state.status, state.load_error = "failed", f"{type(exc).__name__}: {exc}"
+            expected = isinstance(exc, EngineUnavailable | ConfigurationError)
+            log.error(
+                "the model failed to load: %s", state.load_error, exc_info=None if expected else exc
+            )
+            if self._on_load_failed is not None:
+                self._on_load_failed(exc)
+            return
+        state.load_seconds = round(time.monotonic() - start, 3)
+        state.status = "ready"
+        log.info(
+            "ready in %.1f s: %s, context %d, %d slots; serving %r",
+            state.load_seconds,
+            state.engine.name,
+            scheduler.context_length,
+            scheduler.num_slots,
+            settings.served_name,
+        )
+
+    async def close(self) -> None:
+        self.state.status = "stopping"
+        if self._load_task is not None and not self._load_task.done():
+            await asyncio.wait([self._load_task])
+        if self.state.scheduler is not None:
+            await self.state.scheduler.close()
+
+    # --- requests ---------------------------------------------------------------------------
+    def _route(self, method: str, path: str):
+        handler = ROUTES.get((method, path))
+        if handler is not None:
+            return handler
+        if method == "GET" and path.startswith("/v1/models/"):
+            name = path[len("/v1/models/") :]
+            return lambda state, body, receive, send: info.model(state, name, send)
+        if path in _PATHS:
+            raise ApiError(405, f"{method} is not allowed on {path}", code="method_not_allowed")
+        raise ApiError(404, f"no route for {method} {path}", code="not_found")
+
+    async def _http(self, scope: dict, receive: Receive, send: Send) -> None:
+        state, settings = self.state, self.state.settings
+        method, path = scope["method"], scope["path"]
+        route = (
+            path
+            if path in _PATHS
+            else ("/v1/models/{model}" if path.startswith("/v1/models/") else "other")
+        )
+        tracked = _TrackedSend(send)
+        status = 500
+        try:
+            if (
+                settings.api_key
+                and path not in _OPEN_PATHS
+                and not _bearer_ok(scope["headers"], settings.api_key)
+            ):
+                raise ApiError(
+                    401,
+                    "missing or wrong API key: send Authorization: Bearer <key>",
+                    code="invalid_api_key",
+                )
+            handler = self._route(method, path)
+            body = b""
+            if method == "POST":
+                declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+                declared_bytes = (
+                    int(declared) if declared is not None and declared.isdigit() else None
+                )
+                body = await read_body(receive, settings.max_body_bytes, declared_bytes)
+            status = await handler(state, body, receive, tracked)
+        except ApiError as exc:
+            status = exc.status
+            await self._fail(tracked, exc)
+        except ClientGone:
+            status = 499
+        except Exception as exc:  # noqa: BLE001 - one request fails, the server keeps serving
+            log.exception("%s %s failed", method, path)
+            await self._fail(tracked, ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))
+        finally:
+            state.metrics.count_request(route, status)
+
+    async def _fail(self, tracked: _TrackedSend, error: ApiError) -> None:
+        if not tracked.started:
+            await send_error(tracked, error)
+        elif tracked.is_sse and not tracked.ended:
+            # The 200 is already out: report in band, which the openai client raises as APIError.
+            await tracked(
+                {
+                    "type": "http.response.body",
+                    "body": b"data: " + error.body() + b"\n\ndata: [DONE]\n\n",
+                }
+            )

@@ -1,0 +1,331 @@
+"""POST /v1/chat/completions: render with the checkpoint's template, generate, parse the output
+into reasoning, content and tool calls, and answer as one JSON body or as SSE chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import msgspec
+from msgspec import UNSET
+
+from glm53.api import generation as gen
+from glm53.api.errors import ApiError, from_decode_error
+from glm53.api.http import Receive, Send, SseWriter, send_bytes
+from glm53.api.schemas import (
+    ChatChoice,
+    ChatChunk,
+    ChatCompletion,
+    ChatDelta,
+    ChatRequest,
+    ChunkChoice,
+    DeltaToolCall,
+    ImagePart,
+    Message,
+    NamedToolChoice,
+    OutFunction,
+    OutMessage,
+    OutToolCall,
+    Usage,
+)
+from glm53.api.state import ServerState
+from glm53.chat.parse import CompletionParser, Delta
+from glm53.chat.render import TemplateError, render
+from glm53.engine.scheduler import GenerationRequest
+
+_decoder = msgspec.json.Decoder(ChatRequest)
+_encoder = msgspec.json.Encoder()
+_RESERVED_KWARGS = ("messages", "tools", "add_generation_prompt", "documents")
+# Bodies longer than this are rendered and tokenized on a worker thread.
+_INLINE_RENDER_CHARS = 16384
+
+
+def _message_dict(i: int, m: Message) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": m.role}
+    if isinstance(m.content, list):
+        parts = []
+        for j, part in enumerate(m.content):
+            if isinstance(part, ImagePart):
+                raise ApiError(
+                    400,
+                    "image input is not supported: glm53 serves GLM-5.3-Flash's text model",
+                    param=f"messages[{i}].content[{j}]",
+                )
+            parts.append({"type": "text", "text": part.text})
+        out["content"] = parts
+    else:
+        out["content"] = m.content
+    for key in ("name", "tool_call_id", "reasoning_content", "reasoning"):
+        out[key] = getattr(m, key)
+    if m.tool_calls:
+        out["tool_calls"] = [_tool_call_dict(i, j, tc) for j, tc in enumerate(m.tool_calls)]
+    return out
+
+
+def _tool_call_dict(i: int, j: int, tc) -> dict[str, Any]:
+    args = tc.function.arguments
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError as exc:
+            raise ApiError(
+                400,
+                f"tool call arguments are not valid JSON: {exc}",
+                param=f"messages[{i}].tool_calls[{j}].function.arguments",
+            ) from None
+    if not isinstance(args, dict):
+        raise ApiError(
+            400,
+            "tool call arguments must be a JSON object",
+            param=f"messages[{i}].tool_calls[{j}].function.arguments",
+        )
+    return {
+        "id": tc.id,
+        "type": "function",
+        "function": {"name": tc.function.name, "arguments": args},
+    }
+
+
+class _Plan(msgspec.Struct):
+    """A validated chat request, ready to generate."""
+
+    req: ChatRequest
+    messages: list[dict[str, Any]]
+    render_tools: list[dict[str, Any]] | None
+    parse_tools: list[dict[str, Any]] | None
+    tool_choice: Any
+    template_kwargs: dict[str, Any]
+
+
+def _plan(state: ServerState, body: bytes) -> _Plan:
+    try:
+        req = _decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise from_decode_error(exc) from None
+    gen.check_model(state, req.model)
+    gen.reject_unsupported(req)
+    if req.stream_options is not None and not req.stream:
+        raise ApiError(
+            400, "stream_options is only allowed with stream=true", param="stream_options"
+        )
+    if req.logprobs:
+        raise ApiError(400, "logprobs are not supported by glm53", param="logprobs")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise ApiError(
+            400,
+            f"response_format {req.response_format.type} needs constrained decoding, which glm53 does not do",
+            param="response_format.type",
+        )
+    messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
+    tools = [msgspec.to_builtins(t) for t in req.tools] if req.tools else None
+    choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
+    render_tools, template_choice = tools, None
+    if choice == "required" or isinstance(choice, NamedToolChoice):
+        if not tools:
+            raise ApiError(400, "tool_choice requires a non-empty tools list", param="tool_choice")
+        template_choice = msgspec.to_builtins(choice)
+    if isinstance(choice, NamedToolChoice):
+        render_tools = [t for t in tools if t["function"]["name"] == choice.function.name]
+        if not render_tools:
+            names = ", ".join(t["function"]["name"] for t in tools)
+            raise ApiError(
+                400,
+                f"tool_choice names {choice.function.name!r}, which is not among the tools ({names})",
+                param="tool_choice",
+            )
+    if choice == "none":
+        render_tools = None
+    kwargs = dict(req.chat_template_kwargs or {})
+    for key in _RESERVED_KWARGS:
+        if key in kwargs:
+            raise ApiError(
+                400,
+                f"chat_template_kwargs may not set {key!r}",
+                param=f"chat_template_kwargs.{key}",
+            )
+    if req.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+    if template_choice is not None:
+        kwargs.setdefault("tool_choice", template_choice)
+    parse_tools = tools if choice != "none" else None
+    return _Plan(req, messages, render_tools, parse_tools, choice, kwargs)
+
+
+def _prompt(template: str, plan: _Plan, tokenizer) -> tuple[str, list[int]]:
+    try:
+        text = render(
+            template,
+            plan.messages,
+            tools=plan.render_tools,
+            add_generation_prompt=True,
+            **plan.template_kwargs,
+        )
+    except TemplateError as exc:
+        raise ApiError(400, f"cannot render these messages: {exc}", param="messages") from None
+    return text, tokenizer.encode(text)
+
+
+def _tool_choice_error(choice: Any, calls: list[dict[str, Any]]) -> str | None:
+    if choice == "required" and not calls:
+        return "tool_choice is 'required' but the model answered without a tool call"
+    if isinstance(choice, NamedToolChoice):
+        wanted = choice.function.name
+        if not calls or any(c["function"]["name"] != wanted for c in calls):
+            return f"tool_choice names {wanted!r} but the model did not call (only) it"
+    return None
+
+
+def _out_calls(calls: list[dict[str, Any]]) -> list[OutToolCall]:
+    return [
+        OutToolCall(c["id"], OutFunction(c["function"]["name"], c["function"]["arguments"]))
+        for c in calls
+    ]
+
+
+async def chat_completions(state: ServerState, body: bytes, receive: Receive, send: Send) -> int:
+    plan = _plan(state, body)
+    scheduler = state.ready_scheduler()
+    tokenizer = scheduler.engine.tokenizer
+    if len(body) > _INLINE_RENDER_CHARS:
+        text, prompt_ids = await asyncio.to_thread(
+            _prompt, tokenizer.chat_template, plan, tokenizer
+        )
+    else:
+        text, prompt_ids = _prompt(tokenizer.chat_template, plan, tokenizer)
+    req = plan.req
+    defaults = scheduler.engine.generation_defaults
+    request = GenerationRequest(
+        prompt_ids=prompt_ids,
+        sampling=gen.sampling_params(
+            defaults,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            min_p=req.min_p,
+            seed=req.seed,
+        ),
+        max_new_tokens=req.max_completion_tokens or req.max_tokens,
+        stop_token_ids=frozenset(tokenizer.eos_token_ids),
+        stop_strings=gen.stop_strings(req.stop),
+    )
+    stream = gen.submit(state, request, "messages")
+    run = gen.Run(state, stream, receive)
+    parser = CompletionParser(plan.parse_tools, in_reasoning=text.rstrip().endswith("<think>"))
+    try:
+        if req.stream:
+            await _stream(state, plan, run, parser, send)
+            return 200
+        return await _answer(state, plan, run, parser, send)
+    finally:
+        run.close()
+
+
+async def _answer(
+    state: ServerState, plan: _Plan, run: gen.Run, parser: CompletionParser, send: Send
+) -> int:
+    last = None
+    async for event in run.events():
+        parser.feed(event.text)
+        last = event
+    if run.is_gone or last is None:
+        return 499
+    if last.finish_reason == "error":
+        raise ApiError(500, f"generation failed: {last.error}", code="engine_error")
+    parser.finish()
+    calls = parser.tool_calls
+    if (problem := _tool_choice_error(plan.tool_choice, calls)) is not None:
+        raise ApiError(500, problem, code="tool_choice_not_satisfied")
+    finish = "length" if last.finish_reason == "length" else ("tool_calls" if calls else "stop")
+    reasoning = parser.reasoning
+    message = OutMessage(
+        content=parser.content if parser.content or not calls else None,
+        reasoning_content=reasoning,
+        reasoning=reasoning if state.settings.reasoning_field else UNSET,
+        tool_calls=_out_calls(calls) if calls else UNSET,
+    )
+    usage = Usage(
+        last.num_prompt_tokens,
+        last.num_generated_tokens,
+        last.num_prompt_tokens + last.num_generated_tokens,
+    )
+    body = ChatCompletion(
+        id=gen.new_id("chatcmpl"),
+        created=run.created,
+        model=state.settings.served_name,
+        choices=[ChatChoice(0, message, finish)],
+        usage=usage,
+    )
+    await send_bytes(send, 200, _encoder.encode(body))
+    return 200
+
+
+def _delta(
+    deltas: list[Delta], parser: CompletionParser, with_reasoning_field: bool
+) -> ChatDelta | None:
+    reasoning = "".join(d.text for d in deltas if d.kind == "reasoning")
+    content = "".join(d.text for d in deltas if d.kind == "content")
+    calls = [d.tool_call for d in deltas if d.kind == "tool_call"]
+    if not (reasoning or content or calls):
+        return None
+    first_index = len(parser.tool_calls) - len(calls)
+    return ChatDelta(
+        reasoning_content=reasoning or UNSET,
+        reasoning=reasoning if reasoning and with_reasoning_field else UNSET,
+        content=content or UNSET,
+        tool_calls=[
+            DeltaToolCall(
+                first_index + k,
+                c["id"],
+                "function",
+                OutFunction(c["function"]["name"], c["function"]["arguments"]),
+            )
+            for k, c in enumerate(calls)
+        ]
+        or UNSET,
+    )
+
+
+async def _stream(
+    state: ServerState, plan: _Plan, run: gen.Run, parser: CompletionParser, send: Send
+) -> None:
+    req = plan.req
+    want_usage = req.stream_options is not None and req.stream_options.include_usage
+    usage_field = None if want_usage else UNSET
+    rid, model, created = gen.new_id("chatcmpl"), state.settings.served_name, run.created
+    with_reasoning_field = state.settings.reasoning_field
+
+    def chunk(delta: ChatDelta, finish: str | None = None) -> bytes:
+        return _encoder.encode(
+            ChatChunk(rid, created, model, [ChunkChoice(0, delta, finish)], usage=usage_field)
+        )
+
+    sse = SseWriter(send)
+    await sse.start()
+    await sse.event(chunk(ChatDelta(role="assistant", content="")))
+    last = None
+    async for event in run.events():
+        last = event
+        deltas = parser.feed(event.text)
+        if event.finish_reason in ("stop", "length"):
+            deltas += parser.finish()
+        if (delta := _delta(deltas, parser, with_reasoning_field)) is not None:
+            await sse.event(chunk(delta))
+    if run.is_gone or last is None:
+        return
+    if last.finish_reason == "error":
+        error = ApiError(500, f"generation failed: {last.error}", code="engine_error")
+        await sse.close(b"data: " + error.body() + b"\n\ndata: [DONE]\n\n")
+        return
+    calls = parser.tool_calls
+    if (problem := _tool_choice_error(plan.tool_choice, calls)) is not None:
+        error = ApiError(500, problem, code="tool_choice_not_satisfied")
+        await sse.close(b"data: " + error.body() + b"\n\ndata: [DONE]\n\n")
+        return
+    finish = "length" if last.finish_reason == "length" else ("tool_calls" if calls else "stop")
+    await sse.event(chunk(ChatDelta(), finish))
+    if want_usage:
+        n_prompt, n_gen = last.num_prompt_tokens, last.num_generated_tokens
+        usage = Usage(n_prompt, n_gen, n_prompt + n_gen)
+        await sse.event(_encoder.encode(ChatChunk(rid, created, model, [], usage=usage)))
+    await sse.close()

@@ -1,0 +1,109 @@
+"""Server counters, and their Prometheus text exposition for GET /metrics."""
+
+from __future__ import annotations
+
+import bisect
+import collections
+from collections.abc import Mapping
+from typing import Any
+
+_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Histogram:
+    __slots__ = ("buckets", "count", "counts", "total")
+
+    def __init__(self, buckets=_LATENCY_BUCKETS_S):
+        self.buckets = buckets
+        self.counts = [0] * len(buckets)
+        self.count = 0
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        at = bisect.bisect_left(self.buckets, value)
+        if at < len(self.counts):
+            self.counts[at] += 1
+        self.count += 1
+        self.total += value
+
+    def lines(self, name: str) -> list[str]:
+        out, running = [], 0
+        for bound, n in zip(self.buckets, self.counts, strict=True):
+            running += n
+            out.append(f'{name}_bucket{{le="{bound}"}} {running}')
+        out += [
+            f'{name}_bucket{{le="+Inf"}} {self.count}',
+            f"{name}_sum {self.total:.6f}",
+            f"{name}_count {self.count}",
+        ]
+        return out
+
+
+class Metrics:
+    """Counters owned by the event loop."""
+
+    def __init__(self):
+        self.requests: collections.Counter[tuple[str, int]] = collections.Counter()
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.time_to_first_token_s = Histogram()
+        self.request_seconds = Histogram()
+
+    def count_request(self, route: str, status: int) -> None:
+        self.requests[(route, status)] += 1
+
+    def count_tokens(self, prompt: int, completion: int) -> None:
+        self.prompt_tokens += prompt
+        self.completion_tokens += completion
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "requests": sum(self.requests.values()),
+            "requests_by_route": _by_route(self.requests),
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+        }
+
+    def prometheus(self, scheduler: Mapping[str, Any], engine: Mapping[str, Any]) -> bytes:
+        lines = [
+            "# HELP glm53_requests_total HTTP requests by route and status.",
+            "# TYPE glm53_requests_total counter",
+        ]
+        for (route, status), n in sorted(self.requests.items()):
+            lines.append(f'glm53_requests_total{{route="{route}",status="{status}"}} {n}')
+        lines += [
+            "# TYPE glm53_prompt_tokens_total counter",
+            f"glm53_prompt_tokens_total {self.prompt_tokens}",
+            "# TYPE glm53_completion_tokens_total counter",
+            f"glm53_completion_tokens_total {self.completion_tokens}",
+            "# HELP glm53_time_to_first_token_seconds From admission to the first token.",
+            "# TYPE glm53_time_to_first_token_seconds histogram",
+            *self.time_to_first_token_s.lines("glm53_time_to_first_token_seconds"),
+            "# HELP glm53_request_seconds Generating requests, from admission to the last token.",
+            "# TYPE glm53_request_seconds histogram",
+            *self.request_seconds.lines("glm53_request_seconds"),
+        ]
+        lines += _gauges("glm53_scheduler", scheduler)
+        lines += _gauges("glm53_engine", engine)
+        return ("\n".join(lines) + "\n").encode()
+
+
+def _by_route(requests: Mapping[tuple[str, int], int]) -> dict[str, int]:
+    out: dict[str, int] = collections.defaultdict(int)
+    for (route, _), n in requests.items():
+        out[route] += n
+    return dict(out)
+
+
+def _gauges(prefix: str, values: Mapping[str, Any]) -> list[str]:
+    """Every number in a (nested) stats dict as a gauge named by its path."""
+    out = []
+    for key, value in values.items():
+        name = f"{prefix}_{''.join(c if c.isalnum() else '_' for c in str(key))}"
+        if isinstance(value, bool):
+            out.append(f"{name} {int(value)}")
+        elif isinstance(value, int | float):
+            out += [f"# TYPE {name} gauge", f"{name} {value}"]
+        elif isinstance(value, Mapping):
+            out += _gauges(name, value)
+    return out

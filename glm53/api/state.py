@@ -1,0 +1,40 @@
+"""What the request handlers share: settings, the engine and its scheduler, counters, load state."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from glm53.api.errors import ApiError
+from glm53.api.metrics import Metrics
+from glm53.config import Settings, Source
+from glm53.engine.base import Engine
+from glm53.engine.scheduler import Scheduler
+
+
+@dataclass
+class ServerState:
+    """Owned by the event loop of the one worker process."""
+
+    settings: Settings
+    sources: dict[str, Source]
+    metrics: Metrics = field(default_factory=Metrics)
+    engine: Engine | None = None
+    scheduler: Scheduler | None = None
+    status: str = "loading"  # loading | ready | failed | stopping
+    load_error: str | None = None
+    started_at: float = field(default_factory=time.time)
+    load_seconds: float | None = None
+    checkpoint: str | None = None
+
+    def ready_scheduler(self) -> Scheduler:
+        """The scheduler, or a 503 saying why there is none yet."""
+        if self.status == "ready" and self.scheduler is not None:
+            return self.scheduler
+        if self.status == "failed":
+            raise ApiError(
+                503, f"the model failed to load: {self.load_error}", code="model_load_failed"
+            )
+        if self.status == "stopping":
+            raise ApiError(503, "the server is shutting down", code="shutting_down")
+        raise ApiError(503, "the model is still loading; retry shortly", code="model_loading")
