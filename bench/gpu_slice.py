@@ -130,7 +130,7 @@ def main(argv=None):
                "--model", args.model, "--split", str(split), "--json"]  # fmt: skip
         cmd += ["--pinned-arena"] if arena else []
         cmd += ["--quick"] if args.quick else []
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
         lines = p.stdout.strip().splitlines()
         res = json.loads(lines[-1])["figures"] if lines else {"error": p.stderr[-2000:]}
         if "decode" in res:

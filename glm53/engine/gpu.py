@@ -76,6 +76,7 @@ class GpuEngine:
             self.num_slots, pages
         )
         self.states: list = [None] * self.num_slots
+        self._arenas: dict = {}
         self.heat_file = self.heat_file or exl3_load.heat_path(self.model_dir)
         if self.loaded.ec is not None and os.path.isfile(self.heat_file):
             with open(self.heat_file) as f:
@@ -90,14 +91,32 @@ class GpuEngine:
         return self.states[slot]
 
     def _params(self, slots, starts, states):
+        """Forward params whose block table and seqlens live in a pinned host arena and a
+        device arena that keep their identity for a given row count, seeded into exllamav3's
+        per-forward device cache: its captured CUDA graphs bake those device addresses, so
+        they must not move from step to step (exllamav3's Generator does the same)."""
         import torch
 
+        rows, width = len(slots), self.block_table.shape[1]
+        arena = self._arenas.get(rows)
+        if arena is None:
+            host = torch.zeros(rows * width + rows, dtype=torch.int32, pin_memory=True)
+            dev = torch.empty_like(host, device=self.device)
+            views = (host[: rows * width].view(rows, width), host[rows * width :])
+            dviews = (dev[: rows * width].view(rows, width), dev[rows * width :])
+            arena = self._arenas[rows] = (host, dev, views, dviews)
+        host, dev, (bt, sl), (dbt, dsl) = arena
+        bt.copy_(self.block_table[list(slots)])
+        sl.copy_(torch.tensor(starts, dtype=torch.int32))
+        dev.copy_(host, non_blocking=True)
+        device = torch.device(self.device)
         return {
             "attn_mode": "flash_attn",
-            "block_table": self.block_table[list(slots)],
+            "block_table": bt,
             "cache": self.loaded.cache,
-            "cache_seqlens": torch.tensor(starts, dtype=torch.int32),
+            "cache_seqlens": sl,
             "recurrent_states": states,
+            "dev_cache": {(id(bt), device): (bt, dbt), (id(sl), device): (sl, dsl)},
         }
 
     def step(self, work: Sequence[StreamWork]):

@@ -43,7 +43,9 @@ def greedy(engine, prompts, n_new, chunk=300):
 def engines():
     stock = GpuEngine(DEMO, "stock", context=4096, max_batch=4)
     stock.load()
-    exact = GpuEngine(DEMO, "exact", context=4096, max_batch=4, ec_max_slots=24,
+    n_keys = len(stock.loaded.geometry.moe_layers) * stock.loaded.geometry.n_experts
+    # enough slots that a 3-stream decode step (3 x top-k picks per layer) leaves hits behind
+    exact = GpuEngine(DEMO, "exact", context=4096, max_batch=4, ec_max_slots=n_keys // 2,
                       heat_file="/tmp/glm53-test-heat.json")  # fmt: skip
     if os.path.exists(exact.heat_file or ""):
         os.remove(exact.heat_file)
@@ -96,4 +98,4 @@ def test_heat_list_round_trip(engines):
     import json
 
     keys = json.load(open(path))["keys"]
-    assert keys and len(keys) <= 24
+    assert keys and len(keys) <= exact.loaded.ec.n_slots
