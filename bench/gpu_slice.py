@@ -130,9 +130,12 @@ def main(argv=None):
                "--model", args.model, "--split", str(split), "--json"]  # fmt: skip
         cmd += ["--pinned-arena"] if arena else []
         cmd += ["--quick"] if args.quick else []
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-        lines = p.stdout.strip().splitlines()
-        res = json.loads(lines[-1])["figures"] if lines else {"error": p.stderr[-2000:]}
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+            lines = p.stdout.strip().splitlines()
+            res = json.loads(lines[-1])["figures"] if lines else {"error": p.stderr[-2000:]}
+        except subprocess.TimeoutExpired as exc:
+            res = {"error": f"timed out after 240 s: {str(exc.stdout)[-1000:]}"}
         if "decode" in res:
             rows["stock_offload_arena" if arena else "stock_offload"] = res
         else:
