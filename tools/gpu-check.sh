@@ -57,7 +57,7 @@ if stage tests; then
   run tests python3 -m pytest -q -p no:cacheprovider -o addopts="" --junitxml="$OUT/gpu-tests.xml" "$REPO/tests/gpu"
 fi
 if stage bench; then
-  for b in micro_gemv gpu_slice; do
+  for b in gpu_slice micro_gemv; do
     [ -f "$REPO/bench/$b.py" ] || continue
     extra=(); [ "$b" = gpu_slice ] && extra=(--plot "$OUT/gpu_slice.png")
     run "bench-$b" python3 "$REPO/bench/$b.py" --json "${extra[@]}" \
