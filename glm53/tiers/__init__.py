@@ -1,0 +1,1 @@
+"""The expert tier system: VRAM slots, RAM tier, NVMe store, CPU lane and the controller."""
