@@ -20,7 +20,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def run_child(args) -> dict:
     import torch
 
-    sys.path.insert(0, os.path.join(HERE, ".."))
     sys.path.insert(0, HERE)
     from exllamav3 import Cache, Config, Model, Tokenizer
     from gpu_slice import measure

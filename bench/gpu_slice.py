@@ -20,8 +20,6 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
 
 def decode_run(loaded, vocab, batch, prompt_len=512, n_new=128, seed=0):
     from exllamav3 import ArgmaxSampler, Generator, Job

@@ -133,13 +133,19 @@ class GpuEngine:
                 self._check(w)
                 try:
                     state = self._state(w.slot, w.start_pos == 0)
-                    ids = torch.tensor([w.token_ids], dtype=torch.long)
-                    params = self._params([w.slot], [w.start_pos], [state])
+                    # like exllamav3's Generator: a prompt's last token runs as a one-row
+                    # decode forward, so its K/V and state come from the decode kernels
+                    body = w.token_ids[:-1] if w.want_logits else w.token_ids
+                    if body:
+                        ids = torch.tensor([body], dtype=torch.long)
+                        self.loaded.model.prefill(
+                            ids, self._params([w.slot], [w.start_pos], [state])
+                        )
                     if w.want_logits:
-                        params["last_tokens_only"] = 1
+                        ids = torch.tensor([w.token_ids[-1:]], dtype=torch.long)
+                        pos = w.start_pos + len(body)
+                        params = self._params([w.slot], [pos], [state])
                         out[i] = self.loaded.model.forward(ids, params)[0, -1].float()
-                    else:
-                        self.loaded.model.prefill(ids, params)
                 except Exception as exc:
                     raise EngineError(f"prefill of slot {w.slot} failed: {exc}", [w.slot]) from exc
                 self._stats["prefill_tokens"] += len(w.token_ids)
