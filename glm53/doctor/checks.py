@@ -67,7 +67,7 @@ def _gpu_checks(host: HostProbe, plan: Plan) -> list[Check]:
             Check(
                 "gpu",
                 Verdict.FAIL,
-                f"{host.gpu_source}: no GPU: demo only",
+                f"{host.gpu_source}; the plan is demo only",
                 "GLM-5.3-Flash needs one NVIDIA GPU with 24 GB; without one `glm53 serve "
                 "--demo` runs the synthetic demo checkpoint on the CPU",
             )

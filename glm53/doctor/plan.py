@@ -434,18 +434,18 @@ def _compare(path: str, options: list[ModeOption], recommended: Mode) -> Compari
 def make_plan(host: HostProbe, req: PlanRequest) -> Plan:
     gpus = host.gpus or []
     if host.gpus is None:
-        return _demo("GPU probe unavailable: demo only", host.unavailable.get("gpu", "?"))
+        return _demo("GPU probe unavailable: demo only", "GPU probe unavailable")
     gpu = hi.choose_gpu(gpus, req.gpu_index)
     if gpu is None:
-        return _demo("no GPU: demo only", host.gpu_source or "no NVIDIA GPU found")
+        return _demo("no GPU: demo only", "no NVIDIA GPU")
     if gpu.memory_free_mib < MIN_FREE_VRAM_MIB:
         return _demo(
             f"GPU {gpu.index} ({gpu.name}) has {gpu.memory_free_mib:,} MiB free, glm53 needs "
             f"{MIN_FREE_VRAM_MIB:,}: demo only",
-            "not enough free VRAM",
+            f"under {MIN_FREE_VRAM_MIB:,} MiB of free VRAM",
         )
     if host.memory is None:
-        return _demo("memory probe unavailable: demo only", host.unavailable.get("memory", "?"))
+        return _demo("memory probe unavailable: demo only", "memory probe unavailable")
     budget = hi.memory_budget(host.memory)
     lane = hi.lane_cpus(host.cpu, req.cpus) if host.cpu else []
     all_spots = hi.spots(host.storage) if host.storage else []
