@@ -93,11 +93,11 @@ def test_a_probe_that_hangs_is_reported_unavailable():
     class HangingMeminfo(FixtureSource):
         def read(self, path):
             if path == "/proc/meminfo":
-                time.sleep(3)
+                time.sleep(8)
             return super().read(path)
 
-    host = probe_host(HangingMeminfo(REF), timeout_s=0.3)
-    assert host.memory is None and host.unavailable == {"memory": "memory timed out after 0.3 s"}
+    host = probe_host(HangingMeminfo(REF), timeout_s=2.0)
+    assert host.memory is None and host.unavailable == {"memory": "memory timed out after 2 s"}
     assert host.cpu is not None and host.gpus
 
 
