@@ -78,6 +78,7 @@ async def server_info(state: ServerState, body: bytes, receive: Receive, send: S
         "is_model": engine.is_model if engine else None,
         "checkpoint": state.checkpoint,
         "context_length": _context_length(state),
+        "vocab_size": engine.tokenizer.vocab_size if state.status == "ready" else None,
         "max_running_requests": state.scheduler.num_slots
         if state.status == "ready"
         else state.settings.max_batch,

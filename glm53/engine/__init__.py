@@ -1,6 +1,6 @@
 """Engines and the scheduler. `create_engine` is the one place that picks an engine.
 
-Each engine module (glm53.engine.cpu, glm53.engine.exl3) exposes
+Each engine module (glm53.engine.cpu, glm53.engine.gpu) exposes
 `create(settings: Settings, checkpoint_dir: Path) -> Engine`; creating is cheap, `Engine.load`
 does the heavy work on the engine thread.
 """
@@ -30,7 +30,7 @@ __all__ = [
 
 log = logging.getLogger("glm53.engine")
 
-_MODULES = {"cpu": "glm53.engine.cpu", "gpu": "glm53.engine.exl3"}
+_MODULES = {"cpu": "glm53.engine.cpu", "gpu": "glm53.engine.gpu"}
 
 
 def uses_demo(settings: Settings) -> bool:
@@ -119,4 +119,9 @@ def create_engine(settings: Settings) -> Engine:
             f"the {kind} engine ({module_name}) is not in this build of glm53; update glm53 "
             "or pick another engine with --engine"
         ) from None
+    if not hasattr(module, "create"):
+        raise EngineUnavailable(
+            f"{module_name} has no create(settings, checkpoint_dir) in this build, so `glm53 serve` "
+            f"cannot start the {kind} engine yet"
+        )
     return module.create(settings, checkpoint_dir(settings))

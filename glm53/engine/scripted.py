@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Annotated
 
 import msgspec
+import numpy as np
 import torch
 
 from glm53.engine.base import EngineError, StreamWork
@@ -79,9 +80,9 @@ class ScriptedEngine:
         )
         self.generation_defaults: dict[str, float] = {}
         self._slots: list[_SlotState] = []
-        self._logits: torch.Tensor | None = None
+        self._logits: np.ndarray | None = None
         self._targets: list[tuple[int, int]] = []
-        self._counters = {"steps": 0, "tokens_emitted": 0, "prompt_tokens": 0}
+        self._counters = {"steps": 0, "tokens_emitted": 0, "prompt_tokens": 0, "busy_seconds": 0.0}
 
     def load(self) -> None:
         self.tokenizer = CheckpointTokenizer.from_dir(self.checkpoint_dir)
@@ -90,7 +91,9 @@ class ScriptedEngine:
         self._slots = [_SlotState() for _ in range(self.num_slots)]
         self._replies = [(r, self.tokenizer.encode(r.text) * r.repeat) for r in self.script.replies]
         self._default = self.tokenizer.encode(self.script.default)
-        self._logits = torch.full((self.num_slots, self.tokenizer.vocab_size), float("-inf"))
+        self._logits = np.full(
+            (self.num_slots, self.tokenizer.vocab_size), -np.inf, dtype=np.float32
+        )
 
     def _reply_for(self, prompt_ids: list[int]) -> tuple[list[int], int | None, float]:
         prompt = self.tokenizer.decode(prompt_ids)
@@ -111,8 +114,15 @@ class ScriptedEngine:
         return state.fail_after is not None and state.num_emitted >= state.fail_after
 
     def step(self, work: Sequence[StreamWork]) -> torch.Tensor:
+        start = time.perf_counter()
+        try:
+            return self._step(work)
+        finally:
+            self._counters["busy_seconds"] += time.perf_counter() - start
+
+    def _step(self, work: Sequence[StreamWork]) -> torch.Tensor:
         for row, column in self._targets:  # undo the previous step's rows
-            self._logits[row, column] = float("-inf")
+            self._logits[row, column] = -np.inf
         self._targets = []
         # fail before touching any stream, so the other streams can run again unchanged
         failed = [w.slot for w in work if self._fails(w)]
@@ -147,7 +157,7 @@ class ScriptedEngine:
         self._counters["steps"] += 1
         self._counters["tokens_emitted"] += len(self._targets)
         self._counters["prompt_tokens"] += prefill_tokens
-        return self._logits[: len(self._targets)]
+        return torch.from_numpy(self._logits[: len(self._targets)])
 
     def release(self, slot: int) -> None:
         self._slots[slot] = _SlotState()
