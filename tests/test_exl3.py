@@ -79,6 +79,16 @@ def test_codebook_values_derived_by_hand():
     assert codebook_values(np.zeros(1, np.uint16), "3inst").tolist() == [0.76806640625]
 
 
+@pytest.mark.parametrize("codebook", ["mcg", "3inst"])
+def test_whole_matrices_decode_with_every_codebook(codebook):
+    rng = np.random.default_rng(2)
+    trellis = rng.integers(-(2**15), 2**15, (8, 16, 48), dtype=np.int16)
+    w = Exl3Weights(trellis, np.ones(128, np.float16), np.ones(256, np.float16), codebook)
+    inner = w.inner_weight()
+    values = codebook_values(decode_states(trellis[3, 5]), codebook)
+    assert np.array_equal(inner[48:64, 80:96].reshape(-1)[tc_perm()], values)
+
+
 def test_inner_weight_places_states_by_the_fragment_permutation():
     trellis = one_bit_tile(32)
     w = Exl3Weights(np.tile(trellis, (8, 8, 1)), np.ones(128, np.float16), np.ones(128, np.float16))

@@ -112,13 +112,14 @@ def decode_states(trellis: np.ndarray) -> np.ndarray:
     first, last, shift = _state_windows(k2)
     pair = (words[:, first] << np.uint64(32)) | words[:, last]
     states = (pair >> shift) & np.uint64(0xFFFF)
-    return states.astype(np.uint16).reshape(*trellis.shape[:-1], 256)
+    return np.ascontiguousarray(states, dtype=np.uint16).reshape(*trellis.shape[:-1], 256)
 
 
 def _lop3_halves(x: np.ndarray) -> np.ndarray:
     """mcg / 3INST: (x & 0x8fff8fff) ^ 0x3b603b60 read as two fp16, summed with one fp16 rounding."""
     x = (x & np.uint32(0x8FFF8FFF)) ^ np.uint32(0x3B603B60)
-    halves = x.astype(np.uint32).view(np.uint16).reshape(*x.shape, 2).view(np.float16)
+    halves = np.ascontiguousarray(x, dtype=np.uint32).view(np.uint16)
+    halves = halves.reshape(*x.shape, 2).view(np.float16)
     # The sum of two fp16 values is exact in fp64, so one cast gives the correctly rounded fp16 add
     return (halves[..., 0].astype(np.float64) + halves[..., 1].astype(np.float64)).astype(
         np.float16
