@@ -12,7 +12,7 @@ from msgspec import UNSET
 
 from glm53.api import generation as gen
 from glm53.api.errors import ApiError, from_decode_error
-from glm53.api.http import Receive, Send, SseWriter, send_bytes
+from glm53.api.http import Receive, Send, send_bytes
 from glm53.api.schemas import (
     ChatChoice,
     ChatChunk,
@@ -300,7 +300,7 @@ async def _stream(
             ChatChunk(rid, created, model, [ChunkChoice(0, delta, finish)], usage=usage_field)
         )
 
-    sse = SseWriter(send)
+    sse = run.sse(send)
     await sse.start()
     await sse.event(chunk(ChatDelta(role="assistant", content="")))
     last = None

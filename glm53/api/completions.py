@@ -7,7 +7,7 @@ from msgspec import UNSET
 
 from glm53.api import generation as gen
 from glm53.api.errors import ApiError, from_decode_error
-from glm53.api.http import Receive, Send, SseWriter, send_bytes
+from glm53.api.http import Receive, Send, send_bytes
 from glm53.api.schemas import Completion, CompletionChoice, CompletionRequest, Usage
 from glm53.api.state import ServerState
 from glm53.engine.scheduler import GenerationRequest
@@ -116,7 +116,7 @@ async def _stream(
         choice = CompletionChoice(0, text, finish)
         return _encoder.encode(Completion(rid, run.created, model, [choice], usage=usage_field))
 
-    sse = SseWriter(send)
+    sse = run.sse(send)
     await sse.start()
     if echo:
         await sse.event(chunk(echo, None))

@@ -9,7 +9,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 
 from glm53.api.errors import ApiError
-from glm53.api.http import DisconnectWatcher, Receive
+from glm53.api.http import DisconnectWatcher, Receive, Send, SseWriter
 from glm53.api.schemas import SamplingFields
 from glm53.api.state import ServerState
 from glm53.engine.base import Tokenizer
@@ -114,6 +114,12 @@ class Run:
         self.stream = stream
         self.watcher = DisconnectWatcher(receive, stream.cancel)
         self.created = int(time.time())
+        self._sse: SseWriter | None = None
+
+    def sse(self, send: Send) -> SseWriter:
+        """The SSE writer of this run's answer; `close` stops its keep-alive comments."""
+        self._sse = SseWriter(send)
+        return self._sse
 
     @property
     def is_gone(self) -> bool:
@@ -126,6 +132,8 @@ class Run:
     def close(self) -> None:
         self.watcher.close()
         self.stream.cancel()
+        if self._sse is not None:
+            self._sse.stop()
         stream, metrics = self.stream, self.state.metrics
         metrics.count_tokens(stream.num_prompt_tokens, stream.num_generated_tokens)
         if stream.first_token_ns:

@@ -116,7 +116,11 @@ class SseWriter:
             {"type": "http.response.body", "body": b"data: " + data + b"\n\n", "more_body": True}
         )
 
-    async def close(self, final: bytes = b"data: [DONE]\n\n") -> None:
+    def stop(self) -> None:
+        """Stop the keep-alive comments (the response is over, however it ended)."""
         if self._keepalive is not None:
             self._keepalive.cancel()
+
+    async def close(self, final: bytes = b"data: [DONE]\n\n") -> None:
+        self.stop()
         await self._send({"type": "http.response.body", "body": final, "more_body": False})

@@ -9,7 +9,7 @@ import msgspec
 
 from glm53.api import generation as gen
 from glm53.api.errors import ApiError, from_decode_error
-from glm53.api.http import Receive, Send, SseWriter, send_bytes
+from glm53.api.http import Receive, Send, send_bytes
 from glm53.api.schemas import (
     FinishInfo,
     GenerateMeta,
@@ -118,7 +118,7 @@ async def generate(state: ServerState, body: bytes, receive: Receive, send: Send
                 raise ApiError(500, f"generation failed: {last.error}", code="engine_error")
             await send_bytes(send, 200, _encoder.encode(response(last)))
             return 200
-        sse = SseWriter(send)
+        sse = run.sse(send)
         await sse.start()
         async for event in run.events():
             texts.append(event.text)
