@@ -187,7 +187,7 @@ def aligned_empty(nbytes, alignment=4096):
     return np.frombuffer(block, dtype=np.uint8)
 
 
-# ---- the queue ------------------------------------------------------------------------------------
+# ---- the queue ---------------------------------------------------------------------------------
 
 cdef class _Pin:
     """Holds a buffer export (so the memory cannot move or vanish) until released."""
@@ -217,7 +217,7 @@ def _check_config(threads, piece_bytes):
     piece_bytes = operator.index(piece_bytes)
     if not 1 <= threads <= G53_OD_MAX_THREADS:
         raise ValueError(f"threads must be 1..{G53_OD_MAX_THREADS}, got {threads}")
-    if piece_bytes <= 0 or piece_bytes % G53_OD_MIN_ALIGNMENT or piece_bytes > G53_OD_MAX_PIECE_BYTES:
+    if not 0 < piece_bytes <= G53_OD_MAX_PIECE_BYTES or piece_bytes % G53_OD_MIN_ALIGNMENT:
         raise ValueError(
             f"piece_bytes must be a positive multiple of {G53_OD_MIN_ALIGNMENT} up to "
             f"{G53_OD_MAX_PIECE_BYTES}, got {piece_bytes}"
@@ -246,6 +246,8 @@ cdef class _Queue:
         self.done = {}
 
     cdef _open(self, path, int mode, threads, piece_bytes, bint truncate):
+        if self.od != NULL:
+            raise ValueError(f"{type(self).__name__} for {self.path} is already open")
         threads, piece_bytes = _check_config(threads, piece_bytes)
         self.path = os.fspath(path)
         self.mode = mode
@@ -339,7 +341,8 @@ cdef class _Queue:
             self.inflight[serial] = record
             self.serial_of[tag] = serial
 
-    cdef tuple _fill(self, g53_od_request *req, item, Py_ssize_t index, Py_ssize_t n, set batch_tags):
+    cdef tuple _fill(self, g53_od_request *req, item, Py_ssize_t index, Py_ssize_t n,
+                     set batch_tags):
         where = "" if n == 1 else f"request {index}: "
         if not 4 <= len(item) <= 6:
             raise ValueError(f"{where}expected (offset, length, buf, tag[, priority[, flag]])")
@@ -370,7 +373,8 @@ cdef class _Queue:
             raise ValueError(f"{where}buf holds {data.view.len} bytes, fewer than length {length}")
         if addr % a:
             raise ValueError(
-                f"{where}buf address 0x{addr:x} is not {a}-aligned; allocate it with aligned_empty()"
+                f"{where}buf address 0x{addr:x} is not {a}-aligned; "
+                "allocate it with aligned_empty()"
             )
         cdef _Pin word = None
         cdef uint32_t *done_word = NULL
@@ -518,7 +522,9 @@ cdef class Writer(_Queue):
         offset = operator.index(offset)
         length = operator.index(length)
         if offset < 0 or length <= 0:
-            raise ValueError(f"preallocate needs offset >= 0 and length > 0, got {offset}, {length}")
+            raise ValueError(
+                f"preallocate needs offset >= 0 and length > 0, got {offset}, {length}"
+            )
         cdef int rc
         cdef uint64_t o = offset, n = length
         with nogil:

@@ -15,10 +15,10 @@
 // end of the file (no zero fill), -EIO for a write that made no progress, -ECANCELED for a request
 // cancelled by g53_od_shutdown. A failed piece stops the request's remaining unstarted pieces.
 //
-// Threading: every function may be called from any thread without the GIL; the object has one
-// mutex. Workers block all signals. g53_od_shutdown joins every worker before it returns.
-// Linux only (O_DIRECT, statx, fallocate). Current limits: blocking pread/pwrite per thread
-// (no io_uring); at most G53_OD_MAX_THREADS threads; pieces at most 1 GiB.
+// Threading: every function but g53_od_free may be called from any thread at any time, without
+// the GIL; the object has one mutex. Workers block all signals. g53_od_shutdown joins every
+// worker before it returns. Linux only (O_DIRECT, statx, fallocate). Current limits: blocking
+// pread/pwrite per thread (no io_uring); at most G53_OD_MAX_THREADS threads; pieces <= 1 GiB.
 #ifndef GLM53_ODIRECT_H
 #define GLM53_ODIRECT_H
 

@@ -266,6 +266,7 @@ def test_close_with_cancel_completes_queued_requests_as_cancelled(disk_dir):
     write_random(path, 4 * MiB, 10)
     buf = aligned_empty(4 * MiB)
     reader = Reader(path, threads=1, piece_bytes=64 * KiB)
+    assert reader.handle != 0
     reader.submit_many([(0, 4 * MiB, buf, i) for i in range(64)])
     reader.close(cancel=True)
     assert reader.closed and reader.num_in_flight == 0
