@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 
@@ -85,9 +86,10 @@ class Engine(Protocol):
 
     def load(self) -> None: ...
 
-    def step(self, work: Sequence[StreamWork]) -> torch.Tensor:
-        """Run one step; return float32 logits [number of items with want_logits, vocab_size], in
-        the order of `work`. Raise EngineError naming the slots that failed."""
+    def step(self, work: Sequence[StreamWork]) -> torch.Tensor | np.ndarray:
+        """Run one step; return logits [number of items with want_logits, vocab_size], in the
+        order of `work`, as a torch tensor (any device) or a float32 numpy array. Raise
+        EngineError naming the slots that failed."""
         ...
 
     def release(self, slot: int) -> None: ...

@@ -22,7 +22,6 @@ from typing import Annotated
 
 import msgspec
 import numpy as np
-import torch
 
 from glm53.engine.base import EngineError, StreamWork
 from glm53.engine.tokenizer import CheckpointTokenizer, read_generation_defaults
@@ -113,14 +112,14 @@ class ScriptedEngine:
             return fail_after == 0
         return state.fail_after is not None and state.num_emitted >= state.fail_after
 
-    def step(self, work: Sequence[StreamWork]) -> torch.Tensor:
+    def step(self, work: Sequence[StreamWork]) -> np.ndarray:
         start = time.perf_counter()
         try:
             return self._step(work)
         finally:
             self._counters["busy_seconds"] += time.perf_counter() - start
 
-    def _step(self, work: Sequence[StreamWork]) -> torch.Tensor:
+    def _step(self, work: Sequence[StreamWork]) -> np.ndarray:
         for row, column in self._targets:  # undo the previous step's rows
             self._logits[row, column] = -np.inf
         self._targets = []
@@ -157,7 +156,7 @@ class ScriptedEngine:
         self._counters["steps"] += 1
         self._counters["tokens_emitted"] += len(self._targets)
         self._counters["prompt_tokens"] += prefill_tokens
-        return torch.from_numpy(self._logits[: len(self._targets)])
+        return self._logits[: len(self._targets)]
 
     def release(self, slot: int) -> None:
         self._slots[slot] = _SlotState()
