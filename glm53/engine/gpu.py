@@ -33,6 +33,7 @@ class GpuEngine:
         chunk_size: int = 2048,
         ec_max_slots: int | None = None,
         ec_reserve_gb: float = 1.0,
+        ec_stage_gb: float | None = None,
         device: str = "cuda:0",
         allow_unsupported: bool = False,
         heat_file: str | None = None,
@@ -46,6 +47,7 @@ class GpuEngine:
         self.model_dir, self.mode, self.device = model_dir, mode, device
         self.context_length, self.num_slots, self.chunk_size = context, max_batch, chunk_size
         self.ec_max_slots, self.ec_reserve_gb = ec_max_slots, ec_reserve_gb
+        self.ec_stage_gb = ec_stage_gb
         self.allow_unsupported = allow_unsupported
         self.heat_file = heat_file
         self.description = f"GPU engine (exllamav3 1.6.5, mode {mode}) on {model_dir}"
@@ -70,6 +72,7 @@ class GpuEngine:
             max_chunk=self.chunk_size,
             ec_max_slots=self.ec_max_slots,
             ec_reserve_gb=self.ec_reserve_gb,
+            ec_stage_gb=self.ec_stage_gb,
             allow_unsupported=self.allow_unsupported,
         )
         self.block_table = torch.arange(self.num_slots * pages, dtype=torch.int32).view(
@@ -212,3 +215,31 @@ class GpuEngine:
             self.release(slot)
         self.loaded.close()
         self.loaded = None
+
+
+def create(settings, checkpoint_dir) -> GpuEngine:
+    """The GPU engine for these Settings (not loaded)."""
+    from glm53.config import ConfigurationError
+
+    mode = "exact" if settings.mode in ("auto", "exact") else settings.mode
+    if mode != "exact":
+        raise ConfigurationError(
+            f"--mode {settings.mode}: this build's GPU engine serves exact mode only (VRAM cache + "
+            "pinned RAM, bit-identical to stock exllamav3); fast and nvme modes need the CPU lane "
+            "and the store wired into the GPU engine, which has not landed. Use --mode exact."
+        )
+    if settings.store:
+        raise ConfigurationError(
+            f"--store {settings.store}: exact mode keeps every routed expert in pinned RAM and "
+            "does not read a store; leave --store out"
+        )
+    return GpuEngine(
+        str(checkpoint_dir),
+        mode,
+        context=settings.context,
+        max_batch=settings.max_batch,
+        chunk_size=settings.chunk_size,
+        ec_max_slots=settings.ec_max_slots,
+        ec_reserve_gb=settings.ec_reserve_gb,
+        ec_stage_gb=settings.ec_stage_gb,
+    )

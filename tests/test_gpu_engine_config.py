@@ -1,0 +1,34 @@
+"""The GPU engine's settings checks run without a GPU (creating an engine loads nothing)."""
+
+import argparse
+
+import pytest
+
+from glm53.config import ConfigurationError, add_arguments, resolve
+from glm53.engine.gpu import GpuEngine, create
+
+
+def settings(*argv):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return resolve(parser.parse_args(list(argv)), environ={})[0]
+
+
+def test_exact_mode_maps_every_setting(tmp_path):
+    s = settings("--mode", "exact", "--ec-max-slots", "100", "--ec-reserve-gb", "2",
+                 "--ec-stage-gb", "1.5", "--context", "4096", "--max-batch", "2")  # fmt: skip
+    e = create(s, tmp_path)
+    assert isinstance(e, GpuEngine)
+    assert (e.mode, e.ec_max_slots, e.ec_reserve_gb, e.ec_stage_gb) == ("exact", 100, 2.0, 1.5)
+    assert (e.context_length, e.num_slots) == (4096, 2)
+
+
+@pytest.mark.parametrize("mode", ["fast", "nvme", "nvme-exact"])
+def test_modes_the_gpu_engine_cannot_serve_are_refused(tmp_path, mode):
+    with pytest.raises(ConfigurationError, match="exact mode only"):
+        create(settings("--mode", mode), tmp_path)
+
+
+def test_a_store_is_refused_in_exact_mode(tmp_path):
+    with pytest.raises(ConfigurationError, match="leave --store out"):
+        create(settings("--store", str(tmp_path)), tmp_path)
