@@ -166,13 +166,18 @@ class DeviceExpertCache:
         return self._t["slot_key"].cpu().numpy()
 
     def seed(self, keys) -> int:
-        """Warm start: fill slots with keys in priority order (copies synchronously), then
-        point the tables at them. Returns the number of keys placed."""
+        """Warm start from a heat list, hottest first (copies synchronously), then point the
+        tables at the slots. As glm53._clock's seed does, the hottest key goes in the highest
+        seeded slot: the hand starts at slot 0, so the coldest seeded key is evicted first.
+        Returns the number of keys placed."""
         import torch
 
         keys = [int(k) for k in keys][: self.n_slots]
         if not keys:
             return 0
+        if len(set(keys)) != len(keys):
+            raise ValueError("the heat list repeats a key; every key may be seeded once")
+        keys = keys[::-1]  # slot 0 <- coldest of the seeded keys
         arr = np.frombuffer(self._struct.cpu().numpy().tobytes(), dtype=self._dtype).copy()
         s = arr[0]
         if int(s["n_used"]) != 0:

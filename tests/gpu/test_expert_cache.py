@@ -152,10 +152,10 @@ def test_masked_and_out_of_range_picks_are_skipped():
 
 def test_seed_fills_slots_in_priority_order():
     geo, home, home_addr, tables, cache = make_setup(2, 8, (512, 512, 1024), 4)
-    assert cache.seed([9, 3, 12]) == 3
+    assert cache.seed([9, 3, 12]) == 3  # hottest first
     model = ClockModel(4)
-    model.slot_key[:3] = [9, 3, 12]
-    model.key_slot = {9: 0, 3: 1, 12: 2}
+    model.slot_key[:3] = [12, 3, 9]  # hottest in the highest seeded slot, as glm53._clock
+    model.key_slot = {12: 0, 3: 1, 9: 2}
     model.used = 3
     check_tables(geo, home, home_addr, tables, cache, model)
 
