@@ -24,9 +24,7 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from glm53._odirect import Reader, Writer, aligned_empty, filesystem_of, probe  # noqa: E402
+from glm53._odirect import Reader, Writer, aligned_empty, filesystem_of, probe
 
 FILL_CHUNK_BYTES = 64 << 20
 
