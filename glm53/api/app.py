@@ -9,6 +9,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from glm53 import notify
 from glm53.api import chat, completions, info, native
 from glm53.api.errors import ApiError
 from glm53.api.http import ClientGone, Receive, Send, read_body, send_error
@@ -108,6 +109,7 @@ class App:
         """Create and load the engine (off the event loop), then start taking requests."""
         state, settings = self.state, self.state.settings
         start = time.monotonic()
+        notify.status("loading the model")
         try:
             state.engine = await asyncio.to_thread(self._make_engine)
             log.info("loading %s", state.engine.description)
@@ -125,6 +127,7 @@ class App:
             log.error(
                 "the model failed to load: %s", state.load_error, exc_info=None if expected else exc
             )
+            notify.status(f"the model failed to load: {state.load_error}")
             if self._on_load_failed is not None:
                 self._on_load_failed(exc)
             return
@@ -138,9 +141,12 @@ class App:
             scheduler.num_slots,
             settings.served_name,
         )
+        # /health answers 200 from here on: tell systemd (Type=notify) the service is up.
+        notify.ready(f"serving {settings.served_name} on {settings.host}:{settings.port}")
 
     async def close(self) -> None:
         self.state.status = "stopping"
+        notify.stopping()
         if self._load_task is not None and not self._load_task.done():
             await asyncio.wait([self._load_task])
         if self.state.scheduler is not None:
