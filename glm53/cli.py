@@ -15,6 +15,7 @@ SUBCOMMANDS: dict[str, str] = {
     "synth": "glm53.synth_cli",
     "doctor": "glm53.doctor.cli",
     "download": "glm53.download",
+    "store": "glm53.store.cli",
 }
 
 

@@ -1,0 +1,214 @@
+"""Store benchmark: `glm53 store pack` and `verify` throughput on a multi-GB synthetic store,
+against fio sequential O_DIRECT write and read of a file of the same size on the same
+filesystem, in the same run. Targets: pack >= 0.7x fio write, verify >= 0.9x fio read.
+
+The checkpoint is a `slice` (real GLM-5.3-Flash widths: 9,474,048-byte records) cut to
+--moe-layers MoE layers of --experts experts (default 1 x 288 = 2.73 GB of records). Each
+round runs fio write, pack, fio read, verify back to back; medians are reported. Pack reads a
+source in the page cache (as right after a download); with --cold, a last pack reads it from
+disk after posix_fadvise(DONTNEED) (no target; the source shares the drive here). Everything
+written is deleted at the end. Needs fio (Debian/Ubuntu: apt-get install fio).
+
+    python bench/store_bench.py [--dir /var/tmp] [--rounds 2] [--cold] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from glm53._odirect import filesystem_of, probe
+from glm53.models.synth import SynthWriter
+from glm53.models.synth_layout import preset
+from glm53.store.compare import compare
+from glm53.store.pack import pack
+from glm53.store.verify import verify
+
+TARGETS = {"pack_vs_fio_write": 0.7, "verify_vs_fio_read": 0.9}
+
+
+def run_fio(path: Path, size: int, rw: str, args) -> float:
+    cmd = [
+        "fio",
+        "--name=store_bench",
+        f"--filename={path}",
+        "--direct=1",
+        f"--rw={rw}",
+        f"--bs={args.fio_block}",
+        f"--iodepth={args.fio_depth}",
+        f"--ioengine={args.fio_engine}",
+        f"--size={size}",
+        "--numjobs=1",
+        "--output-format=json",
+    ]
+    if rw == "write":
+        cmd.append("--end_fsync=1")
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    job = json.loads(out[out.index("{") :])["jobs"][0]["read" if rw == "read" else "write"]
+    if job["io_bytes"] != size:
+        raise RuntimeError(f"fio {rw} moved {job['io_bytes']} bytes, expected {size}")
+    return job["bw_bytes"] / 1e9
+
+
+def make_checkpoint(out: Path, moe_layers: int, experts: int) -> float:
+    shape = preset(
+        "slice",
+        num_layers=1 + moe_layers,
+        num_dense_layers=1,
+        num_experts=experts,
+        num_experts_per_tok=min(8, experts),
+    )
+    start = time.perf_counter()
+    out.mkdir(parents=True)
+    writer = SynthWriter(shape, 0, out)
+    writer.write_metadata()  # the router stays uncalibrated: pack never reads it
+    writer.write_shards(2 << 30)
+    return time.perf_counter() - start
+
+
+def warm(paths: list[Path]) -> None:
+    for path in paths:
+        with open(path, "rb") as f:
+            while f.read(64 << 20):
+                pass
+
+
+def drop_cache(paths: list[Path]) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def git_commit() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        return subprocess.run(
+            ["git", "-C", here, "rev-parse", "--short", "HEAD"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dir", default="/var/tmp", help="where everything goes (a local disk)")
+    ap.add_argument("--moe-layers", type=int, default=1)
+    ap.add_argument("--experts", type=int, default=288)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, help="pack/verify hash threads (default 2-8)")
+    ap.add_argument("--pack-io-threads", type=int, default=4)
+    ap.add_argument("--verify-io-threads", type=int, default=8)
+    ap.add_argument("--fio-engine", default="libaio")
+    ap.add_argument("--fio-depth", type=int, default=16)
+    ap.add_argument("--fio-block", type=int, default=2 << 20, help="fio block bytes")
+    ap.add_argument("--cold", action="store_true", help="also pack from a cold source")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+
+    if shutil.which("fio") is None:
+        print(
+            "store_bench: fio is not installed, so there is nothing to compare against; install "
+            "it (Debian/Ubuntu: apt-get install fio) and run again",
+            file=sys.stderr,
+        )
+        return 2
+    probe(args.dir)
+    fstype, mount = filesystem_of(args.dir)
+    fio_version = subprocess.run(["fio", "--version"], capture_output=True, text=True).stdout
+    work = Path(args.dir) / f"glm53-store-bench-{os.getpid()}"
+    ckpt, store, fio_file = work / "ckpt", work / "store", work / "fio.bin"
+    load_before = os.getloadavg()
+    rows: dict[str, list[float]] = {"fio_write": [], "pack": [], "fio_read": [], "verify": []}
+    figures: dict[str, float] = {}
+    try:
+        figures["synth_s"] = round(make_checkpoint(ckpt, args.moe_layers, args.experts), 1)
+        shards = sorted(ckpt.glob("*.safetensors"))
+        for _ in range(args.rounds):
+            shutil.rmtree(store, ignore_errors=True)
+            fio_file.unlink(missing_ok=True)
+            warm(shards)
+            # fio needs the size; a first round learns it from the pack's plan
+            size = figures.get("store_bytes") or args.moe_layers * args.experts * 9_474_048
+            size -= size % args.fio_block  # fio moves whole blocks
+            rows["fio_write"].append(run_fio(fio_file, int(size), "write", args))
+            result = pack(ckpt, store, threads=args.threads, io_threads=args.pack_io_threads)
+            figures["store_bytes"] = result.total_bytes
+            rows["pack"].append(result.total_bytes / result.seconds / 1e9)
+            rows["fio_read"].append(run_fio(fio_file, int(size), "read", args))
+            checked = verify(store, threads=args.threads, io_threads=args.verify_io_threads)
+            if not checked.ok:
+                raise RuntimeError(f"the benchmark's store failed verify: {checked.bad[:3]}")
+            rows["verify"].append(checked.gbps)
+        fio_file.unlink(missing_ok=True)
+        if not compare(store, ckpt, sample=16, seed=0).ok:
+            raise RuntimeError("the benchmark's store differs from its checkpoint")
+        if args.cold:
+            shutil.rmtree(store)
+            drop_cache(shards)
+            result = pack(ckpt, store, threads=args.threads, io_threads=args.pack_io_threads)
+            figures["pack_cold_source_gbps"] = round(result.total_bytes / result.seconds / 1e9, 3)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    for name, values in rows.items():
+        figures[f"{name}_gbps"] = round(statistics.median(values), 3)
+        figures[f"{name}_gbps_rounds"] = [round(v, 3) for v in values]
+    figures["records"] = figures["store_bytes"] // 9_474_048
+    ratios = {
+        "pack_vs_fio_write": round(figures["pack_gbps"] / figures["fio_write_gbps"], 3),
+        "verify_vs_fio_read": round(figures["verify_gbps"] / figures["fio_read_gbps"], 3),
+    }
+    config = {
+        "dir": args.dir,
+        "filesystem": f"{fstype} at {mount}",
+        "moe_layers": args.moe_layers,
+        "experts": args.experts,
+        "rounds": args.rounds,
+        "threads": args.threads or "default",
+        "pack_io_threads": args.pack_io_threads,
+        "verify_io_threads": args.verify_io_threads,
+        "fio": f"{fio_version.strip()} {args.fio_engine} iodepth {args.fio_depth} bs {args.fio_block}",
+        "targets": TARGETS,
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "load_avg_before_after": [round(load_before[0], 1), round(os.getloadavg()[0], 1)],
+        "commit": git_commit(),
+    }
+    if args.json:
+        print(
+            json.dumps(
+                {"bench": "store_bench", "figures": figures, "ratios": ratios, "config": config}
+            )
+        )
+        return 0
+    print(f"store_bench on {fstype} at {mount}: {figures['store_bytes'] / 1e9:.2f} GB store")
+    print(f"{'':24}{'GB/s':>8}  {'target':>8}")
+    print(f"{'fio write':24}{figures['fio_write_gbps']:8.3f}")
+    print(f"{'pack':24}{figures['pack_gbps']:8.3f}  {ratios['pack_vs_fio_write']:6.2f}x (>= 0.7x)")
+    print(f"{'fio read':24}{figures['fio_read_gbps']:8.3f}")
+    print(
+        f"{'verify':24}{figures['verify_gbps']:8.3f}  {ratios['verify_vs_fio_read']:6.2f}x (>= 0.9x)"
+    )
+    if "pack_cold_source_gbps" in figures:
+        print(f"{'pack, cold source':24}{figures['pack_cold_source_gbps']:8.3f}")
+    print(f"load average before/after: {config['load_avg_before_after']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,342 @@
+"""`glm53 store pack`: write a checkpoint's routed experts into a store.
+
+Order of work: plan (headers only) -> refuse an out dir inside the model dir -> O_DIRECT probe
+-> resume state -> free-space floor -> preallocate -> fill records (source reads + sha256 on a
+thread pool) and write them with the native O_DIRECT writer -> fdatasync -> manifest, atomically,
+last. Every few seconds the writes so far are made durable and listed in the journal, which is
+what `--resume` continues from.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
+from pathlib import Path
+
+from glm53._odirect import ODirectError, Writer, aligned_empty, filesystem_of, probe
+from glm53.store.errors import EXIT_INTERRUPTED, StoreError, StoreMismatchError, reason
+from glm53.store.format import DATA_FILE, MANIFEST_FILE, encode_json, read_manifest, sync_dir
+from glm53.store.format import write_atomically as _write_atomically
+from glm53.store.journal import JOURNAL_FILE, read_journal, write_journal
+from glm53.store.plan import StorePlan, check_matches, plan_store
+from glm53.store.source import SourceReader
+from glm53.store.verify import Progress, default_threads, hash_records
+
+MIN_FREE_FRACTION = 0.10  # pack refuses to leave less of the filesystem free
+JOURNAL_INTERVAL_S = 2.0
+PIECE_BYTES = 2 << 20
+BUFFER_BUDGET_BYTES = 512 << 20
+
+
+@dataclass(slots=True)
+class PackResult:
+    store_dir: Path
+    num_records: int
+    records_written: int
+    records_kept: int  # verified and kept by --resume
+    total_bytes: int
+    seconds: float
+
+    @property
+    def gbps(self) -> float:
+        """Bytes written per second (GB/s)."""
+        return self.records_written * self.total_bytes / self.num_records / self.seconds / 1e9
+
+
+def disk_space(path: Path) -> tuple[int, int]:
+    """(free bytes for this user, filesystem bytes) of the filesystem holding path."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
+
+def pack(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    resume: bool = False,
+    include_mtp: bool = True,
+    threads: int | None = None,
+    io_threads: int = 4,
+    progress: Progress | None = None,
+    verify_progress: Progress | None = None,
+) -> PackResult:
+    plan = plan_store(model_dir, include_mtp=include_mtp)
+    out = Path(out_dir)
+    _refuse_inside(out, plan.checkpoint.directory)
+    created = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StoreError(f"cannot create --out {out}: {exc.strerror}") from None
+    try:
+        probe(out)
+    except (ODirectError, OSError) as exc:
+        if created:
+            out.rmdir()
+        raise StoreError(f"--out {out}: {reason(exc)}") from None
+
+    start = time.perf_counter()
+    sha = [""] * plan.num_records
+    if resume:
+        sha = _resume_state(out, plan, threads, verify_progress)
+        if all(sha) and (out / MANIFEST_FILE).is_file():
+            return PackResult(out, plan.num_records, 0, plan.num_records, plan.total_bytes, 0.0)
+    else:
+        _refuse_existing(out)
+    kept = sum(1 for s in sha if s)
+    _check_space(out, plan.total_bytes - _allocated(out / DATA_FILE) if kept else plan.total_bytes)
+    packer = _Packer(plan, out, sha, threads or default_threads(), io_threads, progress)
+    packer.run(truncate=kept == 0)
+    return PackResult(
+        out,
+        plan.num_records,
+        plan.num_records - kept,
+        kept,
+        plan.total_bytes,
+        time.perf_counter() - start,
+    )
+
+
+# --- checks before writing -----------------------------------------------------------------
+
+
+def _refuse_inside(out: Path, model: Path) -> None:
+    real_out, real_model = os.path.realpath(out), os.path.realpath(model)
+    if real_out == real_model or real_out.startswith(real_model.rstrip("/") + "/"):
+        raise StoreError(
+            f"--out {out} is inside the model directory {model}; the store must live outside the "
+            "checkpoint (ideally on its own NVMe drive): choose another --out"
+        )
+
+
+def _refuse_existing(out: Path) -> None:
+    if (out / MANIFEST_FILE).exists():
+        raise StoreError(
+            f"{out} already holds a packed store ({MANIFEST_FILE}); check it with `glm53 store "
+            f"verify --store {out}`, repair it with --resume, or pack into an empty directory"
+        )
+    if (out / DATA_FILE).exists() or (out / JOURNAL_FILE).exists():
+        raise StoreError(
+            f"{out} holds an interrupted pack ({DATA_FILE} without {MANIFEST_FILE}); continue "
+            f"it with --resume, or delete {out / DATA_FILE} and {out / JOURNAL_FILE}"
+        )
+
+
+def _allocated(path: Path) -> int:
+    try:
+        return os.stat(path).st_blocks * 512
+    except FileNotFoundError:
+        return 0
+
+
+def _check_space(out: Path, need_bytes: int) -> None:
+    free, size = disk_space(out)
+    left = free - max(need_bytes, 0)
+    if left < MIN_FREE_FRACTION * size:
+        fstype, mount = filesystem_of(out)
+        raise StoreError(
+            f"packing needs {need_bytes / 1e9:.2f} GB more in {out} ({fstype} at {mount}), which "
+            f"has {free / 1e9:.2f} GB free of {size / 1e9:.2f} GB; that would leave "
+            f"{max(left, 0) / size:.1%} free, under the {MIN_FREE_FRACTION:.0%} floor: free "
+            "space there or choose --out on a larger filesystem"
+        )
+
+
+def _resume_state(out: Path, plan: StorePlan, threads, progress) -> list[str]:
+    """The hashes of the records already on disk that verify, "" for the rest. A finished
+    store being repaired loses its manifest here, once it is known to need a rewrite."""
+    manifest_path = out / MANIFEST_FILE
+    if manifest_path.is_file():
+        manifest = read_manifest(out)
+        try:
+            check_matches(manifest, out, plan)
+        except StoreMismatchError as exc:
+            raise StoreError(f"--resume: {exc}") from None
+        listed = list(manifest.sha256)
+    elif (out / JOURNAL_FILE).is_file():
+        listed = read_journal(out, plan)
+    else:
+        return [""] * plan.num_records  # nothing is known to be durable: start over
+    data = out / DATA_FILE
+    good = [""] * plan.num_records
+    if data.is_file():
+        want = [r for r, s in enumerate(listed) if s]
+        for record, digest, _ in hash_records(
+            data, plan.record_bytes, want, threads=threads, progress=progress
+        ):
+            if digest == listed[record]:
+                good[record] = digest
+    if manifest_path.is_file() and not all(good):
+        write_journal(out, plan, good)
+        manifest_path.unlink()
+        sync_dir(out)
+    return good
+
+
+# --- the pipeline --------------------------------------------------------------------------
+
+
+class _Packer:
+    """Owns the writer (one thread: this one); fills run on a pool of `threads`."""
+
+    def __init__(self, plan, out, sha, threads, io_threads, progress):
+        self.plan, self.out, self.sha = plan, out, sha
+        self.threads, self.io_threads, self.progress = threads, io_threads, progress
+        self.data = out / DATA_FILE
+        self.durable = list(sha)  # what the journal may claim
+        self.unsynced: list[int] = []
+        self.bytes_done = sum(1 for s in sha if s) * plan.record_bytes
+        rb = plan.record_bytes
+        count = max(2, min(threads + 2 * io_threads, BUFFER_BUDGET_BYTES // rb))
+        self.buffers = [aligned_empty(rb) for _ in range(count)]
+        for buf in self.buffers:
+            buf[:] = 0  # the gaps between fields stay zero: fills only write fields
+
+    def run(self, truncate: bool) -> None:
+        total = self.plan.total_bytes
+        try:
+            writer = Writer(self.data, threads=self.io_threads, piece_bytes=PIECE_BYTES,
+                            truncate=truncate)  # fmt: skip
+        except ODirectError as exc:
+            raise StoreError(
+                f"cannot open {self.data} for O_DIRECT writes: {reason(exc)}"
+            ) from None
+        try:
+            writer.preallocate(0, total)
+        except ODirectError as exc:
+            writer.close()
+            fstype, mount = filesystem_of(self.out)
+            fix = "free space there or choose another --out"
+            if exc.errno == errno.EFBIG:
+                fix = "raise the file size limit (ulimit -f) or choose another --out"
+            raise StoreError(
+                f"cannot reserve {total / 1e9:.2f} GB for {self.data} ({fstype} at {mount}): "
+                f"{os.strerror(exc.errno)}; {fix}"
+            ) from None
+        write_journal(self.out, self.plan, self.durable)
+        source = SourceReader(self.plan)
+        todo = [r for r, s in enumerate(self.sha) if not s]
+        try:
+            self._pipeline(todo, writer, source)
+            writer.sync()
+        except BaseException as exc:
+            self._stop(writer, exc)
+        finally:
+            source.close()
+        writer.close()
+        if self.progress:
+            self.progress(total, total)
+        manifest = self.plan.manifest(self.sha)
+        _write_atomically(self.out / MANIFEST_FILE, encode_json(manifest))
+        (self.out / JOURNAL_FILE).unlink(missing_ok=True)
+        sync_dir(self.out)
+
+    def _fill(self, record: int, buf, source: SourceReader) -> str:
+        source.fill(record, buf)
+        return hashlib.sha256(buf).hexdigest()
+
+    def _pipeline(self, todo: list[int], writer, source: SourceReader) -> None:
+        rb = self.plan.record_bytes
+        free = list(range(len(self.buffers)))
+        filling: deque[tuple[int, int, Future]] = deque()
+        writing: dict[int, int] = {}  # record -> buffer, in submission order
+        pending = iter(todo)
+        exhausted = False
+        last_journal = time.monotonic()
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="glm53-pack") as pool:
+            try:
+                while True:
+                    while free and not exhausted:
+                        record = next(pending, None)
+                        if record is None:
+                            exhausted = True
+                            break
+                        b = free.pop()
+                        fut = pool.submit(self._fill, record, self.buffers[b], source)
+                        filling.append((record, b, fut))
+                    if not filling and not writing:
+                        return
+                    while filling and filling[0][2].done():
+                        record, b, fut = filling.popleft()
+                        self.sha[record] = fut.result()
+                        writer.submit(record * rb, rb, self.buffers[b], record)
+                        writing[record] = b
+                    finished = writer.poll()
+                    if not finished and writing and (not free or not filling):
+                        finished = writer.wait([next(iter(writing))])
+                    elif not finished and filling:
+                        wait_futures([filling[0][2]], timeout=0.005)
+                    for c in finished:
+                        free.append(writing.pop(c.tag))
+                        if not c.ok:
+                            raise _WriteFailed(c.tag, c.error)
+                        self.unsynced.append(c.tag)
+                        self.bytes_done += rb
+                        if self.progress:
+                            self.progress(self.bytes_done, self.plan.total_bytes)
+                    if time.monotonic() - last_journal > JOURNAL_INTERVAL_S:
+                        writer.sync()
+                        self._journal()
+                        last_journal = time.monotonic()
+            except BaseException:
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
+
+    def _journal(self) -> None:
+        for record in self.unsynced:
+            self.durable[record] = self.sha[record]
+        self.unsynced.clear()
+        write_journal(self.out, self.plan, self.durable)
+
+    def _stop(self, writer, exc: BaseException) -> None:
+        """Keep what is durably written for --resume, then raise the StoreError for exc."""
+        # writes already queued finish (they hold filled records) unless the user interrupted
+        writer.close(cancel=isinstance(exc, KeyboardInterrupt))
+        for c in writer.poll():
+            if c.ok:
+                self.unsynced.append(c.tag)
+        try:
+            fd = os.open(self.data, os.O_RDONLY)
+            try:
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+            self._journal()
+        except OSError:
+            pass  # the journal keeps its last durable state; --resume re-verifies it anyway
+        kept = sum(1 for s in self.durable if s)
+        again = (
+            f"{kept} of {self.plan.num_records} records are safe on disk; continue with "
+            f"`glm53 store pack --model {self.plan.checkpoint.directory} --out {self.out} --resume`"
+        )
+        if isinstance(exc, KeyboardInterrupt):
+            raise StoreError(f"pack interrupted; {again}", EXIT_INTERRUPTED) from None
+        if isinstance(exc, _WriteFailed):
+            where = self.plan.describe_record(exc.record)
+            cause = exc.error
+            fix = "check the drive (dmesg)"
+            if cause is not None and cause.errno in (errno.ENOSPC, errno.EDQUOT):
+                fstype, mount = filesystem_of(self.out)
+                fix = f"free space on {mount} ({fstype})"
+            elif cause is not None and cause.errno == errno.EFBIG:
+                fix = "raise the file size limit (ulimit -f)"
+            raise StoreError(
+                f"pack stopped writing {where} to {self.data}: {reason(cause) if cause else 'write failed'}; {fix}; {again}"
+            )
+        if isinstance(exc, StoreError):
+            raise StoreError(f"{exc}; {again}", exc.exit_code) from None
+        if isinstance(exc, OSError):
+            raise StoreError(f"pack stopped: {reason(exc)}; {again}") from None
+        raise exc
+
+
+class _WriteFailed(Exception):
+    def __init__(self, record: int, error: ODirectError | None):
+        super().__init__(f"record {record}: {error}")
+        self.record, self.error = record, error
