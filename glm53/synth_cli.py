@@ -37,10 +37,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--head-bits", type=int, help="lm_head bits (default 6)")
     p.add_argument("--shard-mb", type=int, default=2048, help="shard size in MiB (default 2048)")
     p.add_argument(
-        "--calibrate-tokens",
-        type=int,
-        default=None,
-        help="demo only: greedy tokens decoded per calibration round (default 96)",
+        "--routing-source",
+        choices=("auto", "decode", "stand-in"),
+        default="auto",
+        help="fit the router on the checkpoint's own greedy decoding (decode: CPU-sized "
+        "checkpoints only) or on stand-in inputs only; auto: decode for demo (default)",
     )
     p.set_defaults(func=run)
 
@@ -60,7 +61,12 @@ def run(args: argparse.Namespace) -> int:
     )
     start = time.monotonic()
     report = write_checkpoint(
-        shape, args.out, seed=args.seed, routing_mode=args.routing, shard_bytes=args.shard_mb << 20
+        shape,
+        args.out,
+        seed=args.seed,
+        routing_mode=args.routing,
+        shard_bytes=args.shard_mb << 20,
+        routing_source=args.routing_source,
     )
     print(f"wrote {shape.name} checkpoint to {args.out} in {time.monotonic() - start:.1f} s")
     for line in report.lines():

@@ -15,7 +15,14 @@ from glm53.models.synth_layout import preset
 def demo_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo") / "ckpt"
     # small shards so that the reader has to stitch several files together
-    write_checkpoint(preset("demo"), out, seed=3, routing_mode="uniform", shard_bytes=4 << 20)
+    write_checkpoint(
+        preset("demo"),
+        out,
+        seed=3,
+        routing_mode="uniform",
+        shard_bytes=4 << 20,
+        routing_source="stand-in",
+    )
     return out
 
 

@@ -15,7 +15,7 @@ from glm53.models.tokenizer import MARKUP_TOKENS, SPECIAL_TOKENS
 @pytest.fixture(scope="module")
 def demo_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("synth") / "demo"
-    write_checkpoint(preset("demo"), out, seed=0)
+    write_checkpoint(preset("demo"), out, seed=0, routing_source="stand-in")
     return out
 
 
@@ -49,13 +49,15 @@ def test_every_quantized_dim_of_both_presets_is_a_multiple_of_128():
 
 def test_same_seed_gives_identical_bytes_and_another_seed_does_not(demo_dir, tmp_path):
     again = tmp_path / "again"
-    write_checkpoint(preset("demo"), again, seed=0)
+    write_checkpoint(preset("demo"), again, seed=0, routing_source="stand-in")
     names = sorted(p.name for p in demo_dir.iterdir())
     assert names == sorted(p.name for p in again.iterdir())
     for name in names:
         assert (demo_dir / name).read_bytes() == (again / name).read_bytes(), name
     other = tmp_path / "other"
-    write_checkpoint(preset("demo", num_layers=1, num_dense_layers=1), other, seed=1)
+    write_checkpoint(
+        preset("demo", num_layers=1, num_dense_layers=1), other, seed=1, routing_source="stand-in"
+    )
     first = Checkpoint(demo_dir).read("model.language_model.layers.0.self_attn.qkv_proj.trellis")
     assert not np.array_equal(
         first, Checkpoint(other).read("model.language_model.layers.0.self_attn.qkv_proj.trellis")
@@ -159,12 +161,14 @@ def test_cli_writes_a_checkpoint_and_prints_the_routing_curve(tmp_path, capsys):
             "2",
             "--seed",
             "5",
+            "--routing-source",
+            "stand-in",
         ]
     )
     assert args.func(args) == 0
     printed = capsys.readouterr().out
     assert f"wrote demo checkpoint to {out}" in printed
-    assert "routing glm53 measured on" in printed and "layer   2:" in printed
+    assert "routing glm53 measured on stand-in inputs" in printed and "layer   2:" in printed
     assert Checkpoint(out).moe_layers == [2]
 
 
@@ -179,3 +183,34 @@ def test_overrides_are_validated():
     with pytest.raises(ValueError) as err:
         preset("demo", num_experts_per_tok=40)
     assert str(err.value) == "top-k 40 must lie in [1, experts 32]"
+
+
+def test_demo_routing_follows_the_glm53_curve_on_its_own_greedy_decode(tmp_path):
+    out = tmp_path / "demo"
+    report = write_checkpoint(preset("demo"), out, seed=0)
+    assert report.source == "greedy decode" and sorted(report.curves) == [2, 3, 4, 5, 6, 7]
+    target = (0.735, 0.907, 0.984)
+    for layer, curve in report.curves.items():
+        assert curve.num_picks == 2 * 128 * 4
+        assert curve.max_error(target) <= 0.05, (layer, str(curve))
+    ckpt = Checkpoint(out)
+    hottest = [
+        set(
+            np.argsort(
+                ckpt.read(f"model.language_model.layers.{i}.mlp.gate.e_score_correction_bias")
+            )[-8:]
+        )
+        for i in report.curves
+    ]
+    assert all(a != b for i, a in enumerate(hottest) for b in hottest[i + 1 :])
+
+
+def test_uniform_routing_is_flat_on_stand_in_inputs(tmp_path):
+    report = write_checkpoint(
+        preset("demo", num_layers=3),
+        tmp_path / "u",
+        routing_mode="uniform",
+        routing_source="stand-in",
+    )
+    for curve in report.curves.values():
+        assert curve.max_error((0.25, 0.5, 0.75)) <= 0.06, str(curve)

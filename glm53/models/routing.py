@@ -95,7 +95,7 @@ def hot_order(num_experts: int, seed: int, layer: int) -> np.ndarray:
 
 def router_scores(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """sigmoid(x W^T) in float32: [tokens, experts]."""
-    return torch.sigmoid(x.float() @ weight.float().t())
+    return torch.sigmoid(x.detach().float() @ weight.detach().float().t())
 
 
 def select(scores: torch.Tensor, bias: torch.Tensor, top_k: int) -> torch.Tensor:

@@ -278,8 +278,13 @@ def write_checkpoint(
     seed: int = 0,
     routing_mode: str = "glm53",
     shard_bytes: int = DEFAULT_SHARD_BYTES,
+    routing_source: str = "auto",
 ) -> RoutingReport:
-    """Write the checkpoint into out_dir (created; must be empty) and return its routing report."""
+    """Write the checkpoint into out_dir (created; must be empty) and return its routing report.
+
+    routing_source: "stand-in" fits the router bias on stand-in inputs only; "decode" then
+    refits and measures it on the checkpoint's own greedy decoding (the CPU runs the model, so
+    only for CPU-sized checkpoints); "auto" is "decode" for the demo preset, else "stand-in"."""
     shape.check()
     routing.target_shares(routing_mode)
     out = Path(out_dir)
@@ -290,4 +295,13 @@ def write_checkpoint(
     writer.write_metadata()
     report = writer.calibrate_on_stand_in_inputs(routing_mode)
     writer.write_shards(shard_bytes)
-    return report
+    if routing_source == "auto":
+        routing_source = "decode" if shape.name == "demo" else "stand-in"
+    if routing_source == "stand-in":
+        return report
+    if routing_source != "decode":
+        raise ValueError(f"routing_source {routing_source!r} is not auto, decode or stand-in")
+    from glm53.models.routing_decode import calibrate_on_decode
+
+    curves, reuse = calibrate_on_decode(out, routing_mode, seed)
+    return RoutingReport(routing_mode, "greedy decode", curves, reuse)

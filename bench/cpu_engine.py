@@ -1,0 +1,162 @@
+"""CPU engine speed on the demo preset: prefill tok/s, greedy decode tok/s, RAM-tier hit rate.
+
+    python bench/cpu_engine.py [--json] [--prompt 512] [--tokens 128] [--checkpoint DIR]
+
+A 512-token prompt is prefilled in one chunk, then 128 tokens are decoded greedily, once with a
+RAM tier that holds every routed expert and once capped to a quarter of them (both start
+cold, so the first touches of each expert are misses). Targets on the 2-core CI-size machine:
+decode >= 20 tok/s, prefill >= 200 tok/s (issue 7).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+            check=True,
+        )
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def prompt_ids(tokenizer, length: int) -> list[int]:
+    from glm53.models.tokenizer import CORPUS_PATH
+
+    head = "[gMASK]<sop><|system|>Reasoning Effort: Max<|user|>"
+    ids = tokenizer.encode(head + CORPUS_PATH.read_text(encoding="utf-8"))[: length - 2]
+    return ids + tokenizer.encode("<|assistant|><think>")
+
+
+def run_once(checkpoint: Path, ram_cap: int | None, ids: list[int], new_tokens: int, args) -> dict:
+    from glm53.engine.cpu import CpuEngine
+
+    engine = CpuEngine(
+        checkpoint, ram_cap=ram_cap, cpu_threads=args.lane_threads, torch_threads=args.torch_threads
+    )
+    engine.load()
+    cache = engine.new_cache()
+    start = time.perf_counter()
+    logits = engine.forward(ids, cache)
+    prefill_s = time.perf_counter() - start
+    token = int(logits.argmax())
+    start = time.perf_counter()
+    for _ in range(new_tokens):
+        token = int(engine.forward([token], cache).argmax())
+    decode_s = time.perf_counter() - start
+    ram = engine.stats()["tiers"]["ram"]
+    layers = engine.stats()["tiers"]["layers"]
+    result = {
+        "prefill_tok_s": len(ids) / prefill_s,
+        "decode_tok_s": new_tokens / decode_s,
+        "hit_rate": ram["hit_rate"],
+        "slots": ram["slots"],
+        "bytes_read": sum(c["bytes_read"] for c in layers.values()),
+        "lane_s": sum(c["lane_ns"] for c in layers.values()) / 1e9,
+    }
+    engine.close()
+    return result
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.add_argument("--prompt", type=int, default=512, help="prompt tokens (default 512)")
+    p.add_argument("--tokens", type=int, default=128, help="greedy tokens to decode (default 128)")
+    p.add_argument("--checkpoint", help="demo checkpoint dir (default: write one, seed 0)")
+    p.add_argument(
+        "--small-cap-share",
+        type=float,
+        default=0.25,
+        help="the capped run's RAM tier as a share of all experts (default 0.25)",
+    )
+    p.add_argument(
+        "--torch-threads", type=int, default=None, help="torch threads (default torch's)"
+    )
+    p.add_argument(
+        "--lane-threads", type=int, default=None, help="CPU lane threads (default layout)"
+    )
+    args = p.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = Path(args.checkpoint) if args.checkpoint else Path(tmp) / "demo"
+        if not args.checkpoint:
+            from glm53.models.synth import write_checkpoint
+            from glm53.models.synth_layout import preset
+
+            write_checkpoint(preset("demo"), checkpoint, seed=0)
+        from glm53.engine.tokenizer import CheckpointTokenizer
+        from glm53.models.checkpoint import Checkpoint
+        from glm53.tiers.expert_source import SafetensorsSource
+
+        ids = prompt_ids(CheckpointTokenizer.from_dir(checkpoint), args.prompt)
+        source = SafetensorsSource(Checkpoint(checkpoint))
+        num_keys, record = len(source.layouts), source.record_bytes
+        source.close()
+        small_cap = max(1, int(args.small_cap_share * num_keys)) * record
+        full = run_once(checkpoint, None, ids, args.tokens, args)
+        capped = run_once(checkpoint, small_cap, ids, args.tokens, args)
+
+    figures = {
+        "prefill_tok_s": round(full["prefill_tok_s"], 1),
+        "decode_tok_s": round(full["decode_tok_s"], 2),
+        "hit_rate_all_experts": round(full["hit_rate"], 4),
+        "hit_rate_quarter_cap": round(capped["hit_rate"], 4),
+        "decode_tok_s_quarter_cap": round(capped["decode_tok_s"], 2),
+        "prefill_tok_s_quarter_cap": round(capped["prefill_tok_s"], 1),
+        "bytes_read_quarter_cap": capped["bytes_read"],
+        "lane_s_all_experts": round(full["lane_s"], 3),
+    }
+    ratios = {
+        "decode_vs_target_20": round(full["decode_tok_s"] / 20.0, 3),
+        "prefill_vs_target_200": round(full["prefill_tok_s"] / 200.0, 3),
+        "decode_quarter_cap_vs_all": round(capped["decode_tok_s"] / full["decode_tok_s"], 3),
+    }
+    config = {
+        "preset": "demo",
+        "seed": 0,
+        "prompt_tokens": len(ids),
+        "new_tokens": args.tokens,
+        "slots_all": full["slots"],
+        "slots_quarter_cap": capped["slots"],
+        "torch_threads": torch.get_num_threads(),
+        "lane_threads": args.lane_threads,
+        "cpus": os.cpu_count(),
+        "host": platform.node(),
+        "machine": platform.machine(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "commit": _commit(),
+    }
+    if not args.json:
+        print(f"{'':28s}{'all experts':>14s}{'quarter cap':>14s}")
+        print(f"{'prefill tok/s':28s}{full['prefill_tok_s']:14.1f}{capped['prefill_tok_s']:14.1f}")
+        print(f"{'decode tok/s':28s}{full['decode_tok_s']:14.2f}{capped['decode_tok_s']:14.2f}")
+        print(f"{'RAM-tier hit rate':28s}{full['hit_rate']:14.4f}{capped['hit_rate']:14.4f}")
+        print(f"{'RAM-tier slots':28s}{full['slots']:14d}{capped['slots']:14d}")
+        return 0
+    print(
+        json.dumps({"bench": "cpu_engine", "figures": figures, "ratios": ratios, "config": config})
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

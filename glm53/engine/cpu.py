@@ -1,0 +1,193 @@
+"""The CPU engine (the embedded default without a GPU): transformers' glm5_next text model on the
+CPU in fp32, with every non-expert EXL3 linear decoded once to a dense weight, and its MoE blocks
+replaced by glm53's tiered MoE (RAM tier + O_DIRECT reads + CLOCK + CPU lane).
+Implements glm53.engine.base.Engine.
+
+Each slot owns one transformers cache (its DSA latents, indexer keys, KDA conv and recurrent
+state). A step runs its items one after the other.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from glm53.engine.base import EngineError, StreamWork
+
+
+class CpuEngine:
+    name = "cpu"
+    is_model = True
+
+    def __init__(
+        self,
+        checkpoint_dir: str | Path,
+        *,
+        context: int = 131072,
+        max_batch: int = 4,
+        ram_cap: int | None = None,
+        cpus: str | None = None,
+        cpu_threads: int | None = None,
+        torch_threads: int | None = None,
+    ):
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.requested_context = context
+        self.num_slots = max_batch
+        self.ram_cap = ram_cap
+        self.cpus, self.cpu_threads, self.torch_threads = cpus, cpu_threads, torch_threads
+        self.description = (
+            f"CPU engine (transformers glm5_next + tiered experts) on {checkpoint_dir}"
+        )
+        self.context_length = context
+        self.generation_defaults: dict[str, float] = {}
+        self.model = None
+        self._stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "step_s": 0.0}
+
+    def load(self) -> None:
+        from glm53.engine.tokenizer import CheckpointTokenizer, read_generation_defaults
+        from glm53.models.checkpoint import Checkpoint
+        from glm53.models.hf_text import build_text_model, lm_head_weight
+        from glm53.tiers.cpu_lane import CpuLane, lane_layout
+        from glm53.tiers.expert_source import SafetensorsSource
+        from glm53.tiers.moe import TieredMoE
+        from glm53.tiers.ram_tier import RamTier
+
+        ckpt = Checkpoint(self.checkpoint_dir)
+        self.tokenizer = CheckpointTokenizer.from_dir(self.checkpoint_dir)
+        self.generation_defaults = read_generation_defaults(self.checkpoint_dir)
+        limit = int(ckpt.text_config.get("max_position_embeddings", self.requested_context))
+        self.context_length = min(self.requested_context, limit)
+        self.tier = RamTier(SafetensorsSource(ckpt), self.ram_cap)
+        self.lane = CpuLane(lane_layout(self.cpus, self.cpu_threads))
+        # torch gets the CPUs the lane leaves: decode-sized ops gain nothing from more threads,
+        # and threads that spin on the lane's core slow both (2-core host: 1 torch thread)
+        free_cpus = len(os.sched_getaffinity(0)) - self.lane.layout.threads
+        torch.set_num_threads(self.torch_threads or max(1, free_cpus))
+        act_limit = float(ckpt.text_config.get("swiglu_limit", 0.0))
+
+        def tiered(layer: int, block: torch.nn.Module) -> TieredMoE:
+            return TieredMoE(layer, block, self.tier, self.lane, act_limit)
+
+        self.model = build_text_model(ckpt, moe_factory=tiered)
+        self.lm_head = lm_head_weight(ckpt)
+        self.moe = {i: self.model.layers[i].mlp for i in ckpt.moe_layers}
+        self.caches: list = [None] * self.num_slots
+        self.description = (
+            f"CPU engine (transformers glm5_next + tiered experts) on {self.checkpoint_dir}; "
+            f"{self.tier.describe()}; {self.lane.describe()}"
+        )
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    @torch.inference_mode()
+    def forward(self, token_ids: Sequence[int], cache) -> torch.Tensor:
+        """Run tokens through the model with `cache`; float32 logits of the last position."""
+        ids = torch.tensor([list(token_ids)], dtype=torch.long)
+        hidden = self.model(input_ids=ids, cache=cache, use_cache=True).last_hidden_state
+        return hidden[0, -1].float() @ self.lm_head.T
+
+    @torch.inference_mode()
+    def forward_all(self, token_ids: Sequence[int], cache=None) -> torch.Tensor:
+        """float32 logits of every position [len(token_ids), vocab] (for tests and calibration)."""
+        ids = torch.tensor([list(token_ids)], dtype=torch.long)
+        hidden = self.model(
+            input_ids=ids, cache=cache, use_cache=cache is not None
+        ).last_hidden_state
+        return hidden[0].float() @ self.lm_head.T
+
+    def step(self, work: Sequence[StreamWork]) -> torch.Tensor:
+        start = time.perf_counter()
+        logits = []
+        for w in work:
+            if not 0 <= w.slot < self.num_slots:
+                raise EngineError(f"slot {w.slot} is outside 0..{self.num_slots - 1}", [w.slot])
+            if w.start_pos == 0:
+                self.caches[w.slot] = self.new_cache()
+            cache = self.caches[w.slot]
+            seen = cache.get_seq_length() if cache is not None else -1
+            if cache is None or seen != w.start_pos:
+                raise EngineError(
+                    f"slot {w.slot}: work starts at position {w.start_pos} but the slot holds "
+                    f"{max(seen, 0)} tokens",
+                    [w.slot],
+                )
+            if w.start_pos + len(w.token_ids) > self.context_length:
+                raise EngineError(
+                    f"slot {w.slot}: {w.start_pos + len(w.token_ids)} tokens exceed the context "
+                    f"length {self.context_length}",
+                    [w.slot],
+                )
+            try:
+                row = self.forward(w.token_ids, cache)
+            except Exception as exc:
+                raise EngineError(f"slot {w.slot}: forward failed: {exc}", [w.slot]) from exc
+            if w.want_logits:
+                logits.append(row)
+            key = "decode_tokens" if w.start_pos > 0 and len(w.token_ids) == 1 else "prefill_tokens"
+            self._stats[key] += len(w.token_ids)
+        self._stats["steps"] += 1
+        self._stats["step_s"] += time.perf_counter() - start
+        if not logits:
+            return torch.empty(0, self.lm_head.shape[0])
+        return torch.stack(logits)
+
+    def release(self, slot: int) -> None:
+        self.caches[slot] = None
+
+    def stats(self) -> dict[str, Any]:
+        if self.model is None:
+            return dict(self._stats)
+        layers = {str(i): m.counters.as_dict() for i, m in self.moe.items()}
+        hits = sum(c["hits"] for c in layers.values())
+        misses = sum(c["misses"] for c in layers.values())
+        return {
+            **self._stats,
+            "tiers": {
+                "ram": {
+                    "slots": self.tier.num_slots,
+                    "cap_bytes": self.tier.ram_cap_bytes,
+                    "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+                    **self.tier.counters(),
+                },
+                "layers": layers,
+            },
+        }
+
+    def reset_counters(self) -> None:
+        from glm53.tiers.moe import LayerCounters
+
+        for m in self.moe.values():
+            m.counters = LayerCounters()
+
+    def close(self) -> None:
+        if self.model is not None:
+            self.tier.close()
+            self.model = None
+
+
+def create(settings, checkpoint_dir: Path) -> CpuEngine:
+    """The CPU engine for these Settings (not loaded)."""
+    from glm53.config import ConfigurationError
+
+    if settings.store:
+        raise ConfigurationError(
+            f"--store {settings.store}: the CPU engine reads routed experts straight from the "
+            "checkpoint's safetensors shards; packed stores are not readable by this build. "
+            "Leave --store out."
+        )
+    return CpuEngine(
+        checkpoint_dir,
+        context=settings.context,
+        max_batch=settings.max_batch,
+        ram_cap=settings.ram_cap,
+        cpus=settings.cpus,
+        cpu_threads=settings.cpu_threads,
+    )

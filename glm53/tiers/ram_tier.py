@@ -1,0 +1,99 @@
+"""The RAM tier: a capped arena of expert records in host memory, managed by the CLOCK table.
+
+Keys are `moe_index * num_experts + expert` over the checkpoint's MoE layers. Every slot is one
+4 KiB-aligned record buffer; an admitted expert is read into its slot from the expert source
+with O_DIRECT, and the CPU lane's expert table entry for that slot is pointed at the record's
+arrays. Owned by the engine thread (the CLOCK table has one owner, pyx/clock.h).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from glm53 import _clock, _gemv, _odirect
+from glm53.tiers.expert_source import SafetensorsSource, record_views
+
+
+class TierError(RuntimeError):
+    """The RAM tier cannot serve a request; the message names the setting and the fix."""
+
+
+@dataclass(slots=True)
+class Resident:
+    """One wave of a layer's picks: the experts made resident and the slot of each."""
+
+    experts: np.ndarray  # int32 expert ids
+    slots: np.ndarray  # int32 slot (lane table index) per expert
+    num_hits: int
+    num_admitted: int  # misses read from the source in this wave
+    bytes_read: int
+
+
+class RamTier:
+    def __init__(self, source: SafetensorsSource, ram_cap_bytes: int | None):
+        self.source = source
+        self.num_experts = source.num_experts
+        self.moe_index = {layer: i for i, layer in enumerate(source.moe_layers)}
+        self.num_keys = len(source.moe_layers) * self.num_experts
+        self.slot_bytes = source.record_bytes
+        want = self.num_keys if ram_cap_bytes is None else ram_cap_bytes // self.slot_bytes
+        self.num_slots = min(self.num_keys, want)
+        if self.num_slots < 1:
+            raise TierError(
+                f"--ram-cap {ram_cap_bytes} bytes holds no expert record of {self.slot_bytes} "
+                f"bytes; raise --ram-cap to at least {self.slot_bytes}"
+            )
+        self.ram_cap_bytes = self.num_slots * self.slot_bytes
+        self.arena = _odirect.aligned_empty(self.ram_cap_bytes)
+        self.clock = _clock.Clock(self.num_slots, self.num_keys)
+        first = next(iter(source.layouts.values())).arrays
+        hidden = 16 * first[0][0][1].shape[0]
+        inter = 16 * first[0][0][1].shape[1]
+        k2 = first[0][0][1].shape[2] // 8
+        self.table = _gemv.ExpertTable(self.num_slots, hidden, inter, k2)
+        self._keys = np.empty(self.num_keys, dtype=np.int32)
+        self._slots = np.empty(self.num_keys, dtype=np.int32)
+        self._evicted = np.empty(self.num_keys, dtype=np.int32)
+
+    def describe(self) -> str:
+        return (
+            f"RAM tier: {self.num_slots} of {self.num_keys} expert records "
+            f"({self.ram_cap_bytes / 2**20:.1f} MiB) from {self.source.describe()}"
+        )
+
+    def _record(self, slot: int) -> np.ndarray:
+        return self.arena[slot * self.slot_bytes : (slot + 1) * self.slot_bytes]
+
+    def make_resident(self, layer: int, experts: np.ndarray) -> Resident:
+        """Make as many of `experts` (distinct ids, in first-seen order) resident as fit at once.
+
+        Hits come first; misses are admitted (evicting by CLOCK, never a slot used by this
+        wave) and read from the source. Experts left out (more distinct experts than slots)
+        are for the caller's next wave."""
+        base = self.moe_index[layer] * self.num_experts
+        picks = (experts.astype(np.int32) + base).astype(np.int32)
+        _, n_hits, n_admitted = self.clock.batch_into(picks, self._keys, self._slots, self._evicted)
+        count = n_hits + n_admitted
+        if count == 0:
+            raise TierError(
+                f"the RAM tier ({self.num_slots} slots) admitted none of layer {layer}'s experts; "
+                "raise --ram-cap"
+            )
+        keys = self._keys[:count].copy()
+        slots = self._slots[:count].copy()
+        loads = []
+        for key, slot in zip(keys[n_hits:], slots[n_hits:], strict=True):
+            loads.append((layer, int(key) - base, self._record(int(slot))))
+        bytes_read = self.source.read(loads) if loads else 0
+        for (lyr, expert, record), slot in zip(loads, slots[n_hits:], strict=True):
+            views = record_views(record, self.source.layouts[(lyr, expert)])
+            self.table.set(int(slot), *views)
+        return Resident(keys - base, slots, n_hits, n_admitted, bytes_read)
+
+    def counters(self) -> dict[str, int]:
+        return self.clock.counters()
+
+    def close(self) -> None:
+        self.source.close()
