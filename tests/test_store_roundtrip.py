@@ -142,3 +142,32 @@ def test_mtp_layer_is_packed_last_and_left_out_of_the_served_layers(ckpt_dir, tm
     assert verify(without, ckpt).ok
     shutil.rmtree(out)
     shutil.rmtree(without)
+
+
+def test_cpu_lane_computes_the_same_from_store_records_as_from_the_checkpoint(store_dir, ckpt_dir):
+    from glm53 import _gemv
+
+    ckpt = Checkpoint(ckpt_dir)
+    expert = ckpt.experts(3)[5]
+    with ExpertStore(store_dir, ckpt) as store:
+        record = aligned_empty(store.record_bytes)
+        store.read([(3, 5, record)])
+        views = store.views(record)
+    from_store = [
+        tuple(views[f"{p}.{part}"] for part in ("trellis", "suh", "svh"))
+        for p in ("gate", "up", "down")
+    ]
+    from_ckpt = [
+        (ckpt.read(lin.trellis.key), ckpt.read(lin.suh.key), ckpt.read(lin.svh.key))
+        for lin in expert.linears
+    ]
+    k2 = expert.gate.trellis.shape[2] // 8
+    table = _gemv.ExpertTable(2, 256, 256, k2)
+    table.set(0, *from_store)
+    table.set(1, *from_ckpt)
+    x = np.random.default_rng(0).standard_normal((1, 256)).astype(np.float32)
+    pool = _gemv.Pool(1)
+    out_store = pool.run(table, x, [0], [0], [1.0])
+    out_ckpt = pool.run(table, x, [0], [1], [1.0])
+    assert np.abs(out_store).max() > 0
+    np.testing.assert_array_equal(out_store, out_ckpt)

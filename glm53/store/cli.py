@@ -53,8 +53,8 @@ def add_parser(subparsers) -> None:
     pk.add_argument(
         "--no-mtp", action="store_true", help="leave out the MTP layer's experts (kept by default)"
     )
-    pk.add_argument("--threads", type=_positive, help="source read + hash threads (default 2-8)")
-    pk.add_argument("--io-threads", type=_positive, default=4, help="O_DIRECT writer threads")
+    pk.add_argument("--threads", type=_positive, help="source read + hash threads (default 4-16)")
+    pk.add_argument("--io-threads", type=_positive, default=8, help="O_DIRECT writer threads")
     pk.set_defaults(func=_guard(_pack))
 
     vf = sub.add_parser(

@@ -107,7 +107,7 @@ class StorePlan:
 
 def plan_store(model_dir: str | Path, include_mtp: bool = True) -> StorePlan:
     directory = Path(model_dir)
-    config = _check_checkpoint_files(directory)
+    config, quant = _check_checkpoint_files(directory)
     try:
         ckpt = Checkpoint(directory)
     except (ValueError, OSError) as exc:
@@ -161,14 +161,15 @@ def plan_store(model_dir: str | Path, include_mtp: bool = True) -> StorePlan:
         codebook_marker=marker,
         hidden_size=hidden,
         moe_intermediate_size=inter,
-        fingerprint=fingerprint(ckpt, config, experts),
+        fingerprint=fingerprint(ckpt, config, quant, experts),
     )
 
 
 # --- checkpoint checks ---------------------------------------------------------------------
 
 
-def _check_checkpoint_files(directory: Path) -> dict:
+def _check_checkpoint_files(directory: Path) -> tuple[dict, dict]:
+    """(config, quantization config) of a GLM-5.3-Flash EXL3 checkpoint with all its shards."""
     if not directory.is_dir():
         raise StoreError(f"--model {directory} is not a directory; {FETCH_HINT}")
     config_path = directory / "config.json"
@@ -201,7 +202,7 @@ def _check_checkpoint_files(directory: Path) -> dict:
             weight_map = json.loads(index_path.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise StoreError(f"{index_path} is not a safetensors index ({exc})") from None
-        missing = sorted({f for f in weight_map.values() if not (directory / f).is_file()})
+        missing = sorted(f for f in set(weight_map.values()) if not (directory / f).is_file())
         if missing:
             listed = ", ".join(missing[:5]) + (
                 f" and {len(missing) - 5} more" if missing[5:] else ""
@@ -211,7 +212,7 @@ def _check_checkpoint_files(directory: Path) -> dict:
                 f"{listed}; the download is incomplete: rerun `glm53 download` (it resumes) or "
                 "copy the missing files"
             )
-    return config
+    return config, quant
 
 
 def _quantization(directory: Path, config: dict) -> dict | None:
@@ -303,7 +304,7 @@ def hub_revision(directory: Path) -> str | None:
     return first if re.fullmatch(r"[0-9a-f]{40}", first) else None
 
 
-def fingerprint(ckpt: Checkpoint, config: dict, experts) -> Fingerprint:
+def fingerprint(ckpt: Checkpoint, config: dict, quant: dict, experts) -> Fingerprint:
     h, count = hashlib.sha256(), 0
     for expert in (e for layer in experts for e in layer):
         for lin in expert.linears:
@@ -316,7 +317,6 @@ def fingerprint(ckpt: Checkpoint, config: dict, experts) -> Fingerprint:
                 )
                 h.update(line.encode())
                 count += 1
-    quant = _quantization(ckpt.directory, config) or {}
     return Fingerprint(
         model_type=str(config.get("model_type")),
         config_sha256=_canonical_sha256(config),

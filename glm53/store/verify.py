@@ -25,11 +25,12 @@ from glm53.store.format import Manifest, read_manifest
 from glm53.store.plan import check_matches, plan_store
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
-PIECE_BYTES = 1 << 20
+PIECE_BYTES = 2 << 20
 BUFFER_BUDGET_BYTES = 512 << 20
 
 
 def default_threads() -> int:
+    """Hash threads: one per CPU, 2 to 8."""
     return max(2, min(8, os.cpu_count() or 2))
 
 
