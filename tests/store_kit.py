@@ -20,10 +20,10 @@ from glm53.models.synth_layout import preset
 LAYERS, EXPERTS = 4, 8  # demo widths, MoE layers 2 and 3: 16 records of 77,824 bytes
 
 
-def make_checkpoint(out: Path, seed: int = 3) -> Path:
+def make_checkpoint(out: Path, seed: int = 3, bits: int = 3) -> Path:
     """A demo-width checkpoint in 1 MiB shards; the router is left uncalibrated (the store
     does not read it), which keeps this to a second."""
-    shape = preset("demo", num_layers=LAYERS, num_experts=EXPERTS, num_experts_per_tok=2)
+    shape = preset("demo", num_layers=LAYERS, num_experts=EXPERTS, num_experts_per_tok=2, bits=bits)
     out.mkdir(parents=True)
     writer = SynthWriter(shape, seed, out)
     writer.write_metadata()

@@ -171,3 +171,34 @@ def test_cpu_lane_computes_the_same_from_store_records_as_from_the_checkpoint(st
     out_ckpt = pool.run(table, x, [0], [1], [1.0])
     assert np.abs(out_store).max() > 0
     np.testing.assert_array_equal(out_store, out_ckpt)
+
+
+def test_four_bit_experts_give_larger_records_and_round_trip(tmp_path):
+    ckpt = make_checkpoint(tmp_path / "k4", bits=4)
+    out = direct_dir(tmp_path) / "k4-store"
+    pack(ckpt, out)
+    m = read_manifest(out)
+    # trellis 256*256*4/8 = 32,768 per matrix; six 512-byte scales; padded to 4 KiB
+    assert (m.bits, m.trellis_bytes, m.slot_bytes, m.record_bytes) == (
+        4,
+        (32_768, 32_768, 32_768),
+        98_304,
+        102_400,
+    )
+    assert m.fields[0].shape == (16, 16, 64)
+    assert verify(out, ckpt).ok and compare(out, ckpt, sample=16).ok
+    shutil.rmtree(out)
+
+
+def test_the_hub_revision_is_recorded_and_checked(ckpt_dir, tmp_path, capsys):
+    ckpt = copy_checkpoint(ckpt_dir, tmp_path / "hub")
+    metadata = ckpt / ".cache" / "huggingface" / "download" / "config.json.metadata"
+    metadata.parent.mkdir(parents=True)
+    metadata.write_text("332ab457b709b7ba30dd9a448be5de03b80a7ac9\netag\n1700000000.0\n")
+    out = direct_dir(tmp_path) / "hub-store"
+    pack(ckpt, out)
+    assert read_manifest(out).fingerprint.revision == "332ab457b709b7ba30dd9a448be5de03b80a7ac9"
+    metadata.write_text("0123456789abcdef0123456789abcdef01234567\netag\n1700000000.0\n")
+    assert main(["store", "verify", "--store", str(out), "--model", str(ckpt)]) == 1
+    assert "(revision 332ab457b709 vs 0123456789ab)" in capsys.readouterr().err
+    shutil.rmtree(out)
