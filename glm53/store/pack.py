@@ -21,8 +21,14 @@ from pathlib import Path
 
 from glm53._odirect import ODirectError, Writer, aligned_empty, filesystem_of, probe
 from glm53.store.errors import EXIT_INTERRUPTED, StoreError, StoreMismatchError, reason
-from glm53.store.format import DATA_FILE, MANIFEST_FILE, encode_json, read_manifest, sync_dir
-from glm53.store.format import write_atomically as _write_atomically
+from glm53.store.format import (
+    DATA_FILE,
+    MANIFEST_FILE,
+    encode_json,
+    read_manifest,
+    sync_dir,
+    write_atomically,
+)
 from glm53.store.journal import JOURNAL_FILE, read_journal, write_journal
 from glm53.store.plan import StorePlan, check_matches, plan_store
 from glm53.store.source import SourceReader
@@ -223,9 +229,36 @@ class _Packer:
 
     def run(self, truncate: bool) -> None:
         total = self.plan.total_bytes
+        source = SourceReader(self.plan)
         try:
-            writer = Writer(self.data, threads=self.io_threads, piece_bytes=PIECE_BYTES,
-                            truncate=truncate)  # fmt: skip
+            writer = self._open_writer(truncate)
+        except BaseException:
+            source.close()
+            raise
+        write_journal(self.out, self.plan, self.durable)
+        todo = [r for r, s in enumerate(self.sha) if not s]
+        try:
+            self._pipeline(todo, writer, source)
+            writer.sync()
+        except BaseException as exc:
+            self._stop(writer, exc)
+        finally:
+            source.close()
+        writer.close()
+        if self.progress:
+            self.progress(total, total)
+        manifest = self.plan.manifest(self.sha)
+        write_atomically(self.out / MANIFEST_FILE, encode_json(manifest))
+        (self.out / JOURNAL_FILE).unlink(missing_ok=True)
+        sync_dir(self.out)
+
+    def _open_writer(self, truncate: bool) -> Writer:
+        """The data file, opened for O_DIRECT writes and preallocated to its full size."""
+        total = self.plan.total_bytes
+        try:
+            writer = Writer(
+                self.data, threads=self.io_threads, piece_bytes=PIECE_BYTES, truncate=truncate
+            )
         except ODirectError as exc:
             raise StoreError(
                 f"cannot open {self.data} for O_DIRECT writes: {reason(exc)}"
@@ -242,23 +275,7 @@ class _Packer:
                 f"cannot reserve {total / 1e9:.2f} GB for {self.data} ({fstype} at {mount}): "
                 f"{os.strerror(exc.errno)}; {fix}"
             ) from None
-        write_journal(self.out, self.plan, self.durable)
-        source = SourceReader(self.plan)
-        todo = [r for r, s in enumerate(self.sha) if not s]
-        try:
-            self._pipeline(todo, writer, source)
-            writer.sync()
-        except BaseException as exc:
-            self._stop(writer, exc)
-        finally:
-            source.close()
-        writer.close()
-        if self.progress:
-            self.progress(total, total)
-        manifest = self.plan.manifest(self.sha)
-        _write_atomically(self.out / MANIFEST_FILE, encode_json(manifest))
-        (self.out / JOURNAL_FILE).unlink(missing_ok=True)
-        sync_dir(self.out)
+        return writer
 
     def _fill(self, record: int, buf, source: SourceReader) -> str:
         source.fill(record, buf)
