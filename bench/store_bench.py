@@ -209,7 +209,8 @@ def main(argv=None) -> int:
         "threads": args.threads or "default",
         "pack_io_threads": args.pack_io_threads,
         "verify_io_threads": args.verify_io_threads,
-        "fio": f"{fio_version.strip()} {args.fio_engine} iodepth {args.fio_depth} bs {args.fio_block}",
+        "fio": f"{fio_version.strip()} {args.fio_engine} iodepth {args.fio_depth} "
+        f"bs {args.fio_block}",
         "targets": TARGETS,
         "host": platform.node(),
         "cpus": os.cpu_count(),
@@ -229,7 +230,8 @@ def main(argv=None) -> int:
     print(f"{'pack':24}{figures['pack_gbps']:8.3f}  {ratios['pack_vs_fio_write']:6.2f}x (>= 0.7x)")
     print(f"{'fio read':24}{figures['fio_read_gbps']:8.3f}")
     print(
-        f"{'verify':24}{figures['verify_gbps']:8.3f}  {ratios['verify_vs_fio_read']:6.2f}x (>= 0.9x)"
+        f"{'verify':24}{figures['verify_gbps']:8.3f}  "
+        f"{ratios['verify_vs_fio_read']:6.2f}x (>= 0.9x)"
     )
     if "pack_cold_source_gbps" in figures:
         print(f"{'pack, cold source':24}{figures['pack_cold_source_gbps']:8.3f}")

@@ -136,7 +136,8 @@ def _compare_record(manifest: Manifest, plan: StorePlan, record: int, buf) -> li
                         manifest,
                         record,
                         f"{proj}.codebook",
-                        f"{lin.marker.key} is {value}, the manifest says {manifest.codebook_marker}",
+                        f"{lin.marker.key} is {value}, the manifest says "
+                        f"{manifest.codebook_marker}",
                     )
                 )
     for start, end in layout.gaps():

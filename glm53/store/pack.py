@@ -366,9 +366,8 @@ class _Packer:
                 fix = f"free space on {mount} ({fstype})"
             elif cause is not None and cause.errno == errno.EFBIG:
                 fix = "raise the file size limit (ulimit -f)"
-            raise StoreError(
-                f"pack stopped writing {where} to {self.data}: {reason(cause) if cause else 'write failed'}; {fix}; {again}"
-            )
+            why = reason(cause) if cause else "write failed"
+            raise StoreError(f"pack stopped writing {where} to {self.data}: {why}; {fix}; {again}")
         if isinstance(exc, StoreError):
             raise StoreError(f"{exc}; {again}", exc.exit_code) from None
         if isinstance(exc, OSError):

@@ -74,9 +74,9 @@ class StorePlan:
         return self.experts[record // self.experts_per_layer][record % self.experts_per_layer]
 
     def describe_record(self, record: int) -> str:
-        layer = self.layers[record // self.experts_per_layer]
-        mtp = ", MTP" if layer.is_mtp else ""
-        return f"record {record} (layer {layer.model_layer}{mtp}, expert {record % self.experts_per_layer})"
+        layer, expert = divmod(record, self.experts_per_layer)
+        mtp = ", MTP" if self.layers[layer].is_mtp else ""
+        return f"record {record} (layer {self.layers[layer].model_layer}{mtp}, expert {expert})"
 
     def manifest(self, sha256: list[str]) -> Manifest:
         return Manifest(

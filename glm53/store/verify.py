@@ -116,7 +116,8 @@ class BadRecord:
 
     def line(self) -> str:
         mtp = " (MTP)" if self.is_mtp else ""
-        return f"layer {self.model_layer}{mtp}, expert {self.expert}: record {self.record} {self.reason}"
+        where = f"layer {self.model_layer}{mtp}, expert {self.expert}"
+        return f"{where}: record {self.record} {self.reason}"
 
 
 @dataclass(slots=True)
