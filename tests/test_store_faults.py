@@ -358,3 +358,20 @@ def test_missing_store_directory_is_a_usage_error(tmp_path, capsys):
     code, _, err = run(capsys, "verify", "--store", tmp_path / "none")
     assert code == 2
     assert f"store directory {tmp_path / 'none'} does not exist; pack one with" in err
+
+
+def test_a_store_copied_to_tmpfs_is_refused_for_serving(good_store, ckpt_dir):
+    shm = Path("/dev/shm")
+    if filesystem_of(shm)[0] != "tmpfs":
+        pytest.skip("no tmpfs at /dev/shm on this host")
+    copy = shm / f"glm53-store-test-{os.getpid()}"
+    shutil.copytree(good_store, copy)
+    try:
+        with pytest.raises(StoreError) as info:
+            ExpertStore(copy, ckpt_dir)
+        assert info.value.exit_code == 2
+        assert f"store {copy}: {copy / 'experts.bin'} (tmpfs at /dev/shm) is memory-backed" in str(
+            info.value
+        )
+    finally:
+        shutil.rmtree(copy)
