@@ -124,3 +124,19 @@ def test_step_rejects_a_position_the_slot_does_not_hold(engine):
         engine.step([StreamWork(1, [8], 5, True)])
     assert str(err.value) == "slot 1: work starts at position 5 but the slot holds 3 tokens"
     assert err.value.slots == (1,)
+
+
+def test_experts_read_from_a_packed_store_give_the_same_logits(demo, engine, tmp_path):
+    from glm53.store.pack import pack
+
+    pack(demo, tmp_path / "store", include_mtp=False, threads=1, io_threads=2)
+    stored = CpuEngine(
+        demo, cpu_threads=1, ram_cap=20 * engine.tier.slot_bytes, store=tmp_path / "store"
+    )
+    stored.load()
+    try:
+        assert stored.tier.source.describe().startswith(f"expert store {tmp_path / 'store'}")
+        ids = engine.tokenizer.encode(PROMPT)
+        assert torch.equal(stored.forward_all(ids), engine.forward_all(ids))
+    finally:
+        stored.close()

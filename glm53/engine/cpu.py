@@ -34,12 +34,14 @@ class CpuEngine:
         cpus: str | None = None,
         cpu_threads: int | None = None,
         torch_threads: int | None = None,
+        store: str | Path | None = None,
     ):
         self.checkpoint_dir = Path(checkpoint_dir)
         self.requested_context = context
         self.num_slots = max_batch
         self.ram_cap = ram_cap
         self.cpus, self.cpu_threads, self.torch_threads = cpus, cpu_threads, torch_threads
+        self.store = store
         self.description = (
             f"CPU engine (transformers glm5_next + tiered experts) on {checkpoint_dir}"
         )
@@ -62,7 +64,13 @@ class CpuEngine:
         self.generation_defaults = read_generation_defaults(self.checkpoint_dir)
         limit = int(ckpt.text_config.get("max_position_embeddings", self.requested_context))
         self.context_length = min(self.requested_context, limit)
-        self.tier = RamTier(SafetensorsSource(ckpt), self.ram_cap)
+        if self.store is not None:
+            from glm53.store.reader import ExpertStore
+
+            source = ExpertStore(self.store, ckpt)  # refuses a store of another checkpoint
+        else:
+            source = SafetensorsSource(ckpt)
+        self.tier = RamTier(source, self.ram_cap)
         self.lane = CpuLane(lane_layout(self.cpus, self.cpu_threads))
         # torch gets the CPUs the lane leaves: decode-sized ops gain nothing from more threads,
         # and threads that spin on the lane's core slow both (2-core host: 1 torch thread)
@@ -174,15 +182,8 @@ class CpuEngine:
 
 
 def create(settings, checkpoint_dir: Path) -> CpuEngine:
-    """The CPU engine for these Settings (not loaded)."""
-    from glm53.config import ConfigurationError
-
-    if settings.store:
-        raise ConfigurationError(
-            f"--store {settings.store}: the CPU engine reads routed experts straight from the "
-            "checkpoint's safetensors shards; packed stores are not readable by this build. "
-            "Leave --store out."
-        )
+    """The CPU engine for these Settings (not loaded). Routed experts come from --store when
+    given, else straight from the checkpoint's safetensors shards."""
     return CpuEngine(
         checkpoint_dir,
         context=settings.context,
@@ -190,4 +191,5 @@ def create(settings, checkpoint_dir: Path) -> CpuEngine:
         ram_cap=settings.ram_cap,
         cpus=settings.cpus,
         cpu_threads=settings.cpu_threads,
+        store=settings.store,
     )
