@@ -65,7 +65,7 @@ class Server:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path else ""
 
-    def wait_ready(self, timeout_s: float = 90.0) -> None:
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

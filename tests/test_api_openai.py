@@ -82,7 +82,7 @@ def stats(server):
     return httpx.get(server.url + "/stats", headers={"authorization": f"Bearer {KEY}"}).json()
 
 
-def wait_idle(server, timeout_s=5.0):
+def wait_idle(server, timeout_s=30.0):
     deadline = time.monotonic() + timeout_s
     while True:
         queue = stats(server)["queue"]

@@ -78,7 +78,7 @@ async def collect(stream):
     return "".join(e.text for e in events), [t for e in events for t in e.token_ids], events[-1]
 
 
-async def until_idle(scheduler, timeout_s=5.0):
+async def until_idle(scheduler, timeout_s=30.0):
     deadline = time.monotonic() + timeout_s
     while scheduler.stats()["num_running"] or scheduler.stats()["num_waiting"]:
         assert time.monotonic() < deadline, scheduler.stats()
@@ -153,15 +153,23 @@ def test_prefill_is_fed_in_chunks_shared_by_the_streams(checkpoint):
         b = scheduler.submit(request(range(1, 8), 2))
         await asyncio.gather(collect(a), collect(b))
         await scheduler.close()
-        # (slot, tokens, start position, wants logits)
-        assert engine.steps == [
-            [(0, 4, 0, False)],
-            [(0, 4, 4, False)],
-            [(0, 2, 8, True), (1, 2, 0, False)],
-            [(0, 1, 10, True), (1, 4, 2, False)],
-            [(1, 1, 6, True)],
-            [(1, 1, 7, True)],
-        ]
+        # (slot, tokens, start position, wants logits). When b's submission lands relative to
+        # a's chunks depends on thread timing, so check the schedule's invariants, not one order.
+        prompt_len = {}
+        prompts = {0: 10, 1: 7}
+        for step in engine.steps:
+            # prefill tokens of one step share the chunk budget; decode rows do not count
+            assert sum(n for slot, n, start, _ in step if start < prompts[slot]) <= 4
+            assert len({slot for slot, _, _, _ in step}) == len(step)
+        for slot, total in prompts.items():
+            items = [i for step in engine.steps for i in step if i[0] == slot]
+            pos = 0
+            for _, n, start, wants in items:
+                assert start == pos
+                pos += n
+                assert wants == (pos >= total)  # logits on the prompt's last chunk and decode
+            prompt_len[slot] = pos
+        assert prompt_len == {0: 11, 1: 8}  # prompt + one fed-back token each (2 generated)
 
     asyncio.run(main())
 
