@@ -139,7 +139,7 @@ def test_steps_hold_at_most_max_batch_streams(checkpoint):
         )
         await scheduler.close()
         assert [r[2].num_generated_tokens for r in results] == [5] * 6
-        assert max(len(step) for step in engine.steps) == 2
+        assert max(len(step) for step in engine.steps) <= 2  # overlap depends on thread timing
         assert scheduler.num_slots == 2
 
     asyncio.run(main())
