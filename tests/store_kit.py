@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import errno
 import json
 import shutil
@@ -42,7 +43,9 @@ def direct_dir(tmp_path: Path) -> Path:
         probe(tmp_path)
         return tmp_path
     except ODirectError:
-        return Path(tempfile.mkdtemp(dir="/var/tmp", prefix="glm53-store-test-"))
+        path = tempfile.mkdtemp(dir="/var/tmp", prefix="glm53-store-test-")
+        atexit.register(shutil.rmtree, path, True)
+        return Path(path)
 
 
 def shard_of(ckpt_dir: Path, key: str) -> Path:
