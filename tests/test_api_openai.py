@@ -28,7 +28,7 @@ SCRIPT = {
             + WEATHER_CALL.format("Paris", "")
             + WEATHER_CALL.format("Rome", "")
             + "\n",
-            "step_ms": 5,
+            "step_ms": 25,
         },
         {"when": "@slow", "text": "word ", "repeat": 400, "step_ms": 20},
         {"when": "@explode", "text": "doomed text here and more", "fail_after": 2},

@@ -14,7 +14,7 @@ from glm53.config import resolve
 from glm53.engine.scripted import Script, ScriptedEngine
 
 
-def serve(*args, timeout=120):
+def serve(*args, timeout=600):
     return subprocess.run(
         [sys.executable, "-m", "glm53", "serve", *args],
         capture_output=True,
@@ -45,7 +45,7 @@ def test_failed_model_load_exits_1_with_the_reason(tmp_path):
         ["--engine", "scripted", "--script", str(script), "--model", str(checkpoint)],
         log_path=tmp_path / "log",
     )
-    assert server.proc.wait(timeout=120) == 1
+    assert server.proc.wait(timeout=600) == 1
     assert "the model failed to load: ValueError: cannot use script" in server.log()
     assert "Expected `str`, got `int` - at `$.default`" in server.log()
 

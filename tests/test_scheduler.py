@@ -1,4 +1,5 @@
 import asyncio
+import threading
 import time
 
 import pytest
@@ -38,11 +39,14 @@ class TableEngine:
         self.steps: list[list[tuple[int, int, int, bool]]] = []
         self.released: list[int] = []
         self.closed = False
+        self.gate = threading.Event()  # steps wait for it; open unless a test closes it
+        self.gate.set()
 
     def load(self):
         pass
 
     def step(self, work):
+        self.gate.wait(30)
         self.steps.append([(w.slot, len(w.token_ids), w.start_pos, w.want_logits) for w in work])
         if len(self.steps) in self.fail_steps:
             raise RuntimeError("boom")
@@ -149,8 +153,10 @@ def test_prefill_is_fed_in_chunks_shared_by_the_streams(checkpoint):
     async def main():
         engine = TableEngine(checkpoint)
         scheduler = await started(engine, chunk_size=4)
+        engine.gate.clear()  # B arrives before the second step is planned, however threads run
         a = scheduler.submit(request(range(1, 11), 2))
         b = scheduler.submit(request(range(1, 8), 2))
+        engine.gate.set()
         await asyncio.gather(collect(a), collect(b))
         await scheduler.close()
         # (slot, tokens, start position, wants logits). When b's submission lands relative to
