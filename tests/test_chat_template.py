@@ -1,4 +1,5 @@
 import pytest
+from transformers.utils import chat_template_utils
 
 from glm53.chat import TemplateError, default_template, render
 
@@ -180,7 +181,6 @@ def test_template_errors_are_reported_as_template_errors():
     ],
 )
 def test_render_matches_transformers_apply_chat_template(messages, tools, kwargs):
-    chat_template_utils = pytest.importorskip("transformers.utils.chat_template_utils")
     # transformers drops None-valued message keys itself (apply_chat_template's normalisation)
     clean = [{k: v for k, v in m.items() if v is not None} for m in messages]
     rendered, _ = chat_template_utils.render_jinja_template(
