@@ -19,6 +19,28 @@ __device__ void point_tables(g53_ec *ec, int key, int64_t base)
     }
 }
 
+// Where a key's table entries belong when nothing is staged: its slot, else its home.
+__device__ int64_t resident_base(const g53_ec *ec, int key)
+{
+    int s = ec->key_slot[key];
+    return s >= 0 ? (int64_t)(ec->slot_base + (int64_t)s * ec->slot_bytes) : ec->home[key];
+}
+
+// Grid-stride copy of n_jobs records of `bytes` (a multiple of 16) each.
+__device__ void copy_records(const int64_t *job_src, const int64_t *job_dst, int n_jobs, int64_t bytes)
+{
+    int64_t vec_per_job = bytes / 16;
+    int64_t total = vec_per_job * n_jobs;
+    int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        int64_t job = i / vec_per_job;
+        int64_t off = i - job * vec_per_job;
+        const int4 *src = reinterpret_cast<const int4 *>(job_src[job]);
+        int4 *dst = reinterpret_cast<int4 *>(job_dst[job]);
+        dst[off] = __ldcs(src + off);
+    }
+}
+
 // One warp. Dedup and lookups run across lanes; admissions run in pick order, each
 // victim search scanning 32 slots per step with a ballot (same victims as a serial CLOCK).
 __global__ void route_kernel(g53_ec *ec, const int64_t *sel, int n_sel, int layer, int admit)
@@ -144,20 +166,10 @@ __global__ void route_kernel(g53_ec *ec, const int64_t *sel, int n_sel, int laye
     }
 }
 
-// Grid-stride copy of n_jobs records of slot_bytes (a multiple of 16) each.
 __global__ void copy_kernel(g53_ec *ec)
 {
     int n_jobs = ec->n_jobs;
-    int64_t vec_per_job = ec->slot_bytes / 16;
-    int64_t total = vec_per_job * n_jobs;
-    int64_t stride = (int64_t)gridDim.x * blockDim.x;
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
-        int64_t job = i / vec_per_job;
-        int64_t off = i - job * vec_per_job;
-        const int4 *src = reinterpret_cast<const int4 *>(ec->job_src[job]);
-        int4 *dst = reinterpret_cast<int4 *>(ec->job_dst[job]);
-        dst[off] = __ldcs(src + off);
-    }
+    copy_records(ec->job_src, ec->job_dst, n_jobs, ec->slot_bytes);
     if (blockIdx.x == 0 && threadIdx.x == 0) ec->bytes_copied += (uint64_t)n_jobs * ec->slot_bytes;
 }
 
@@ -202,36 +214,21 @@ __global__ void unstage_kernel(g53_ec *ec, int layer)
 {
     for (int e = threadIdx.x; e < ec->n_experts; e += blockDim.x) {
         int key = layer * ec->n_experts + e;
-        int s = ec->key_slot[key];
-        int64_t base = s >= 0 ? (int64_t)(ec->slot_base + (int64_t)s * ec->slot_bytes) : ec->home[key];
-        point_tables(ec, key, base);
+        point_tables(ec, key, resident_base(ec, key));
     }
 }
 
 __global__ void copy_jobs_kernel(const int64_t *job_src, const int64_t *job_dst,
-                                 const int32_t *n_jobs_p, int64_t bytes)
+                                 const int32_t *n_jobs, int64_t bytes)
 {
-    int n_jobs = *n_jobs_p;
-    int64_t vec_per_job = bytes / 16;
-    int64_t total = vec_per_job * n_jobs;
-    int64_t stride = (int64_t)gridDim.x * blockDim.x;
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
-        int64_t job = i / vec_per_job;
-        int64_t off = i - job * vec_per_job;
-        const int4 *src = reinterpret_cast<const int4 *>(job_src[job]);
-        int4 *dst = reinterpret_cast<int4 *>(job_dst[job]);
-        dst[off] = __ldcs(src + off);
-    }
+    copy_records(job_src, job_dst, *n_jobs, bytes);
 }
 
 __global__ void reset_kernel(g53_ec *ec)
 {
-    int n = ec->n_keys;
-    for (int key = blockIdx.x * blockDim.x + threadIdx.x; key < n; key += gridDim.x * blockDim.x) {
-        int s = ec->key_slot[key];
-        int64_t base = s >= 0 ? (int64_t)(ec->slot_base + (int64_t)s * ec->slot_bytes) : ec->home[key];
-        point_tables(ec, key, base);
-    }
+    for (int key = blockIdx.x * blockDim.x + threadIdx.x; key < ec->n_keys;
+         key += gridDim.x * blockDim.x)
+        point_tables(ec, key, resident_base(ec, key));
 }
 
 int status(void)
