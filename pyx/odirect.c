@@ -178,7 +178,8 @@ static void *worker_main(void *arg) {
         int status = transfer(od, j->addr + start, len, j->offset + start, &error_offset);
 
         pthread_mutex_lock(&od->lock);
-        if (status != 0 && j->status == 0) {
+        // Pieces finish in any order: the failure reported is the one nearest the job's start.
+        if (status != 0 && (j->status == 0 || error_offset < j->error_offset)) {
             j->status = status;
             j->error_offset = error_offset;
         }
