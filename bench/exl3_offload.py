@@ -44,6 +44,7 @@ def main(argv=None):
     ap.add_argument("--split", type=int, required=True, help="experts per layer on the CPU")
     ap.add_argument("--pinned-arena", action="store_true")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--timeout", type=int, default=1200, help="seconds for the measuring child")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -60,12 +61,19 @@ def main(argv=None):
     )
     cmd = [sys.executable, os.path.abspath(__file__), "--model", args.model, "--split",
            str(args.split), "--child"] + (["--quick"] if args.quick else [])  # fmt: skip
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
-    if p.returncode != 0:
-        tail = (p.stdout + p.stderr)[-2000:]
-        result = {"error": f"stock offload exited {p.returncode}", "tail": tail}
+    rc = 124
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        rc = p.returncode
+    except subprocess.TimeoutExpired as exc:  # its output is bytes even with text=True
+        tail = ((exc.stdout or b"") + (exc.stderr or b"")).decode(errors="replace")[-2000:]
+        result = {"error": f"stock offload timed out after {args.timeout} s", "tail": tail}
     else:
-        result = json.loads(p.stdout.strip().splitlines()[-1])
+        if rc != 0:
+            tail = (p.stdout + p.stderr)[-2000:]
+            result = {"error": f"stock offload exited {rc}", "tail": tail}
+        else:
+            result = json.loads(p.stdout.strip().splitlines()[-1])
     out = {
         "bench": "exl3_offload",
         "figures": result,
@@ -74,7 +82,7 @@ def main(argv=None):
                    "workaround": "EXL3_MOE_CPU_PIN=0 + sysfs exl3_moe_cpu_core_order"},
     }  # fmt: skip
     print(json.dumps(out, default=float))
-    return 0 if p.returncode == 0 else 1
+    return 0 if rc == 0 else 1
 
 
 if __name__ == "__main__":

@@ -242,9 +242,19 @@ def test_openapi_document_describes_every_route(http):
         "/generate",
         "/tokenize",
         "/openapi.json",
+        "/admin/save_heat",
     }
     chat_schema = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"][
         "application/json"
     ]["schema"]
     assert chat_schema == {"$ref": "#/components/schemas/ChatRequest"}
     assert "messages" in doc["components"]["schemas"]["ChatRequest"]["required"]
+
+
+def test_save_heat_without_an_expert_cache_is_a_409_that_names_the_engine(http):
+    r = http.post("/admin/save_heat")
+    assert r.status_code == 409
+    error = r.json()["error"]
+    assert error["code"] == "no_expert_cache"
+    assert "scripted engine" in error["message"] and "--engine gpu" in error["message"]
+    assert http.get("/health").status_code == 200

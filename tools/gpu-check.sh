@@ -4,7 +4,9 @@
 # DEVICE_DIR holds setup.sh (installs exllamav3 1.6.5 wheels + its prebuilt extension) and
 # optionally wheels312/ (build and test wheels for this Python); OUT_DIR receives logs and
 # JSON. STAGES (default "build synth tests bench") picks what runs. A Triton cache found at
-# DEVICE_DIR/triton-cache.tar.gz is restored, and the cache is saved to OUT_DIR afterwards.
+# DEVICE_DIR/triton-cache.tar.gz is restored (and saved to OUT_DIR when GLM53_SAVE_TRITON is set).
+# GLM53_GPU_TESTS narrows the tests (paths or node ids), GLM53_BENCH the benchmarks,
+# GLM53_BENCH_MODES the gpu_slice rows, GLM53_OFFLOAD_TIMEOUT its stock-offload subprocesses.
 set -uo pipefail
 DEV=$(realpath "${1:?usage: tools/gpu-check.sh DEVICE_DIR OUT_DIR [STAGES]}")
 OUT=$(realpath -m "${2:?usage: tools/gpu-check.sh DEVICE_DIR OUT_DIR [STAGES]}")
@@ -42,9 +44,17 @@ fi
 export PATH=/tmp/site/bin:$PATH
 
 if stage build; then
-  arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)
-  run build pip install --no-build-isolation --no-deps --target /tmp/site \
-    -Csetup-args=-Dcuda=enabled -Csetup-args=-Dgpu_archs="$arch" "$REPO" || exit 1
+  # a warm machine keeps /tmp/site: rebuild only when the sources changed
+  stamp=$(cd "$REPO" && find pyx cuda glm53 meson.build meson.options pyproject.toml -type f \
+    -not -name '*.pyc' | sort | xargs cat | sha1sum | cut -c1-16)
+  if [ -f "$WORK/built-$stamp" ]; then
+    log "build: sources unchanged since the last build here ($stamp)"
+  else
+    arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)
+    run build pip install --no-build-isolation --no-deps --target /tmp/site --upgrade \
+      -Csetup-args=-Dcuda=enabled -Csetup-args=-Dgpu_archs="$arch" "$REPO" || exit 1
+    touch "$WORK/built-$stamp"
+  fi
 fi
 cd "$WORK" || exit 2  # import the installed package, not the source tree
 
@@ -54,16 +64,25 @@ if stage synth; then
 fi
 export GLM53_TEST_DEMO=$WORK/demo GLM53_TEST_SLICE=$WORK/slice
 if stage tests; then
-  run tests python3 -m pytest -q -p no:cacheprovider -o addopts="" --junitxml="$OUT/gpu-tests.xml" "$REPO/tests/gpu"
+  run tests python3 -m pytest -q -p no:cacheprovider -o addopts="" --junitxml="$OUT/gpu-tests.xml" \
+    ${GLM53_GPU_TESTS:-"$REPO/tests/gpu"}
 fi
 if stage bench; then
-  for b in gpu_slice micro_gemv; do
+  # GLM53_BENCH picks the benchmarks, GLM53_BENCH_MODES the gpu_slice rows (default: all);
+  # each row is written to OUT/rows/ as soon as it is measured, so a cut run keeps its rows
+  for b in ${GLM53_BENCH:-gpu_slice micro_gemv}; do
     [ -f "$REPO/bench/$b.py" ] || continue
-    extra=(); [ "$b" = gpu_slice ] && extra=(--plot "$OUT/gpu_slice.png")
+    extra=()
+    if [ "$b" = gpu_slice ]; then
+      extra=(--plot "$OUT/gpu_slice.png" --rows-dir "$OUT/rows")
+      [ -n "${GLM53_BENCH_MODES:-}" ] && extra+=(--modes "$GLM53_BENCH_MODES")
+      [ -n "${GLM53_OFFLOAD_TIMEOUT:-}" ] && extra+=(--offload-timeout "$GLM53_OFFLOAD_TIMEOUT")
+    fi
     run "bench-$b" python3 "$REPO/bench/$b.py" --json "${extra[@]}" \
       && tail -1 "$OUT/bench-$b.log" >"$OUT/$b.json"
   done
 fi
-[ -d "$TRITON_CACHE_DIR" ] && tar -czf "$OUT/triton-cache.tar.gz" -C "$TRITON_CACHE_DIR" .
+# the Triton cache is large (about 150 MB packed); save it only when asked
+[ -n "${GLM53_SAVE_TRITON:-}" ] && [ -d "$TRITON_CACHE_DIR" ] && tar -czf "$OUT/triton-cache.tar.gz" -C "$TRITON_CACHE_DIR" .
 log "done, status $status"
 exit $status

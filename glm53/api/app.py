@@ -30,6 +30,7 @@ ROUTES = {
     ("GET", "/server_info"): info.server_info,
     ("GET", "/metrics"): info.metrics,
     ("GET", "/openapi.json"): info.openapi,
+    ("POST", "/admin/save_heat"): info.save_heat,
     ("POST", "/generate"): native.generate,
     ("POST", "/tokenize"): native.tokenize,
 }

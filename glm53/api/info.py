@@ -1,7 +1,9 @@
-"""Read-only endpoints: /v1/models, /health, /stats, /server_info, /metrics, /openapi.json."""
+"""Read-only endpoints (/v1/models, /health, /stats, /server_info, /metrics, /openapi.json) and
+POST /admin/save_heat."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import msgspec
@@ -64,6 +66,23 @@ async def stats(state: ServerState, body: bytes, receive: Receive, send: Send) -
         "engine": _engine_stats(state),
     }
     await send_bytes(send, 200, _encoder.encode(payload))
+    return 200
+
+
+async def save_heat(state: ServerState, body: bytes, receive: Receive, send: Send) -> int:
+    """Write the VRAM expert cache's keys as the warm-start heat list now (it is also written
+    at shutdown), so a crash or a kill -9 later does not lose a long run's warm cache."""
+    state.ready_scheduler()
+    write = getattr(state.engine, "save_heat", None)
+    path = await asyncio.to_thread(write) if write is not None else None
+    if path is None:
+        raise ApiError(
+            409,
+            f"the {state.engine.name} engine keeps no VRAM expert cache, so there is no heat list "
+            "to save; heat lists belong to the GPU engine (--engine gpu)",
+            code="no_expert_cache",
+        )
+    await send_bytes(send, 200, _encoder.encode({"heat_file": path}))
     return 200
 
 

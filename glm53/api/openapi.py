@@ -50,11 +50,19 @@ ENDPOINTS: tuple[tuple[str, str, Any, Any, str], ...] = (
     ("post", "/generate", GenerateRequest, GenerateResponse, "SGLang-shaped generation"),
     ("post", "/tokenize", TokenizeRequest, TokenizeResponse, "Token ids of a text"),
     ("get", "/openapi.json", None, _JSON_OBJECT, "This document"),
+    (
+        "post",
+        "/admin/save_heat",
+        None,
+        _JSON_OBJECT,
+        "Write the VRAM expert cache's warm-start heat list now (GPU engine; 409 otherwise)",
+    ),
 )
 _ERRORS = {
     "400": "Invalid request",
     "401": "Missing or wrong API key",
     "404": "Unknown model or route",
+    "409": "The engine has no such state (e.g. no VRAM expert cache)",
     "413": "Body too large",
     "429": "Queue full (see Retry-After)",
     "500": "Engine error",
