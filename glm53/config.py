@@ -164,7 +164,8 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
         float,
         Meta(gt=0),
         _s(
-            "CPU lane cost model: milliseconds per expert computed on the CPU (seed figure at 22 threads).",
+            "Fast mode's CPU lane cost model: milliseconds per expert computed on the CPU (seed "
+            "figure at 22 threads). Not in this build: refused when changed.",
             group="tiers",
             env="GLM53_CT_B",
         ),
@@ -172,8 +173,8 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     ct_swz: Annotated[
         bool,
         _s(
-            "Keep a block-contiguous (swizzled) copy of the experts for the CPU lane: faster per "
-            "expert, twice the RAM.",
+            "Fast mode: keep a block-contiguous (swizzled) copy of the experts for the CPU lane, "
+            "twice the RAM. Not in this build: refused when changed.",
             group="tiers",
             env="GLM53_CT_SWZ",
         ),
@@ -194,7 +195,8 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
         float,
         Meta(ge=0),
         _s(
-            "VRAM (GiB) of the expert cache that is lent to prefill and taken back after it.",
+            "VRAM (GiB) of the expert cache lent to prefill and taken back after it. Not in this "
+            "build (prefill stages through --ec-stage-gb): refused when changed.",
             group="tiers",
         ),
     ] = 10.0
@@ -205,7 +207,10 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     ] = 2.6
     triton_pin: Annotated[
         str | None,
-        _s("Triton kernel pin file (JSON) for exact modes.", group="tiers"),
+        _s(
+            "Triton kernel pin file (JSON) for exact modes. Not in this build: refused when set.",
+            group="tiers",
+        ),
     ] = None
     # --- server -------------------------------------------------------------------------------
     host: Annotated[

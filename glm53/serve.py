@@ -81,8 +81,11 @@ def load_app(settings_json: bytes):
 
 
 def main(args: argparse.Namespace) -> int:
+    from glm53.engine import refuse_unbuilt
+
     try:
         settings, sources = config.resolve(args)
+        refuse_unbuilt(settings)
     except config.ConfigurationError as exc:
         print(f"glm53 serve: {exc}", file=sys.stderr)
         return 2

@@ -179,3 +179,27 @@ def test_serve_help_lists_the_settings():
         "--ec-reserve-gb",
     ):
         assert flag in out.stdout
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--ct-b", "0.2"], "--ct-b"),
+        (["--no-ct-swz"], "--no-ct-swz"),
+        (["--triton-pin", "/x/pin.json"], "--triton-pin"),
+        (["--ec-elastic-gb", "4"], "--ec-elastic-gb"),
+    ],
+)
+def test_settings_of_parts_not_built_are_refused_at_start(argv, flag):
+    from glm53.engine import create_engine
+
+    s, _ = resolve(parse(["--engine", "scripted", *argv]), {})
+    with pytest.raises(ConfigurationError, match=f"{flag} .*not in this build"):
+        create_engine(s)
+
+
+def test_defaults_of_parts_not_built_pass_the_refusal():
+    from glm53.engine import refuse_unbuilt
+
+    s, _ = resolve(parse(["--engine", "scripted"]), {})
+    refuse_unbuilt(s)

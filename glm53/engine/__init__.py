@@ -92,9 +92,36 @@ def engine_kind(settings: Settings) -> str:
     return "gpu" if not uses_demo(settings) and _has_cuda() else "cpu"
 
 
+# Settings of parts that this build does not have yet: accepted by the parser (the doctor's
+# plans and the systemd unit name them), refused at start when changed from their defaults, so
+# that a value never silently does nothing.
+NOT_BUILT = {
+    "ct_b": ("--ct-b", "the fast mode's CPU-lane planner"),
+    "ct_swz": ("--no-ct-swz", "the fast mode's swizzled expert copy"),
+    "triton_pin": ("--triton-pin", "pinned Triton kernel configurations"),
+    "ec_elastic_gb": ("--ec-elastic-gb", "lending part of the VRAM expert cache to prefill"),
+}
+
+
+def refuse_unbuilt(settings: Settings) -> None:
+    """ConfigurationError naming every setting changed from its default whose part is not built."""
+    defaults = Settings()
+    changed = [
+        f"{flag} ({what})"
+        for name, (flag, what) in NOT_BUILT.items()
+        if getattr(settings, name) != getattr(defaults, name)
+    ]
+    if changed:
+        raise ConfigurationError(
+            f"{', '.join(changed)}: not in this build of glm53, so the value would do nothing; "
+            "leave it out (and its GLM53_* variable unset)"
+        )
+
+
 def create_engine(settings: Settings) -> Engine:
     """The engine the settings ask for (not loaded). Raises EngineUnavailable when that engine
     is not in this install; never substitutes another one."""
+    refuse_unbuilt(settings)
     kind = engine_kind(settings)
     if kind == "scripted":
         from glm53.engine.scripted import ScriptedEngine, read_script
