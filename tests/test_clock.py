@@ -579,3 +579,40 @@ class ClockVsModel(RuleBasedStateMachine):
 
 ClockVsModel.TestCase.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
 test_clock_matches_model = ClockVsModel.TestCase
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_heat_order_is_the_eviction_order_reversed(seed):
+    """The VRAM cache's heat list (glm53.tiers.vram_cache.clock_heat_order) ranks the cached
+    keys as this CLOCK policy will evict them: replaying admissions of new keys evicts the
+    originals in exactly the reverse of that order."""
+    from glm53.tiers.vram_cache import clock_heat_order
+
+    rng = np.random.default_rng(seed)
+    n_slots, n_keys = int(rng.integers(1, 12)), 200
+    c = Clock(n_slots, n_keys)
+    for _ in range(int(rng.integers(0, 60))):
+        k = int(rng.integers(0, 100))
+        if c.slot_of(k) < 0:
+            c.admit(k)
+        else:
+            c.lookup(k)
+    keys = [c.key_of(s) for s in range(n_slots)]
+    refs = [c.ref_bit(s) for s in range(n_slots)]
+    heat = clock_heat_order(keys, refs, c.hand)
+    assert sorted(heat) == sorted(k for k in keys if k >= 0)
+    evicted = []
+    for fresh in range(100, 100 + 2 * n_slots):
+        _, old = c.admit(fresh)
+        if old >= 0 and old < 100:
+            evicted.append(old)
+    assert evicted == heat[::-1]
+
+
+def test_heat_order_of_a_seeded_table_is_the_seed_list():
+    from glm53.tiers.vram_cache import clock_heat_order
+
+    c = Clock(5, 50)
+    c.seed([9, 3, 12])
+    keys = [c.key_of(s) for s in range(5)]
+    assert clock_heat_order(keys, [c.ref_bit(s) for s in range(5)], c.hand) == [9, 3, 12]

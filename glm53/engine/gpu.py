@@ -196,10 +196,10 @@ class GpuEngine:
         return out
 
     def save_heat(self) -> str | None:
-        """Write the cache's current keys (slot order) as the warm-start heat list."""
+        """Write the cache's keys, hottest first, as the warm-start heat list."""
         if self.loaded is None or self.loaded.ec is None:
             return None
-        keys = [int(k) for k in self.loaded.ec.slot_keys() if k >= 0]
+        keys = self.loaded.ec.heat_list()
         os.makedirs(os.path.dirname(self.heat_file), exist_ok=True)
         tmp = self.heat_file + ".tmp"
         with open(tmp, "w") as f:

@@ -165,6 +165,14 @@ class DeviceExpertCache:
     def slot_keys(self) -> np.ndarray:
         return self._t["slot_key"].cpu().numpy()
 
+    def heat_list(self) -> list[int]:
+        """The cached keys hottest first (the order seed() takes): the reverse of the order in
+        which CLOCK would evict them from here on."""
+        s = np.frombuffer(self._struct.cpu().numpy().tobytes(), dtype=self._dtype)[0]
+        return clock_heat_order(
+            self._t["slot_key"].cpu().numpy(), self._t["slot_ref"].cpu().numpy(), int(s["hand"])
+        )
+
     def seed(self, keys) -> int:
         """Warm start from a heat list, hottest first (copies synchronously), then point the
         tables at the slots. As glm53._clock's seed does, the hottest key goes in the highest
@@ -197,6 +205,22 @@ class DeviceExpertCache:
         self._struct.copy_(torch.from_numpy(arr.view(np.uint8).copy()).to(self.device))
         self.reset_tables()
         return len(keys)
+
+
+def clock_heat_order(slot_key, slot_ref, hand: int) -> list[int]:
+    """Keys of a CLOCK table hottest first. The hand evicts the unreferenced slots in sweep order
+    from `hand`, then (their bits cleared on the first pass) the referenced ones in the same
+    order; hottest first is that eviction order reversed. Free slots (key < 0) are left out."""
+    slot_key = np.asarray(slot_key)
+    slot_ref = np.asarray(slot_ref)
+    n = len(slot_key)
+    if slot_ref.shape != (n,):
+        raise ValueError(f"slot_ref has shape {slot_ref.shape}, slot_key has {n} slots")
+    if n == 0:
+        return []
+    sweep = [(hand + i) % n for i in range(n)]
+    evict = [s for s in sweep if not slot_ref[s]] + [s for s in sweep if slot_ref[s]]
+    return [int(slot_key[s]) for s in reversed(evict) if slot_key[s] >= 0]
 
 
 def _uva_tensor(addr: int, nbytes: int, device):

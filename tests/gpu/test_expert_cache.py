@@ -153,6 +153,7 @@ def test_masked_and_out_of_range_picks_are_skipped():
 def test_seed_fills_slots_in_priority_order():
     geo, home, home_addr, tables, cache = make_setup(2, 8, (512, 512, 1024), 4)
     assert cache.seed([9, 3, 12]) == 3  # hottest first
+    assert cache.heat_list() == [9, 3, 12]  # what save_heat writes round-trips
     model = ClockModel(4)
     model.slot_key[:3] = [12, 3, 9]  # hottest in the highest seeded slot, as glm53._clock
     model.key_slot = {12: 0, 3: 1, 9: 2}
