@@ -15,7 +15,7 @@ import torch
 
 from glm53.engine.base import EngineError, StreamWork
 from glm53.engine.cpu import CpuEngine
-from glm53.models import hf_text
+from glm53.models import hf_expand, hf_text
 from glm53.models.checkpoint import Checkpoint
 from glm53.models.synth import write_checkpoint
 from glm53.models.synth_layout import preset
@@ -140,3 +140,34 @@ def test_experts_read_from_a_packed_store_give_the_same_logits(demo, engine, tmp
         assert torch.equal(stored.forward_all(ids), engine.forward_all(ids))
     finally:
         stored.close()
+
+
+def test_dsa_keys_and_values_are_expanded_once_per_position(engine):
+    ids = engine.tokenizer.encode(PROMPT)
+    cache = engine.new_cache()
+    engine.forward(ids, cache)
+    tokens = [101, 102, 103]
+    for token in tokens:
+        last = engine.forward([token], cache)
+    dsa = [
+        i for i, layer in enumerate(engine.model.layers) if layer.block_type != "linear_attention"
+    ]
+    assert dsa == [3, 7]
+    for i in dsa:
+        assert cache.layers[i]._glm53_expanded.length == len(ids) + len(tokens)
+    # the same positions expanded all at once (no cache: no memo)
+    whole = engine.forward_all(ids + tokens)[-1]
+    assert (last - whole).abs().max() <= REL_TOL * whole.abs().max()
+    # a layer whose memo would exceed its budget expands its whole cache every step instead
+    attn = engine.model.layers[3].self_attn
+    attn.glm53_expand_max_bytes = 0
+    try:
+        cache = engine.new_cache()
+        engine.forward(ids, cache)
+        for token in tokens:
+            again = engine.forward([token], cache)
+        assert cache.layers[3]._glm53_expanded is None
+        assert cache.layers[7]._glm53_expanded.length == len(ids) + len(tokens)
+        assert (again - whole).abs().max() <= REL_TOL * whole.abs().max()
+    finally:
+        attn.glm53_expand_max_bytes = hf_expand.DEFAULT_MAX_BYTES

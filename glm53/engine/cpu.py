@@ -4,7 +4,8 @@ replaced by glm53's tiered MoE (RAM tier + O_DIRECT reads + CLOCK + CPU lane).
 Implements glm53.engine.base.Engine.
 
 Each slot owns one transformers cache (its DSA latents, indexer keys, KDA conv and recurrent
-state). A step runs its items one after the other.
+state, and the DSA keys/values already expanded from the latents, see glm53.models.hf_expand).
+A step runs its items one after the other.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class CpuEngine:
     def load(self) -> None:
         from glm53.engine.tokenizer import CheckpointTokenizer, read_generation_defaults
         from glm53.models.checkpoint import Checkpoint
+        from glm53.models.hf_expand import memoize_expansion
         from glm53.models.hf_text import build_text_model, lm_head_weight
         from glm53.tiers.cpu_lane import CpuLane, lane_layout
         from glm53.tiers.expert_source import SafetensorsSource
@@ -82,6 +84,7 @@ class CpuEngine:
             return TieredMoE(layer, block, self.tier, self.lane, act_limit)
 
         self.model = build_text_model(ckpt, moe_factory=tiered)
+        memoize_expansion(self.model)
         self.lm_head = lm_head_weight(ckpt)
         self.moe = {i: self.model.layers[i].mlp for i in ckpt.moe_layers}
         self.caches: list = [None] * self.num_slots
