@@ -12,6 +12,9 @@ AVX512: int
 AVX512_FP16: int
 VARIANTS: tuple[int, ...]
 BEST: int
+CALLER_WAITS: int
+CALLER_HELPS: int
+CALLER_RUNS_ALL: int
 
 Matrix = tuple[npt.NDArray[np.int16], npt.NDArray[np.float16], npt.NDArray[np.float16]]
 
@@ -68,6 +71,20 @@ class Pool:
         variant: int = ...,
         act_limit: float = 10.0,
     ) -> npt.NDArray[np.float32]: ...
+    def run_picks(
+        self,
+        table: ExpertTable,
+        x: npt.NDArray[np.float32],
+        rows: npt.NDArray[np.int64],
+        experts: npt.NDArray[np.int32],
+        weights: npt.NDArray[np.float32],
+        dest: npt.NDArray[np.int64],
+        out: npt.NDArray[np.float32],
+        *,
+        variant: int = ...,
+        act_limit: float = 10.0,
+        caller: int = ...,
+    ) -> int: ...
 
 def tiles(
     variant: int,

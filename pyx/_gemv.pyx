@@ -1,7 +1,8 @@
 """CPU expert lane: a thin door onto pyx/gemv*.c (the math and the layouts are in pyx/gemv.h)."""
 
-from libc.stdint cimport int32_t, uint8_t, uint16_t, uint32_t, uintptr_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uintptr_t
 from libc.stdlib cimport calloc, free, malloc
+from libc.string cimport memcpy
 
 from gemv cimport *
 
@@ -15,6 +16,9 @@ AVX512 = GEMV_AVX512
 AVX512_FP16 = GEMV_AVX512_FP16
 VARIANTS = tuple(range(GEMV_NUM_VARIANTS))
 BEST = GEMV_BEST
+CALLER_WAITS = GEMV_CALLER_WAITS
+CALLER_HELPS = GEMV_CALLER_HELPS
+CALLER_RUNS_ALL = GEMV_CALLER_RUNS_ALL
 
 
 def variant_name(int variant):
@@ -272,6 +276,104 @@ cdef class Pool:
         """submit(...).wait(): the MoE output rows, float32 [num_rows, hidden]."""
         return self.submit(table, x, rows, experts, weights, out, variant=variant,
                            act_limit=act_limit).wait()
+
+    def run_picks(self, ExpertTable table not None, x, rows, experts, weights, dest, out, *,
+                  int variant=GEMV_BEST, float act_limit=10.0, int caller=GEMV_CALLER_WAITS):
+        """out[dest[i]] = weights[i] * expert(experts[i])(x[rows[i]]) for every pick i, computed
+        as one batch of jobs; returns the number of jobs.
+
+        Jobs hold one expert each and at most MAX_ROWS of its picks, in row order (ties in pick
+        order), so a pick's output depends only on its expert and the rows of its job, never on
+        the other experts of the batch or on which thread ran the job. x: float32 [num_rows,
+        hidden]; rows, dest: int64 [picks]; experts: int32 [picks]; weights: float32 [picks];
+        out: float32 [n, hidden], only its dest rows written. caller: CALLER_WAITS,
+        CALLER_HELPS or CALLER_RUNS_ALL (see gemv.h)."""
+        if not isinstance(x, np.ndarray) or x.ndim != 2:
+            raise TypeError(f"x must be a 2-D float32 numpy array [rows, {table.hidden}], got "
+                            f"{_describe(x)}")
+        _check_array("x", x, np.float32, (x.shape[0], table.hidden))
+        if not isinstance(out, np.ndarray) or out.ndim != 2:
+            raise TypeError(f"out must be a 2-D float32 numpy array [n, {table.hidden}], got "
+                            f"{_describe(out)}")
+        _check_array("out", out, np.float32, (out.shape[0], table.hidden), writable=True)
+        if not isinstance(rows, np.ndarray) or rows.ndim != 1:
+            raise TypeError(f"rows must be a 1-D int64 numpy array, got {_describe(rows)}")
+        cdef Py_ssize_t num_picks = rows.shape[0]
+        _check_array("rows", rows, np.int64, (num_picks,))
+        _check_array("experts", experts, np.int32, (num_picks,))
+        _check_array("weights", weights, np.float32, (num_picks,))
+        _check_array("dest", dest, np.int64, (num_picks,))
+        if caller not in (GEMV_CALLER_WAITS, GEMV_CALLER_HELPS, GEMV_CALLER_RUNS_ALL):
+            raise ValueError(f"caller {caller} is not CALLER_WAITS, CALLER_HELPS or "
+                             "CALLER_RUNS_ALL")
+        if num_picks == 0:
+            return 0
+        cdef const int64_t[::1] r = rows
+        cdef const int32_t[::1] e = experts
+        cdef const float[::1] w = weights
+        cdef const int64_t[::1] d = dest
+        cdef Py_ssize_t i, num_rows = x.shape[0], num_out = out.shape[0]
+        for i in range(num_picks):
+            if not 0 <= r[i] < num_rows:
+                raise ValueError(f"pick {i}: row {r[i]} is outside 0..{num_rows - 1}")
+            if not 0 <= e[i] < table.num_experts:
+                raise ValueError(f"pick {i}: expert {e[i]} is outside 0..{table.num_experts - 1}")
+            if not 0 <= d[i] < num_out:
+                raise ValueError(f"pick {i}: dest {d[i]} is outside 0..{num_out - 1}")
+        cdef const int64_t[::1] order = np.lexsort((rows, experts)).astype(np.int64, copy=False)
+        cdef Py_ssize_t hidden = table.hidden
+        cdef const float *xp = <const float *><uintptr_t>x.ctypes.data
+        cdef float *op = <float *><uintptr_t>out.ctypes.data
+        cdef gemv_job *jobs = <gemv_job *>calloc(num_picks, sizeof(gemv_job))
+        cdef gemv_pick *picks = <gemv_pick *>malloc(num_picks * sizeof(gemv_pick))
+        cdef float *xs = <float *>malloc(num_picks * hidden * sizeof(float))
+        cdef float *ys = <float *>malloc(num_picks * hidden * sizeof(float))
+        cdef char msg[GEMV_MSG_BYTES]
+        cdef int rc = GEMV_OK, num_jobs = 0
+        cdef Py_ssize_t k, start = 0, p
+        cdef gemv_job *j
+        msg[0] = 0
+        try:
+            if jobs == NULL or picks == NULL or xs == NULL or ys == NULL:
+                raise MemoryError(f"Pool.run_picks: out of memory for {num_picks} picks")
+            with nogil:
+                for k in range(num_picks + 1):
+                    if k < num_picks and k > start and k - start < GEMV_MAX_ROWS \
+                            and e[order[k]] == e[order[start]]:
+                        continue
+                    if k > start:  # picks order[start:k] are one job
+                        j = &jobs[num_jobs]
+                        num_jobs += 1
+                        j.hidden, j.inter, j.k2 = table.hidden, table.inter, table.k2
+                        j.act_limit = act_limit
+                        j.variant = variant
+                        j.experts = table._e
+                        j.num_experts = table.num_experts
+                        j.x = xs + start * hidden
+                        j.num_rows = <int32_t>(k - start)
+                        j.picks = picks + start
+                        j.num_picks = <int32_t>(k - start)
+                        j.out = ys + start * hidden
+                        j.done = NULL
+                        for p in range(start, k):
+                            picks[p].row = <int32_t>(p - start)
+                            picks[p].expert = e[order[p]]
+                            picks[p].weight = w[order[p]]
+                            memcpy(xs + p * hidden, xp + r[order[p]] * hidden,
+                                   hidden * sizeof(float))
+                    start = k
+                rc = gemv_pool_run_batch(self._p, jobs, num_jobs, caller, msg, GEMV_MSG_BYTES)
+                if rc == GEMV_OK:
+                    for p in range(num_picks):
+                        memcpy(op + d[order[p]] * hidden, ys + p * hidden, hidden * sizeof(float))
+            if rc != GEMV_OK:
+                _raise(rc, msg, "Pool.run_picks")
+        finally:
+            free(jobs)
+            free(picks)
+            free(xs)
+            free(ys)
+        return num_jobs
 
 
 def tiles(int variant, trellis, xh, int kt0=0, kt1=None):

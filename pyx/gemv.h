@@ -109,4 +109,18 @@ int gemv_pool_submit(gemv_pool *pool, gemv_job *job, char *msg, size_t msg_len);
 /* Wait (spin, then sleep) until a submitted job is done; returns its status. */
 int gemv_pool_wait(gemv_pool *pool, gemv_job *job);
 
+/* Who runs the jobs of a batch. */
+enum gemv_caller {
+    GEMV_CALLER_WAITS = 0,    /* the pool's workers run every job; the caller waits */
+    GEMV_CALLER_HELPS = 1,    /* the caller also takes the batch's jobs off the queue and runs them */
+    GEMV_CALLER_RUNS_ALL = 2, /* the caller runs every job; no worker is woken */
+};
+/* Run `num_jobs` independent jobs and return when all are done. Every job is checked first (none
+ * runs when one is bad; msg names the job and the field). A job the caller runs is planned for the
+ * pool's thread count, like one a worker runs, so its output is the same bits whoever ran it. The
+ * batch's jobs need not be zeroed beyond gemv_job's inputs and outputs (`done` may be NULL).
+ * Returns GEMV_OK or the first failing job's status. */
+int gemv_pool_run_batch(gemv_pool *pool, gemv_job *jobs, int num_jobs, int caller, char *msg,
+                        size_t msg_len);
+
 #endif

@@ -73,6 +73,14 @@ cdef extern from "gemv.h" nogil:
     int gemv_pool_submit(gemv_pool *pool, gemv_job *job, char *msg, size_t msg_len)
     int gemv_pool_wait(gemv_pool *pool, gemv_job *job)
 
+    enum:
+        GEMV_CALLER_WAITS
+        GEMV_CALLER_HELPS
+        GEMV_CALLER_RUNS_ALL
+
+    int gemv_pool_run_batch(gemv_pool *pool, gemv_job *jobs, int num_jobs, int caller, char *msg,
+                            size_t msg_len)
+
 
 cdef extern from "gemv_kern.h" nogil:
     ctypedef void (*gemv_tiles_fn)(const uint8_t *trellis, int n_tiles, int k2, int kt0, int kt1,

@@ -4,7 +4,11 @@
  * every worker then runs the job's phases (gemv_exec.h) with a barrier after each. Worker 0
  * finally writes the status, then the job's `finished` flag and its `done` word. Idle workers
  * spin for SPIN_NS (a decode step's MoE layers come back to back) and then sleep on a futex, so
- * an idle lane costs no CPU. */
+ * an idle lane costs no CPU.
+ *
+ * A batch (gemv_pool_run_batch) is a run of independent jobs queued together; the calling thread
+ * may take its own batch's jobs off the head of the queue and run them alone, with an exec of
+ * its own planned for the pool's thread count (so the output does not depend on who ran a job). */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <linux/futex.h>
@@ -37,6 +41,8 @@ struct gemv_pool {
     _Atomic uint32_t job_gen;    /* bumped by worker 0 when `current` changes */
     _Atomic int stop;
     _Atomic uint32_t bar_count, bar_gen;
+    pthread_mutex_t caller_lock; /* guards caller_exec: one helping caller at a time */
+    gemv_exec caller_exec;
 };
 
 typedef struct {
@@ -186,6 +192,7 @@ gemv_pool *gemv_pool_create(const int *cpus, int num_threads, char *msg, size_t 
     pool->num_threads = num_threads;
     pool->threads = threads;
     pthread_mutex_init(&pool->lock, NULL);
+    pthread_mutex_init(&pool->caller_lock, NULL);
     for (int i = 0; i < num_threads; i++) {
         pthread_attr_t attr;
         pthread_attr_init(&attr);
@@ -229,6 +236,7 @@ fail:
     pool->num_threads = num_threads;
     if (num_threads == 0) {
         pthread_mutex_destroy(&pool->lock);
+        pthread_mutex_destroy(&pool->caller_lock);
         free(threads);
         free(pool);
         return NULL;
@@ -247,7 +255,9 @@ void gemv_pool_destroy(gemv_pool *pool)
     for (int i = 0; i < pool->num_threads; i++)
         pthread_join(pool->threads[i], NULL);
     pthread_mutex_destroy(&pool->lock);
+    pthread_mutex_destroy(&pool->caller_lock);
     gemv_exec_free(&pool->exec);
+    gemv_exec_free(&pool->caller_exec);
     free(pool->threads);
     free(pool);
 }
@@ -286,4 +296,107 @@ int gemv_pool_wait(gemv_pool *pool, gemv_job *job)
     (void)pool;
     wait_change((_Atomic uint32_t *)&job->finished, 0, SPIN_NS);
     return job->status;
+}
+
+/* The calling thread runs one job alone with the pool's caller exec (caller_lock held). */
+static void run_on_caller(gemv_pool *pool, gemv_job *job)
+{
+    gemv_exec *ex = &pool->caller_exec;
+    int rc = gemv_exec_plan(ex, job, pool->num_threads);
+    if (rc == GEMV_OK)
+        for (int phase = 0; phase < GEMV_NUM_PHASES; phase++)
+            gemv_exec_phase(ex, phase);
+    job->status = rc;
+    if (job->done)
+        __atomic_store_n(job->done, job->seq, __ATOMIC_RELEASE);
+    __atomic_store_n(&job->finished, 1, __ATOMIC_RELEASE);
+}
+
+static int in_batch(const gemv_job *job, const gemv_job *jobs, int num_jobs)
+{
+    uintptr_t p = (uintptr_t)job, lo = (uintptr_t)jobs, hi = (uintptr_t)(jobs + num_jobs);
+    return job && p >= lo && p < hi;
+}
+
+int gemv_pool_run_batch(gemv_pool *pool, gemv_job *jobs, int num_jobs, int caller, char *msg,
+                        size_t msg_len)
+{
+    if (num_jobs < 0 || (num_jobs && !jobs) || caller < GEMV_CALLER_WAITS ||
+        caller > GEMV_CALLER_RUNS_ALL) {
+        snprintf(msg, msg_len, "a batch needs num_jobs >= 0 (got %d), jobs, and caller 0..2 (got %d)",
+                 num_jobs, caller);
+        return GEMV_EINVAL;
+    }
+    for (int i = 0; i < num_jobs; i++) {
+        int rc = gemv_job_check(&jobs[i], msg, msg_len);
+        if (rc) {
+            char inner[GEMV_MSG_BYTES];
+            snprintf(inner, sizeof inner, "%s", msg);
+            snprintf(msg, msg_len, "batch job %d: %s", i, inner);
+            return rc;
+        }
+        jobs[i].status = GEMV_EPENDING;
+        jobs[i].next = NULL;
+        __atomic_store_n(&jobs[i].finished, 0, __ATOMIC_RELAXED);
+    }
+    if (caller != GEMV_CALLER_WAITS)
+        pthread_mutex_lock(&pool->caller_lock);
+    if (caller == GEMV_CALLER_RUNS_ALL) {
+        for (int i = 0; i < num_jobs; i++)
+            run_on_caller(pool, &jobs[i]);
+    } else {
+        int queued = 0;
+        for (;;) {
+            int added = 0;
+            gemv_job *mine = NULL;
+            pthread_mutex_lock(&pool->lock);
+            if (atomic_load(&pool->stop)) {
+                pthread_mutex_unlock(&pool->lock);
+                break; /* the jobs left unqueued are failed below */
+            }
+            while (queued < num_jobs && pool->queued < MAX_QUEUED) {
+                gemv_job *job = &jobs[queued++];
+                if (pool->tail)
+                    pool->tail->next = job;
+                else
+                    pool->head = job;
+                pool->tail = job;
+                pool->queued++;
+                added++;
+            }
+            if (caller == GEMV_CALLER_HELPS && in_batch(pool->head, jobs, num_jobs)) {
+                mine = pool->head;
+                pool->head = mine->next;
+                if (!pool->head)
+                    pool->tail = NULL;
+                pool->queued--;
+            }
+            pthread_mutex_unlock(&pool->lock);
+            if (added) {
+                atomic_fetch_add_explicit(&pool->queue_word, 1, memory_order_acq_rel);
+                futex_wake(&pool->queue_word);
+            }
+            if (mine)
+                run_on_caller(pool, mine);
+            else if (queued == num_jobs)
+                break;
+            else
+                sched_yield(); /* the queue is full of other callers' jobs */
+        }
+        for (int i = queued; i < num_jobs; i++) { /* only when the pool stopped */
+            jobs[i].status = GEMV_EBUSY;
+            __atomic_store_n(&jobs[i].finished, 1, __ATOMIC_RELEASE);
+        }
+    }
+    if (caller != GEMV_CALLER_WAITS)
+        pthread_mutex_unlock(&pool->caller_lock);
+    int status = GEMV_OK;
+    for (int i = 0; i < num_jobs; i++) {
+        wait_change((_Atomic uint32_t *)&jobs[i].finished, 0, SPIN_NS);
+        if (status == GEMV_OK && jobs[i].status != GEMV_OK) {
+            status = jobs[i].status;
+            snprintf(msg, msg_len, "batch job %d failed while running (status %d)", i, status);
+        }
+    }
+    return status;
 }

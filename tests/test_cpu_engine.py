@@ -1,13 +1,19 @@
 """The CPU engine against transformers' own glm5_next model with every expert dense.
 
 Tolerance of the parity test: the two models share every non-expert weight (the same dense fp32
-decode) and every torch op, so they differ only in how the routed experts are computed: the
+decode) and the same torch ops, so they differ only in rounding: (1) the routed experts: the
 lane runs y = had(had(x * suh) @ Wq) * svh in fp32 straight from the trellis, transformers runs
 one fp32 GEMM with W = diag(suh) H Wq H diag(svh) rounded once to fp32, and the two sum each
-row's picks in different orders. Each of those is a few fp32 roundings (2^-24 relative) per
-expert output; carried through 6 MoE layers, the mHC mixes and the head they stay near 1e-6 of
-the logits' scale (measured 1.2e-6 on this machine). The test allows 2e-5 of the largest logit,
-~170 fp32 ulps, far below what a wrong expert, weight or pick would change (order 1e-1).
+row's picks in different orders; (2) KDA prefill: the engine runs transformers' chunked form in
+chunks of 16 tokens, the reference in its default 64 (the form is exact in exact arithmetic;
+against the fp64 token-by-token recurrence chunk 16 is the closer of the two, see
+glm53/engine/cpu.py); (3) DSA keys/values: the engine expands each latent once, the reference
+re-expands the whole cache per step (the same rows of one GEMM). Each of those is a few fp32
+roundings (2^-24 relative) per value; carried through 8 layers, the mHC mixes and the head they
+stay within a few 1e-6 of the logits' scale (measured on this machine: 2.9e-6 over the prompt's
+positions, 1.6e-6 over 16 decode steps; 1.2e-6 before (2) and (3)). The test allows 2e-5 of the
+largest logit, ~170 fp32 ulps, far below what a wrong expert, weight or pick would change
+(order 1e-1).
 """
 
 import pytest
@@ -15,7 +21,7 @@ import torch
 
 from glm53.engine.base import EngineError, StreamWork
 from glm53.engine.cpu import CpuEngine
-from glm53.models import hf_text
+from glm53.models import hf_expand, hf_text
 from glm53.models.checkpoint import Checkpoint
 from glm53.models.synth import write_checkpoint
 from glm53.models.synth_layout import preset
@@ -140,3 +146,34 @@ def test_experts_read_from_a_packed_store_give_the_same_logits(demo, engine, tmp
         assert torch.equal(stored.forward_all(ids), engine.forward_all(ids))
     finally:
         stored.close()
+
+
+def test_dsa_keys_and_values_are_expanded_once_per_position(engine):
+    ids = engine.tokenizer.encode(PROMPT)
+    cache = engine.new_cache()
+    engine.forward(ids, cache)
+    tokens = [101, 102, 103]
+    for token in tokens:
+        last = engine.forward([token], cache)
+    dsa = [
+        i for i, layer in enumerate(engine.model.layers) if layer.block_type != "linear_attention"
+    ]
+    assert dsa == [3, 7]
+    for i in dsa:
+        assert cache.layers[i]._glm53_expanded.length == len(ids) + len(tokens)
+    # the same positions expanded all at once (no cache: no memo)
+    whole = engine.forward_all(ids + tokens)[-1]
+    assert (last - whole).abs().max() <= REL_TOL * whole.abs().max()
+    # a layer whose memo would exceed its budget expands its whole cache every step instead
+    attn = engine.model.layers[3].self_attn
+    attn.glm53_expand_max_bytes = 0
+    try:
+        cache = engine.new_cache()
+        engine.forward(ids, cache)
+        for token in tokens:
+            again = engine.forward([token], cache)
+        assert cache.layers[3]._glm53_expanded is None
+        assert cache.layers[7]._glm53_expanded.length == len(ids) + len(tokens)
+        assert (again - whole).abs().max() <= REL_TOL * whole.abs().max()
+    finally:
+        attn.glm53_expand_max_bytes = hf_expand.DEFAULT_MAX_BYTES

@@ -168,6 +168,64 @@ def test_job_api_writes_the_done_word_after_the_output(layer):
     assert np.array_equal(again, results[2])  # same thread count, same job: same bits
 
 
+@pytest.mark.parametrize("caller", [_gemv.CALLER_WAITS, _gemv.CALLER_HELPS, _gemv.CALLER_RUNS_ALL])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_run_picks_is_one_job_per_pack_jobs_group_whoever_runs_it(layer, caller, threads):
+    from glm53.tiers.moe import pack_jobs
+
+    experts, table = layer
+    rng = np.random.default_rng(11)
+    num_rows, top_k = 40, 4  # every expert picked by more than 8 rows: several jobs each
+    x = rng.standard_normal((num_rows, 256)).astype(np.float32)
+    ids = rng.integers(0, len(experts), num_rows * top_k).astype(np.int32)
+    rows = np.repeat(np.arange(num_rows, dtype=np.int64), top_k)
+    weights = rng.uniform(-1, 2, len(ids)).astype(np.float32)
+    pool = _gemv.Pool(threads)
+    want = np.empty((len(ids), 256), np.float32)
+    for job in pack_jobs(np.arange(len(ids)), ids, rows):
+        one_row_each = np.arange(len(job))
+        want[job] = pool.run(table, x[rows[job]], one_row_each, ids[job], weights[job])
+    dest = np.arange(len(ids), dtype=np.int64)
+    got = np.full_like(want, np.nan)
+    jobs = pool.run_picks(table, x, rows, ids, weights, dest, got, caller=caller)
+    assert jobs == len(pack_jobs(np.arange(len(ids)), ids, rows))
+    assert np.array_equal(got, want)
+    # a subset of the picks writes only its dest rows
+    some = np.array([7, 3, 100], dtype=np.int64)
+    out = np.zeros((len(ids), 256), np.float32)
+    pool.run_picks(table, x, rows[some], ids[some], weights[some], some, out, caller=caller)
+    assert np.flatnonzero(out.any(axis=1)).tolist() == [3, 7, 100]
+    ref = reference_moe(x, rows[some], ids[some], weights[some], experts)
+    assert rel_err(out[some], ref[rows[some]]) < REL_TOL
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "message"),
+    [
+        ({"rows": np.array([0, 2])}, ValueError, "pick 1: row 2 is outside 0..1"),
+        ({"experts": np.array([0, 6], np.int32)}, ValueError, "pick 1: expert 6 is outside"),
+        ({"dest": np.array([0, 5])}, ValueError, "pick 1: dest 5 is outside 0..1"),
+        ({"rows": np.array([0, 1], np.int32)}, TypeError, "rows must be a numpy int64 array"),
+        ({"weights": np.array([1.0, np.nan], np.float32)}, ValueError, "batch job 1: pick 0"),
+        ({"caller": 3}, ValueError, "caller 3 is not"),
+    ],
+)
+def test_run_picks_refuses_bad_picks_with_the_reason(layer, change, error, message):
+    _, table = layer
+    args = dict(
+        x=np.zeros((2, 256), np.float32),
+        rows=np.array([0, 1]),
+        experts=np.array([0, 1], np.int32),
+        weights=np.array([1.0, 1.0], np.float32),
+        dest=np.array([0, 1]),
+        out=np.zeros((2, 256), np.float32),
+    )
+    caller = change.pop("caller", _gemv.CALLER_HELPS)
+    args.update(change)
+    with pytest.raises(error, match=message):
+        _gemv.Pool(1).run_picks(table, **args, caller=caller)
+
+
 def bad_job(layer, **change):
     experts, table = layer
     args = dict(

@@ -5,7 +5,7 @@ from glm53 import _odirect
 from glm53.models.checkpoint import Checkpoint
 from glm53.models.synth import write_checkpoint
 from glm53.models.synth_layout import preset
-from glm53.tiers.expert_source import ALIGN, SafetensorsSource, record_views
+from glm53.tiers.expert_source import ALIGN, SafetensorsSource, plan_runs, record_views
 from glm53.tiers.moe import pack_jobs
 from glm53.tiers.ram_tier import RamTier, TierError
 
@@ -50,6 +50,40 @@ def test_every_expert_record_read_with_o_direct_holds_the_checkpoints_bytes(shar
                 for view, info in zip(views, (lin.trellis, lin.suh, lin.svh), strict=True):
                     np.testing.assert_array_equal(view, sharded.read(info.key))
         assert tails > 0
+    finally:
+        source.close()
+
+
+def test_touching_and_overlapping_reads_are_coalesced_into_runs():
+    bufs = [np.zeros(n, np.uint8) for n in (8192, 4096, 8192, 4096, 4096)]
+    pieces = [(20480, 4096, bufs[3]), (0, 8192, bufs[0]), (8192, 4096, bufs[1])]
+    pieces += [(4096, 8192, bufs[2]), (1 << 30, 4096, bufs[4])]
+    runs = plan_runs(pieces)
+    assert [(r.offset, r.length) for r in runs] == [(0, 12288), (20480, 4096), (1 << 30, 4096)]
+    assert [(o, n) for o, n, _ in runs[0].pieces] == [(0, 8192), (4096, 8192), (8192, 4096)]
+    assert runs[0].direct() is None and runs[1].direct() is bufs[3]
+
+
+def test_a_layer_read_in_one_call_is_coalesced_and_holds_the_checkpoints_bytes(sharded):
+    source = SafetensorsSource(sharded)
+    try:
+        for layer in sharded.moe_layers:
+            experts = list(range(source.num_experts))
+            arena = _odirect.aligned_empty(source.record_bytes * len(experts))
+            arena[:] = 0
+            records = [arena[i * source.record_bytes :][: source.record_bytes] for i in experts]
+            got = source.read([(layer, e, rec) for e, rec in zip(experts, records, strict=True)])
+            spans = [s for e in experts for s in source.layouts[(layer, e)].spans]
+            covered = set()
+            for s in spans:
+                covered.update(range(s.offset // ALIGN, (s.offset + s.length) // ALIGN))
+            assert got == len(covered) * ALIGN  # each block once, though neighbours share one
+            for e, rec in zip(experts, records, strict=True):
+                layout = source.layouts[(layer, e)]
+                linears = sharded.experts(layer)[e].linears
+                for views, lin in zip(record_views(rec, layout), linears, strict=True):
+                    for view, info in zip(views, (lin.trellis, lin.suh, lin.svh), strict=True):
+                        np.testing.assert_array_equal(view, sharded.read(info.key))
     finally:
         source.close()
 

@@ -4,7 +4,14 @@ replaced by glm53's tiered MoE (RAM tier + O_DIRECT reads + CLOCK + CPU lane).
 Implements glm53.engine.base.Engine.
 
 Each slot owns one transformers cache (its DSA latents, indexer keys, KDA conv and recurrent
-state). A step runs its items one after the other.
+state, and the DSA keys/values already expanded from the latents, see glm53.models.hf_expand).
+A step runs its items one after the other.
+
+KDA prefill runs transformers' chunked torch path (its `chunk_size` argument) with chunks of
+KDA_CHUNK tokens instead of its default 64: the intra-chunk decay tensor grows with the chunk,
+and on the CPU 16 is about 3.5x faster for a 512-token prompt. It is no less accurate: against
+the token-by-token recurrence in fp64 on the demo's 512-token bench prompt, the fp32 logits of
+chunk 16 are within 2.5e-6 of the largest logit, chunk 64's within 4.4e-6.
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ from typing import Any
 import torch
 
 from glm53.engine.base import EngineError, StreamWork
+
+KDA_CHUNK = 16
 
 
 class CpuEngine:
@@ -35,6 +44,7 @@ class CpuEngine:
         cpu_threads: int | None = None,
         torch_threads: int | None = None,
         store: str | Path | None = None,
+        kda_chunk: int = KDA_CHUNK,
     ):
         self.checkpoint_dir = Path(checkpoint_dir)
         self.requested_context = context
@@ -42,6 +52,7 @@ class CpuEngine:
         self.ram_cap = ram_cap
         self.cpus, self.cpu_threads, self.torch_threads = cpus, cpu_threads, torch_threads
         self.store = store
+        self.kda_chunk = kda_chunk
         self.description = (
             f"CPU engine (transformers glm5_next + tiered experts) on {checkpoint_dir}"
         )
@@ -53,6 +64,7 @@ class CpuEngine:
     def load(self) -> None:
         from glm53.engine.tokenizer import CheckpointTokenizer, read_generation_defaults
         from glm53.models.checkpoint import Checkpoint
+        from glm53.models.hf_expand import memoize_expansion
         from glm53.models.hf_text import build_text_model, lm_head_weight
         from glm53.tiers.cpu_lane import CpuLane, lane_layout
         from glm53.tiers.expert_source import SafetensorsSource
@@ -82,6 +94,7 @@ class CpuEngine:
             return TieredMoE(layer, block, self.tier, self.lane, act_limit)
 
         self.model = build_text_model(ckpt, moe_factory=tiered)
+        memoize_expansion(self.model)
         self.lm_head = lm_head_weight(ckpt)
         self.moe = {i: self.model.layers[i].mlp for i in ckpt.moe_layers}
         self.caches: list = [None] * self.num_slots
@@ -99,7 +112,9 @@ class CpuEngine:
     def forward(self, token_ids: Sequence[int], cache) -> torch.Tensor:
         """Run tokens through the model with `cache`; float32 logits of the last position."""
         ids = torch.tensor([list(token_ids)], dtype=torch.long)
-        hidden = self.model(input_ids=ids, cache=cache, use_cache=True).last_hidden_state
+        hidden = self.model(
+            input_ids=ids, cache=cache, use_cache=True, chunk_size=self.kda_chunk
+        ).last_hidden_state
         return hidden[0, -1].float() @ self.lm_head.T
 
     @torch.inference_mode()
@@ -107,7 +122,7 @@ class CpuEngine:
         """float32 logits of every position [len(token_ids), vocab] (for tests and calibration)."""
         ids = torch.tensor([list(token_ids)], dtype=torch.long)
         hidden = self.model(
-            input_ids=ids, cache=cache, use_cache=cache is not None
+            input_ids=ids, cache=cache, use_cache=cache is not None, chunk_size=self.kda_chunk
         ).last_hidden_state
         return hidden[0].float() @ self.lm_head.T
 

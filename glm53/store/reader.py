@@ -10,6 +10,7 @@ Owned by one thread (the O_DIRECT reader is).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from glm53.models.checkpoint import Checkpoint
 from glm53.store.errors import EXIT_CHECK_FAILED, StoreError, reason
 from glm53.store.format import PROJECTIONS, Field, RecordLayout, layout_of, read_manifest
 from glm53.store.plan import check_matches, plan_store
+from glm53.tiers.expert_source import BounceBuffer, read_coalesced
 
 _NUMPY = {"I16": np.int16, "F16": np.float16}
 
@@ -81,7 +83,8 @@ class ExpertStore:
             (layer, e): shared for layer in self._store_layer for e in range(self.num_experts)
         }
         self.expert_bytes = sum(f.nbytes for f in m.fields)
-        self._serial = 0
+        self._bounce = BounceBuffer()
+        self._tags = itertools.count()
 
     def describe(self) -> str:
         return f"expert store {self.store_dir} ({self.manifest.num_records} records, O_DIRECT)"
@@ -99,17 +102,14 @@ class ExpertStore:
 
     def read(self, requests: list[tuple[int, int, np.ndarray]]) -> int:
         """Read records into 4 KiB-aligned buffers of at least record_bytes: (model layer,
-        expert, buffer) triples. Blocks until all are read; raises the first error. Returns
-        the bytes read."""
-        batch, tags = [], []
-        for layer, expert, buf in requests:
-            self._serial += 1
-            batch.append((self.offset(layer, expert), self.record_bytes, buf, self._serial))
-            tags.append(self._serial)
-        self.reader.submit_many(batch)
-        for completion in self.reader.wait(tags):
-            completion.check()
-        return len(tags) * self.record_bytes
+        expert, buffer) triples. Records next to each other in the data file are read as one
+        request (expert_source.read_coalesced). Blocks until all are read; raises the first
+        error. Returns the bytes read."""
+        pieces = [
+            (self.offset(layer, expert), self.record_bytes, buf[: self.record_bytes])
+            for layer, expert, buf in requests
+        ]
+        return read_coalesced({0: self.reader}, {0: pieces}, self._bounce, self._tags)
 
     def views(self, record: np.ndarray) -> dict[str, np.ndarray]:
         """Field name (e.g. "up.suh") -> typed view into a record buffer."""

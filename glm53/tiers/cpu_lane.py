@@ -25,6 +25,10 @@ log = logging.getLogger(__name__)
 SWIGLU_LIMIT = 10.0  # GLM-5.3-Flash swiglu_limit
 RESERVED_CORES = 2  # left to the OS, the main thread and the host controller
 SYS_CPU = Path("/sys/devices/system/cpu")
+# A batch of picks whose experts hold fewer weights than this (picks x 3 x hidden x inter) runs
+# on the calling thread alone: about 0.5 ms of one core, against a worker's wake-up (tens of us
+# on an idle host, a scheduler slice on a loaded one)
+CALLER_ONLY_WEIGHTS = 1 << 21
 
 VARIANTS = {_gemv.variant_name(v): v for v in _gemv.VARIANTS}
 
@@ -246,6 +250,28 @@ class CpuLane:
         """MoE output rows (float32 [num_rows, hidden]) for the picks, computed on the lane."""
         return self.pool.run(
             table, x, rows, expert_ids, weights, out, variant=self.variant, act_limit=act_limit
+        )
+
+    def run_picks(self, table, x, rows, expert_ids, weights, dest, out, act_limit=SWIGLU_LIMIT):
+        """out[dest[i]] = weights[i] * expert(expert_ids[i])(x[rows[i]]) for every pick, as one
+        native batch (see _gemv.Pool.run_picks); returns the number of jobs.
+
+        The calling thread always takes part: a batch smaller than CALLER_ONLY_WEIGHTS (a decode
+        step's few experts) runs on it alone, since waking a worker costs more than such a
+        batch's work; a larger one is shared with the pool's workers."""
+        work = len(rows) * 3 * table.hidden * table.inter
+        caller = _gemv.CALLER_RUNS_ALL if work < CALLER_ONLY_WEIGHTS else _gemv.CALLER_HELPS
+        return self.pool.run_picks(
+            table,
+            x,
+            rows,
+            expert_ids,
+            weights,
+            dest,
+            out,
+            variant=self.variant,
+            act_limit=act_limit,
+            caller=caller,
         )
 
 

@@ -20,8 +20,6 @@ from glm53 import _gemv
 from glm53.tiers.cpu_lane import CpuLane
 from glm53.tiers.ram_tier import RamTier
 
-MAX_JOBS_IN_FLIGHT = 192  # below the lane pool's queue of 256
-
 
 @dataclass(slots=True)
 class LayerCounters:
@@ -41,7 +39,8 @@ class LayerCounters:
 
 def pack_jobs(picks: np.ndarray, experts: np.ndarray, rows: np.ndarray) -> list[np.ndarray]:
     """Group pick indices into lane jobs: one expert per job, at most MAX_ROWS of its picks (in
-    row order), each pick on its own job row.
+    row order), each pick on its own job row. `_gemv.Pool.run_picks` packs a batch this way in
+    native code (the tests hold it to this function).
 
     The lane splits an expert's work by the number of experts in its job, which changes the
     summation order; with one expert per job and a fixed chunking, a pick's result depends only
@@ -81,57 +80,40 @@ class TieredMoE(nn.Module):
     def routed(self, x: torch.Tensor, picks: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Sum over each row's picks of weight * expert(x[row]), [rows, hidden] fp32.
 
-        Every pick gets its own output row (see pack_jobs) and the rows are summed in pick order
-        at the end, so the result does not depend on waves or slots: any --ram-cap gives the
-        same bits."""
+        Every pick gets its own output row (the lane batches them into one-expert jobs, see
+        pack_jobs) and the rows are summed in pick order at the end, so the result does not
+        depend on waves or slots: any --ram-cap gives the same bits."""
         c = self.counters
         num_rows, top_k = picks.shape
         c.tokens += num_rows
         x_np = x.numpy()
         experts = picks.numpy().reshape(-1).astype(np.int32)
-        weight_np = weights.numpy().reshape(-1).astype(np.float32)
+        weight_np = weights.numpy().reshape(-1).astype(np.float32, copy=False)
         rows = np.repeat(np.arange(num_rows, dtype=np.int64), top_k)
         contrib = np.empty((num_rows * top_k, x.shape[1]), dtype=np.float32)
         _, first = np.unique(experts, return_index=True)
         pending = experts[np.sort(first)]
-        slot_of = np.full(self.tier.num_experts, -1, dtype=np.int32)
+        slot_of = np.empty(self.tier.num_experts, dtype=np.int32)
         while len(pending):
             wave = self.tier.make_resident(self.layer, pending)
             c.hits += wave.num_hits
             c.misses += wave.num_admitted
             c.bytes_read += wave.bytes_read
-            slot_of[:] = -1
+            slot_of.fill(-1)
             slot_of[wave.experts] = wave.slots
-            in_wave = np.flatnonzero(slot_of[experts] >= 0)
-            self._run_lane(
-                x_np, rows, slot_of[experts], weight_np, pack_jobs(in_wave, experts, rows), contrib
-            )
-            pending = pending[slot_of[pending] < 0]
-        return torch.from_numpy(contrib).view(num_rows, top_k, -1).sum(dim=1)
-
-    def _run_lane(self, x_np, rows, slots, weights, jobs, contrib: np.ndarray) -> None:
-        start = time.perf_counter_ns()
-        in_flight = []
-        for job_picks in jobs:
-            if len(in_flight) == MAX_JOBS_IN_FLIGHT:
-                self._collect(in_flight.pop(0), contrib)
-            xj = x_np[rows[job_picks]]
-            job = self.lane.pool.submit(
+            slots = slot_of[experts]
+            in_wave = np.flatnonzero(slots >= 0)
+            start = time.perf_counter_ns()
+            c.lane_jobs += self.lane.run_picks(
                 self.tier.table,
-                xj,
-                np.arange(len(job_picks), dtype=np.int32),
-                slots[job_picks],
-                weights[job_picks],
-                variant=self.lane.variant,
+                x_np,
+                rows[in_wave],
+                slots[in_wave],
+                weight_np[in_wave],
+                in_wave,
+                contrib,
                 act_limit=self.act_limit,
             )
-            in_flight.append((job, job_picks, xj))
-            self.counters.lane_jobs += 1
-        for item in in_flight:
-            self._collect(item, contrib)
-        self.counters.lane_ns += time.perf_counter_ns() - start
-
-    @staticmethod
-    def _collect(item, contrib: np.ndarray) -> None:
-        job, job_picks, _ = item
-        contrib[job_picks] = job.wait()
+            c.lane_ns += time.perf_counter_ns() - start
+            pending = pending[slot_of[pending] < 0]
+        return torch.from_numpy(contrib).view(num_rows, top_k, -1).sum(dim=1)
