@@ -90,3 +90,9 @@ def test_engine_choice(monkeypatch):
     assert hashing.resolve_engine("auto") == "openssl"
     with pytest.raises(StoreError, match="x16 sha256 engine needs AVX-512F and AVX-512BW"):
         hashing.resolve_engine("x16")
+
+
+def test_the_cli_offers_the_engines_there_are():
+    from glm53.store.cli import SHA256_ENGINES
+
+    assert SHA256_ENGINES == hashing.ENGINES

@@ -202,3 +202,35 @@ def test_the_hub_revision_is_recorded_and_checked(ckpt_dir, tmp_path, capsys):
     assert main(["store", "verify", "--store", str(out), "--model", str(ckpt)]) == 1
     assert "(revision 332ab457b709 vs 0123456789ab)" in capsys.readouterr().err
     shutil.rmtree(out)
+
+
+def test_both_sha256_engines_pack_and_verify_alike(ckpt_dir, store_dir, tmp_path):
+    from glm53._odirect import SHA256_LANES
+
+    want = read_manifest(store_dir).sha256
+    for engine in ["openssl"] + (["x16"] if SHA256_LANES else []):
+        out = direct_dir(tmp_path) / f"store-{engine}"
+        result = pack(ckpt_dir, out, threads=2, io_threads=2, hash_threads=2, sha256=engine)
+        assert result.sha256_engine == engine
+        assert read_manifest(out).sha256 == want
+        for check in ["openssl"] + (["x16"] if SHA256_LANES else []):
+            checked = verify(out, ckpt_dir, threads=2, io_threads=2, sha256=check)
+            assert checked.ok and checked.sha256_engine == check
+        shutil.rmtree(out)
+
+
+def test_a_buffer_budget_of_a_few_records_packs_and_verifies(ckpt_dir, store_dir, tmp_path):
+    # 5 buffers: batches of 2 records, flushed part-full whenever the reads or fills run dry
+    import glm53.store.verify as verify_module
+
+    want = read_manifest(store_dir).sha256
+    out = direct_dir(tmp_path) / "small"
+    mp = pytest.MonkeyPatch()
+    mp.setattr(verify_module, "BUFFER_BUDGET_BYTES", 5 * 77_824)
+    try:
+        pack(ckpt_dir, out, threads=3, io_threads=2)
+        assert read_manifest(out).sha256 == want
+        assert verify(out, ckpt_dir, io_threads=3).ok
+    finally:
+        mp.undo()
+        shutil.rmtree(out, ignore_errors=True)
