@@ -8,6 +8,12 @@ format's plain sha256 of each record, docs/store-format.md):
 
 "auto" is x16 where the CPU runs it, else openssl. Both release the GIL, so batches hash on
 several threads at once and overlap with the native O_DIRECT threads.
+
+verify defaults to auto. pack defaults to openssl: on the 2-CPU dev VM, x16 inside pack (whose
+fill threads copy from the page cache on the same CPUs) ran at its full rate in some runs and
+at a fifth of it in others, its own instructions uniformly slower (perf: no spinning, no
+memory stalls standing out), while openssl stayed steady and x16 in verify (records arrive by
+DMA) stayed fast; the cause is not known, so x16 is pack's choice only when asked for.
 """
 
 from __future__ import annotations

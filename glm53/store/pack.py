@@ -76,13 +76,14 @@ def pack(
     threads: int | None = None,
     io_threads: int = 8,
     hash_threads: int | None = None,
-    sha256: str = "auto",
+    sha256: str = "openssl",
     progress: Progress | None = None,
     verify_progress: Progress | None = None,
 ) -> PackResult:
     """threads: source read threads (default 4-16); io_threads: O_DIRECT writer threads;
     hash_threads: sha256 threads (default one per CPU, 2-8); sha256: the hashing engine,
-    "auto", "x16" or "openssl" (glm53/store/hashing.py)."""
+    "openssl" (default), "x16" or "auto" (glm53/store/hashing.py says why pack's default is
+    openssl). --resume re-verifies kept records with the same engine."""
     engine = resolve_engine(sha256)
     out = Path(out_dir)
     _refuse_inside(out, Path(model_dir))
