@@ -59,7 +59,7 @@ def add_parser(subparsers) -> None:
     pk.add_argument("--threads", type=_positive, help="source read threads (default 4-16)")
     pk.add_argument("--io-threads", type=_positive, default=8, help="O_DIRECT writer threads")
     pk.add_argument("--hash-threads", type=_positive, help="sha256 threads (default 2-8)")
-    _sha256_argument(pk, "openssl")
+    _sha256_argument(pk)
     pk.set_defaults(func=_guard(_pack))
 
     vf = sub.add_parser(
@@ -73,7 +73,7 @@ def add_parser(subparsers) -> None:
     vf.add_argument("--model", help="checkpoint the store will be served with")
     vf.add_argument("--threads", type=_positive, help="hash threads (default 2-8)")
     vf.add_argument("--io-threads", type=_positive, default=8, help="O_DIRECT reader threads")
-    _sha256_argument(vf, "auto")
+    _sha256_argument(vf)
     vf.set_defaults(func=_guard(_verify))
 
     cp = sub.add_parser(
@@ -98,11 +98,11 @@ def add_parser(subparsers) -> None:
     pr.set_defaults(func=_guard(_probe))
 
 
-def _sha256_argument(parser: argparse.ArgumentParser, default: str) -> None:
+def _sha256_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sha256",
         choices=SHA256_ENGINES,
-        default=default,
+        default="auto",
         help="hashing engine, same digests: x16 hashes 16 records at once with AVX-512, openssl "
         "one at a time (hashlib); auto: x16 where the CPU has AVX-512 (docs/store-format.md)",
     )

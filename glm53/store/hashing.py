@@ -9,11 +9,8 @@ format's plain sha256 of each record, docs/store-format.md):
 "auto" is x16 where the CPU runs it, else openssl. Both release the GIL, so batches hash on
 several threads at once and overlap with the native O_DIRECT threads.
 
-verify defaults to auto. pack defaults to openssl: on the 2-CPU dev VM, x16 inside pack (whose
-fill threads copy from the page cache on the same CPUs) ran at its full rate in some runs and
-at a fifth of it in others, its own instructions uniformly slower (perf: no spinning, no
-memory stalls standing out), while openssl stayed steady and x16 in verify (records arrive by
-DMA) stayed fast; the cause is not known, so x16 is pack's choice only when asked for.
+x16 costs the same per call whether 1 or 16 lanes are busy, so it pays only with full batches:
+pack and verify send part-full ones only when nothing else can bring more records.
 """
 
 from __future__ import annotations

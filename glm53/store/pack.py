@@ -76,14 +76,14 @@ def pack(
     threads: int | None = None,
     io_threads: int = 8,
     hash_threads: int | None = None,
-    sha256: str = "openssl",
+    sha256: str = "auto",
     progress: Progress | None = None,
     verify_progress: Progress | None = None,
 ) -> PackResult:
     """threads: source read threads (default 4-16); io_threads: O_DIRECT writer threads;
     hash_threads: sha256 threads (default one per CPU, 2-8); sha256: the hashing engine,
-    "openssl" (default), "x16" or "auto" (glm53/store/hashing.py says why pack's default is
-    openssl). --resume re-verifies kept records with the same engine."""
+    "auto", "x16" or "openssl" (glm53/store/hashing.py); --resume re-verifies the records it
+    keeps with the same engine."""
     engine = resolve_engine(sha256)
     out = Path(out_dir)
     _refuse_inside(out, Path(model_dir))
@@ -315,6 +315,10 @@ class _Packer:
         if self.progress:
             self.progress(self.bytes_done, self.plan.total_bytes)
 
+    def _write_will_free(self) -> bool:
+        """Some record is hashed and only waits for its write (which frees its buffer)."""
+        return any(n == 1 and r not in self.written for r, n in self.parts.items())
+
     def _pipeline(self, todo: list[int], writer, source: SourceReader) -> None:
         rb = self.plan.record_bytes
         free, buffers = self.free, self.buffers
@@ -350,6 +354,18 @@ class _Packer:
                             finished = writer.poll()
                         elif writing:
                             finished = writer.wait([next(iter(writing))])
+                    # the writes first: completions taken from the writer must be recorded
+                    # before anything below can raise, or a stopped pack forgets them
+                    failed = None
+                    for c in finished:
+                        del writing[c.tag]
+                        if not c.ok:
+                            failed = failed or c
+                            continue
+                        self.written.add(c.tag)
+                        self._part_done(c.tag)
+                    if failed is not None:
+                        raise _WriteFailed(failed.tag, failed.error)
                     while filling and filling[0][0].done():
                         fut, record, b = filling.popleft()
                         fut.result()  # a source error stops the pack here
@@ -358,8 +374,14 @@ class _Packer:
                         self.parts[record] = 2
                         self.buffer_of[record] = b
                         ready.append((record, b))
-                    # a batch goes when it is full, or when no fill is left to fill it up
-                    starved = not filling and (exhausted or not free)
+                    # A batch goes when it is full, or part-full when nothing else can bring
+                    # more records: no fill in flight and no buffer coming free by other means
+                    # (a batch hashing, or a hashed record whose write is finishing). Flushing
+                    # whenever the fills pause instead traps the pack in batches of one record
+                    # once the writes hold the free buffers (x16 then costs 16x per byte).
+                    starved = not filling and (
+                        exhausted or (not free and not hashing and not self._write_will_free())
+                    )
                     while len(ready) >= self.batch or (ready and starved):
                         group, ready = ready[: self.batch], ready[self.batch :]
                         hashing[self.hasher.submit([buffers[b] for _, b in group])] = group
@@ -368,12 +390,6 @@ class _Packer:
                         for (record, _), digest in zip(group, fut.result(), strict=True):
                             self.sha[record] = digest
                             self._part_done(record)
-                    for c in finished:
-                        del writing[c.tag]
-                        if not c.ok:
-                            raise _WriteFailed(c.tag, c.error)
-                        self.written.add(c.tag)
-                        self._part_done(c.tag)
                     if time.monotonic() - last_journal > JOURNAL_INTERVAL_S:
                         writer.sync()
                         self._journal()
