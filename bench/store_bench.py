@@ -13,7 +13,8 @@ Both hash every byte, so each round also measures the sha256 ceiling on this hos
 moment: hashlib (OpenSSL) and, where the CPU has AVX-512, the x16 engine, on one thread and on
 one per CPU. pack and verify use their own default engines (openssl, auto) unless --sha256 names
 one for both; --other-engine adds to each round a pack and a verify with the other engine
-(x16 <-> openssl), for a same-run comparison. The load average is recorded with every round.
+(x16 <-> openssl), for a same-run comparison. The load average is recorded with every round. Every delete is followed by sync, so that its frees (discards, on a mount
+with -o discard) do not land in the next measurement.
 
     python bench/store_bench.py [--dir /var/tmp] [--rounds 2] [--cold] [--other-engine] [--json]
 """
@@ -118,6 +119,13 @@ def warm(paths: list[Path]) -> None:
                 pass
 
 
+def settle() -> None:
+    """Commits the filesystem's journal after a delete, so that the frees (and, on a mount
+    with -o discard, the discards of a whole store) are done before the next measurement
+    instead of landing in the middle of it."""
+    os.sync()
+
+
 def drop_cache(paths: list[Path]) -> None:
     for path in paths:
         fd = os.open(path, os.O_RDONLY)
@@ -200,6 +208,7 @@ def main(argv=None) -> int:
             load_rounds.append(round(os.getloadavg()[0], 2))
             shutil.rmtree(store, ignore_errors=True)
             fio_file.unlink(missing_ok=True)
+            settle()
             warm(shards)
             # fio needs the size; a first round learns it from the pack's plan
             size = figures.get("store_bytes") or args.moe_layers * args.experts * RECORD_BYTES
@@ -232,6 +241,7 @@ def main(argv=None) -> int:
             if args.other_engine:
                 other = {e: "openssl" if e == "x16" else "x16" for e in ("x16", "openssl")}
                 shutil.rmtree(store)
+                settle()
                 warm(shards)
                 result = pack(
                     ckpt,
@@ -258,6 +268,7 @@ def main(argv=None) -> int:
             raise RuntimeError("the benchmark's store differs from its checkpoint")
         if args.cold:
             shutil.rmtree(store)
+            settle()
             drop_cache(shards)
             result = pack(
                 ckpt,
