@@ -1,4 +1,5 @@
-# The C API of the multi-buffer SHA-256 (pyx/sha256mb.h), callable without the GIL.
+# The C API of the multi-buffer SHA-256 (pyx/sha256mb.h), callable without the GIL. A Cython
+# module that cimports this must link the g53odirect and g53sha256_avx512 static libraries.
 from libc.stdint cimport uint8_t, uint64_t
 
 
