@@ -10,6 +10,7 @@ from typing_extensions import Buffer
 
 FIX: str
 MEMORY_FILESYSTEMS: frozenset[str]
+SHA256_LANES: int
 
 class ODirectError(OSError):
     offset: int | None
@@ -37,6 +38,7 @@ def filesystem_of(
 ) -> tuple[str, str]: ...
 def probe(path: str | os.PathLike[str]) -> None: ...
 def aligned_empty(nbytes: int, alignment: int = 4096) -> npt.NDArray[np.uint8]: ...
+def sha256_many(buffers: Iterable[Buffer]) -> list[bytes]: ...
 
 class _Queue:
     path: str

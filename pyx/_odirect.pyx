@@ -1,4 +1,5 @@
-# O_DIRECT batch reader and writer: the Python door to pyx/odirect.c.
+# O_DIRECT batch reader and writer: the Python door to pyx/odirect.c; and sha256_many, the
+# door to the multi-buffer SHA-256 of pyx/sha256mb.h that the store hashes records with.
 #
 # Reader and Writer queue requests (file offset, length, buffer, tag) for a pool of native
 # threads; the GIL is released while they wait. A request's buffer (and done-flag word) stays
@@ -13,11 +14,12 @@ from cpython.buffer cimport (
     PyObject_GetBuffer,
 )
 from cpython.exc cimport PyErr_CheckSignals
-from libc.stdint cimport int64_t, uint32_t, uint64_t, uintptr_t
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 from posix.stdlib cimport posix_memalign
 
 from odirect cimport *
+from sha256mb cimport *
 
 import enum
 import errno
@@ -543,3 +545,50 @@ cdef class Writer(_Queue):
             rc = g53_od_sync(self.od)
         if rc != 0:
             raise ODirectError(-rc, f"fdatasync of {self.path} failed: {os.strerror(-rc)}")
+
+
+# ---- record hashing ----------------------------------------------------------------------------
+
+SHA256_LANES = g53_sha256_lanes()
+
+
+def sha256_many(buffers):
+    """The SHA-256 digests (32 bytes each, in order) of a sequence of contiguous buffers, hashed
+    side by side in the 16 lanes of AVX-512 registers with the GIL released. Any number of
+    buffers of any lengths; they are taken 16 at a time, and buffers of one length keep every
+    lane busy. Raises RuntimeError where SHA256_LANES is 0 (a CPU without AVX-512F and
+    AVX-512BW): hash with hashlib there."""
+    if SHA256_LANES == 0:
+        raise RuntimeError(
+            "sha256_many needs AVX-512F and AVX-512BW, which this CPU lacks; use hashlib"
+        )
+    cdef list items = list(buffers)
+    cdef Py_ssize_t n = len(items)
+    if n > 1 << 30:
+        raise ValueError(f"too many buffers in one call: {n}")
+    if n == 0:
+        return []
+    cdef list pins = []
+    cdef _Pin pin
+    cdef Py_ssize_t i
+    cdef const uint8_t **data = <const uint8_t **>malloc(n * sizeof(uint8_t *))
+    cdef uint64_t *lengths = <uint64_t *>malloc(n * sizeof(uint64_t))
+    cdef bytearray out = bytearray(n * G53_SHA256_DIGEST_BYTES)
+    cdef uint8_t *digests = <uint8_t *>(<char *>out)
+    cdef int rc
+    try:
+        if data == NULL or lengths == NULL:
+            raise MemoryError("cannot allocate the buffer table")
+        for i in range(n):
+            pin = _pin(items[i], False, f"buffers[{i}]")
+            pins.append(pin)
+            data[i] = <const uint8_t *>pin.view.buf
+            lengths[i] = <uint64_t>pin.view.len
+        with nogil:
+            rc = g53_sha256_many(data, lengths, <int>n, digests)
+    finally:
+        free(data)
+        free(lengths)
+    if rc != 0:
+        raise OSError(-rc, f"sha256_many failed: {os.strerror(-rc)}")
+    return [bytes(out[i * 32:(i + 1) * 32]) for i in range(n)]

@@ -202,3 +202,103 @@ def test_the_hub_revision_is_recorded_and_checked(ckpt_dir, tmp_path, capsys):
     assert main(["store", "verify", "--store", str(out), "--model", str(ckpt)]) == 1
     assert "(revision 332ab457b709 vs 0123456789ab)" in capsys.readouterr().err
     shutil.rmtree(out)
+
+
+def test_both_sha256_engines_pack_and_verify_alike(ckpt_dir, store_dir, tmp_path):
+    from glm53._odirect import SHA256_LANES
+
+    want = read_manifest(store_dir).sha256
+    for engine in ["openssl"] + (["x16"] if SHA256_LANES else []):
+        out = direct_dir(tmp_path) / f"store-{engine}"
+        result = pack(ckpt_dir, out, threads=2, io_threads=2, hash_threads=2, sha256=engine)
+        assert result.sha256_engine == engine
+        assert read_manifest(out).sha256 == want
+        for check in ["openssl"] + (["x16"] if SHA256_LANES else []):
+            checked = verify(out, ckpt_dir, threads=2, io_threads=2, sha256=check)
+            assert checked.ok and checked.sha256_engine == check
+        shutil.rmtree(out)
+
+
+def test_a_buffer_budget_of_a_few_records_packs_and_verifies(ckpt_dir, store_dir, tmp_path):
+    # 5 buffers: batches of 2 records, flushed part-full whenever the reads or fills run dry
+    import glm53.store.verify as verify_module
+
+    want = read_manifest(store_dir).sha256
+    out = direct_dir(tmp_path) / "small"
+    mp = pytest.MonkeyPatch()
+    mp.setattr(verify_module, "BUFFER_BUDGET_BYTES", 5 * 77_824)
+    try:
+        pack(ckpt_dir, out, threads=3, io_threads=2)
+        assert read_manifest(out).sha256 == want
+        assert verify(out, ckpt_dir, io_threads=3).ok
+    finally:
+        mp.undo()
+        shutil.rmtree(out, ignore_errors=True)
+
+
+class _LaggingWriter:
+    """A Writer whose poll() hands completions back only 8 at a time, as a slow drive does: the
+    writes pile up and hold the buffers that the fills are waiting for."""
+
+    def __init__(self, path, **kwargs):
+        from glm53._odirect import Writer
+
+        self.writer = Writer(path, **kwargs)
+        self.held: list = []
+
+    def poll(self):
+        self.held += self.writer.poll()
+        if len(self.held) < 8 and self.writer.num_in_flight:
+            return []
+        out, self.held = self.held, []
+        return out
+
+    def wait(self, tags):
+        self.held += self.writer.poll()
+        done = {c.tag for c in self.held}
+        out = self.writer.wait([t for t in tags if t not in done])
+        out, self.held = self.held + out, []
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.writer, name)
+
+
+def test_batches_stay_full_while_the_writes_hold_the_buffers(tmp_path, monkeypatch):
+    # 128 records, 24 buffers (batches of 12): with the writes lagging, records still reach the
+    # hasher in full batches, not one by one (x16 costs as much for one record as for 16)
+    import glm53.store.pack as pack_module
+    import glm53.store.verify as verify_module
+    from glm53.models.synth import SynthWriter
+    from glm53.models.synth_layout import preset
+    from glm53.store.hashing import RecordHasher
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    shape = preset("demo", num_layers=4, num_experts=64, num_experts_per_tok=2, bits=3)
+    writer = SynthWriter(shape, 5, ckpt)
+    writer.write_metadata()
+    writer.write_shards(4 << 20)
+    sizes: list[int] = []
+    real_submit = RecordHasher.submit
+
+    def submit(self, buffers):
+        sizes.append(len(buffers))
+        return real_submit(self, buffers)
+
+    real_init = RecordHasher.__init__
+
+    def init(self, engine="auto", threads=None):
+        real_init(self, engine, threads)
+        self.lanes = 16  # batch like x16, hash with openssl: the same on any CPU
+
+    monkeypatch.setattr(RecordHasher, "submit", submit)
+    monkeypatch.setattr(RecordHasher, "__init__", init)
+    monkeypatch.setattr(verify_module, "BUFFER_BUDGET_BYTES", 24 * 77_824)
+    monkeypatch.setattr(pack_module, "Writer", _LaggingWriter)
+    out = direct_dir(tmp_path) / "s"
+    result = pack(ckpt, out, threads=4, io_threads=2, hash_threads=2, sha256="openssl")
+    assert result.records_written == 128 and sum(sizes) == 128
+    assert sizes[:-1] == [12] * (len(sizes) - 1), sizes
+    monkeypatch.undo()
+    assert verify(out, ckpt).ok

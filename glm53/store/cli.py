@@ -16,6 +16,9 @@ from glm53.store.errors import (
     reason,
 )
 
+# glm53.store.hashing.ENGINES, spelled out so that building the parser loads no native module
+SHA256_ENGINES = ("auto", "x16", "openssl")
+
 
 def _positive(text: str) -> int:
     value = int(text)
@@ -53,8 +56,10 @@ def add_parser(subparsers) -> None:
     pk.add_argument(
         "--no-mtp", action="store_true", help="leave out the MTP layer's experts (kept by default)"
     )
-    pk.add_argument("--threads", type=_positive, help="source read + hash threads (default 4-16)")
+    pk.add_argument("--threads", type=_positive, help="source read threads (default 4-16)")
     pk.add_argument("--io-threads", type=_positive, default=8, help="O_DIRECT writer threads")
+    pk.add_argument("--hash-threads", type=_positive, help="sha256 threads (default 2-8)")
+    _sha256_argument(pk)
     pk.set_defaults(func=_guard(_pack))
 
     vf = sub.add_parser(
@@ -68,6 +73,7 @@ def add_parser(subparsers) -> None:
     vf.add_argument("--model", help="checkpoint the store will be served with")
     vf.add_argument("--threads", type=_positive, help="hash threads (default 2-8)")
     vf.add_argument("--io-threads", type=_positive, default=8, help="O_DIRECT reader threads")
+    _sha256_argument(vf)
     vf.set_defaults(func=_guard(_verify))
 
     cp = sub.add_parser(
@@ -90,6 +96,16 @@ def add_parser(subparsers) -> None:
     )
     pr.add_argument("path", help="store file or directory")
     pr.set_defaults(func=_guard(_probe))
+
+
+def _sha256_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--sha256",
+        choices=SHA256_ENGINES,
+        default="auto",
+        help="hashing engine, same digests: x16 hashes 16 records at once with AVX-512, openssl "
+        "one at a time (hashlib); auto: x16 where the CPU has AVX-512 (docs/store-format.md)",
+    )
 
 
 def _usage(parser: argparse.ArgumentParser) -> int:
@@ -123,6 +139,8 @@ def _pack(args) -> int:
             include_mtp=not args.no_mtp,
             threads=args.threads,
             io_threads=args.io_threads,
+            hash_threads=args.hash_threads,
+            sha256=args.sha256,
             progress=bar,
             verify_progress=check,
         )
@@ -133,7 +151,8 @@ def _pack(args) -> int:
     written = result.records_written * result.total_bytes / result.num_records
     print(
         f"packed {result.records_written} records{kept} ({written / 1e9:.2f} GB) into "
-        f"{result.store_dir} in {result.seconds:.1f} s: {result.gbps:.2f} GB/s"
+        f"{result.store_dir} in {result.seconds:.1f} s: {result.gbps:.2f} GB/s "
+        f"(sha256: {result.sha256_engine})"
     )
     print(f"next: glm53 store verify --store {result.store_dir} --model {args.model}")
     return 0
@@ -145,12 +164,17 @@ def _verify(args) -> int:
 
     with LazyBar("verify") as bar:
         result = verify(
-            args.store, args.model, threads=args.threads, io_threads=args.io_threads, progress=bar
+            args.store,
+            args.model,
+            threads=args.threads,
+            io_threads=args.io_threads,
+            sha256=args.sha256,
+            progress=bar,
         )
     print(
         f"verified {result.num_records} records of {result.store_dir}: "
         f"{result.bytes_read / 1e9:.2f} GB in {result.seconds:.1f} s, {result.gbps:.2f} GB/s "
-        "(O_DIRECT read + sha256)"
+        f"(O_DIRECT read + sha256, {result.sha256_engine})"
     )
     if result.ok:
         print("ok: every record matches its sha256")

@@ -2,24 +2,24 @@
 
 Order of work: refuse an out dir inside the model dir -> O_DIRECT probe -> plan (headers
 only) -> resume state -> free-space floor -> preallocate -> fill records (source reads + sha256 on a
-thread pool) and write them with the native O_DIRECT writer -> fdatasync -> manifest, atomically,
-last. Every few seconds the writes so far are made durable and listed in the journal, which is
+thread pool) and write them with the native O_DIRECT writer as soon as they are filled, hashing
+them (sha256, in batches on their own threads) while they are written -> fdatasync -> manifest,
+atomically, last. Every few seconds the writes so far are made durable and listed in the journal, which is
 what `--resume` continues from.
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from pathlib import Path
 
-from glm53._odirect import ODirectError, Writer, aligned_empty, filesystem_of, probe
+from glm53._odirect import ODirectError, Writer, filesystem_of, probe
 from glm53.store.errors import EXIT_INTERRUPTED, StoreError, StoreMismatchError, reason
 from glm53.store.format import (
     DATA_FILE,
@@ -29,15 +29,15 @@ from glm53.store.format import (
     sync_dir,
     write_atomically,
 )
+from glm53.store.hashing import RecordHasher, resolve_engine
 from glm53.store.journal import JOURNAL_FILE, read_journal, write_journal
 from glm53.store.plan import StorePlan, check_matches, plan_store
 from glm53.store.source import SourceReader
-from glm53.store.verify import Progress, hash_records
+from glm53.store.verify import POLL_S, Progress, hash_records, num_buffers, record_buffers
 
 MIN_FREE_FRACTION = 0.10  # pack refuses to leave less of the filesystem free
 JOURNAL_INTERVAL_S = 2.0
 PIECE_BYTES = 1 << 20  # 8 writers x 1 MiB kept the dev VM's virtio disk busier than 4 x 2 MiB
-BUFFER_BUDGET_BYTES = 512 << 20
 
 
 @dataclass(slots=True)
@@ -48,6 +48,7 @@ class PackResult:
     records_kept: int  # verified and kept by --resume
     total_bytes: int
     seconds: float
+    sha256_engine: str = ""
 
     @property
     def gbps(self) -> float:
@@ -56,7 +57,7 @@ class PackResult:
 
 
 def default_threads() -> int:
-    """Fill threads: two per CPU (a fill waits on its source reads), 4 to 16."""
+    """Fill (source read) threads: two per CPU (a fill waits on its source reads), 4 to 16."""
     return max(4, min(16, 2 * (os.cpu_count() or 2)))
 
 
@@ -74,9 +75,16 @@ def pack(
     include_mtp: bool = True,
     threads: int | None = None,
     io_threads: int = 8,
+    hash_threads: int | None = None,
+    sha256: str = "auto",
     progress: Progress | None = None,
     verify_progress: Progress | None = None,
 ) -> PackResult:
+    """threads: source read threads (default 4-16); io_threads: O_DIRECT writer threads;
+    hash_threads: sha256 threads (default one per CPU, 2-8); sha256: the hashing engine,
+    "auto", "x16" or "openssl" (glm53/store/hashing.py); --resume re-verifies the records it
+    keeps with the same engine."""
+    engine = resolve_engine(sha256)
     out = Path(out_dir)
     _refuse_inside(out, Path(model_dir))
     created = _make_and_probe(out)
@@ -92,13 +100,16 @@ def pack(
     start = time.perf_counter()
     sha = [""] * plan.num_records
     if resume:
-        sha = _resume_state(out, plan, threads, verify_progress)
+        sha = _resume_state(out, plan, hash_threads, engine, verify_progress)
         if all(sha) and (out / MANIFEST_FILE).is_file():
-            return PackResult(out, plan.num_records, 0, plan.num_records, plan.total_bytes, 0.0)
+            return PackResult(
+                out, plan.num_records, 0, plan.num_records, plan.total_bytes, 0.0, engine
+            )
     kept = sum(1 for s in sha if s)
     _check_space(out, plan.total_bytes - _allocated(out / DATA_FILE) if kept else plan.total_bytes)
-    packer = _Packer(plan, out, sha, threads or default_threads(), io_threads, progress)
-    packer.run(truncate=kept == 0)
+    with RecordHasher(engine, hash_threads) as hasher:
+        packer = _Packer(plan, out, sha, threads or default_threads(), io_threads, hasher, progress)
+        packer.run(truncate=kept == 0)
     return PackResult(
         out,
         plan.num_records,
@@ -106,6 +117,7 @@ def pack(
         kept,
         plan.total_bytes,
         time.perf_counter() - start,
+        engine,
     )
 
 
@@ -177,7 +189,7 @@ def _check_space(out: Path, need_bytes: int) -> None:
         )
 
 
-def _resume_state(out: Path, plan: StorePlan, threads, progress) -> list[str]:
+def _resume_state(out: Path, plan: StorePlan, threads, engine, progress) -> list[str]:
     """The hashes of the records already on disk that verify, "" for the rest. A finished
     store being repaired loses its manifest here, once it is known to need a rewrite."""
     manifest_path = out / MANIFEST_FILE
@@ -197,7 +209,7 @@ def _resume_state(out: Path, plan: StorePlan, threads, progress) -> list[str]:
     if data.is_file():
         want = [r for r, s in enumerate(listed) if s]
         for record, digest, _ in hash_records(
-            data, plan.record_bytes, want, threads=threads, progress=progress
+            data, plan.record_bytes, want, threads=threads, engine=engine, progress=progress
         ):
             if digest == listed[record]:
                 good[record] = digest
@@ -212,20 +224,33 @@ def _resume_state(out: Path, plan: StorePlan, threads, progress) -> list[str]:
 
 
 class _Packer:
-    """Owns the writer (one thread: this one); fills run on a pool of `threads`."""
+    """Owns the writer (one thread: this one); fills run on a pool of `threads`, hashing on the
+    RecordHasher's pool.
 
-    def __init__(self, plan, out, sha, threads, io_threads, progress):
+    A record's buffer goes: free -> filling (source reads on the fill pool) -> filled: its
+    O_DIRECT write is queued at once, and it waits for a hash batch (16 records with the x16
+    engine; hashing and the write read the same buffer) -> free again once both are done."""
+
+    def __init__(self, plan, out, sha, threads, io_threads, hasher, progress):
         self.plan, self.out, self.sha = plan, out, sha
         self.threads, self.io_threads, self.progress = threads, io_threads, progress
+        self.hasher = hasher
         self.data = out / DATA_FILE
         self.durable = list(sha)  # what the journal may claim
         self.unsynced: list[int] = []
         self.bytes_done = sum(1 for s in sha if s) * plan.record_bytes
         rb = plan.record_bytes
-        count = max(2, min(threads + 2 * io_threads, BUFFER_BUDGET_BYTES // rb))
-        self.buffers = [aligned_empty(rb) for _ in range(count)]
-        for buf in self.buffers:
-            buf[:] = 0  # the gaps between fields stay zero: fills only write fields
+        count = num_buffers(
+            rb, hasher.lanes, hasher.threads, threads * rb + io_threads * PIECE_BYTES
+        )
+        self.batch = max(1, min(hasher.lanes, count // 2))
+        # zero-filled, and the gaps between fields stay zero: fills only write fields
+        self.buffers = record_buffers(count, rb)
+        self.free = list(range(count))
+        self.parts: dict[int, int] = {}  # record -> its write and hash, those not done yet
+        self.buffer_of: dict[int, int] = {}  # record -> buffer, while filled
+        self.written: set[int] = set()  # records written whose hash is not collected yet
+        self.hashing: dict[Future, list[tuple[int, int]]] = {}  # batch -> its (record, buffer)s
 
     def run(self, truncate: bool) -> None:
         total = self.plan.total_bytes
@@ -277,15 +302,30 @@ class _Packer:
             ) from None
         return writer
 
-    def _fill(self, record: int, buf, source: SourceReader) -> str:
-        source.fill(record, buf)
-        return hashlib.sha256(buf).hexdigest()
+    def _part_done(self, record: int) -> None:
+        """One of the record's write and hash finished; with both, its buffer is free."""
+        self.parts[record] -= 1
+        if self.parts[record]:
+            return
+        del self.parts[record]
+        self.written.discard(record)
+        self.free.append(self.buffer_of.pop(record))
+        self.unsynced.append(record)
+        self.bytes_done += self.plan.record_bytes
+        if self.progress:
+            self.progress(self.bytes_done, self.plan.total_bytes)
+
+    def _write_will_free(self) -> bool:
+        """Some record is hashed and only waits for its write (which frees its buffer)."""
+        return any(n == 1 and r not in self.written for r, n in self.parts.items())
 
     def _pipeline(self, todo: list[int], writer, source: SourceReader) -> None:
         rb = self.plan.record_bytes
-        free = list(range(len(self.buffers)))
-        filling: deque[tuple[int, int, Future]] = deque()
-        writing: dict[int, int] = {}  # record -> buffer, in submission order
+        free, buffers = self.free, self.buffers
+        filling: deque[tuple[Future, int, int]] = deque()  # (fill, record, buffer), in order
+        ready: list[tuple[int, int]] = []  # filled (and writing), waiting for a hash batch
+        hashing = self.hashing
+        writing: dict[int, None] = {}  # records whose write is queued, in submission order
         pending = iter(todo)
         exhausted = False
         last_journal = time.monotonic()
@@ -298,28 +338,58 @@ class _Packer:
                             exhausted = True
                             break
                         b = free.pop()
-                        fut = pool.submit(self._fill, record, self.buffers[b], source)
-                        filling.append((record, b, fut))
-                    if not filling and not writing:
+                        filling.append((pool.submit(source.fill, record, buffers[b]), record, b))
+                    if not filling and not ready and not hashing and not writing:
                         return
-                    while filling and filling[0][2].done():
-                        record, b, fut = filling.popleft()
-                        self.sha[record] = fut.result()
-                        writer.submit(record * rb, rb, self.buffers[b], record)
-                        writing[record] = b
                     finished = writer.poll()
-                    if not finished and writing and (not free or not filling):
-                        finished = writer.wait([next(iter(writing))])
-                    elif not finished and filling:
-                        wait_futures([filling[0][2]], timeout=0.005)
+                    # records are written in order: only the oldest fill can move things on
+                    waits = [filling[0][0]] if filling else []
+                    if not finished and not any(f.done() for f in (*waits, *hashing)):
+                        if waits or hashing:  # looking at the writer every POLL_S
+                            wait_futures(
+                                [*waits, *hashing],
+                                timeout=POLL_S if writing else None,
+                                return_when=FIRST_COMPLETED,
+                            )
+                            finished = writer.poll()
+                        elif writing:
+                            finished = writer.wait([next(iter(writing))])
+                    # the writes first: completions taken from the writer must be recorded
+                    # before anything below can raise, or a stopped pack forgets them
+                    failed = None
                     for c in finished:
-                        free.append(writing.pop(c.tag))
+                        del writing[c.tag]
                         if not c.ok:
-                            raise _WriteFailed(c.tag, c.error)
-                        self.unsynced.append(c.tag)
-                        self.bytes_done += rb
-                        if self.progress:
-                            self.progress(self.bytes_done, self.plan.total_bytes)
+                            failed = failed or c
+                            continue
+                        self.written.add(c.tag)
+                        self._part_done(c.tag)
+                    if failed is not None:
+                        raise _WriteFailed(failed.tag, failed.error)
+                    while filling and filling[0][0].done():
+                        fut, record, b = filling.popleft()
+                        fut.result()  # a source error stops the pack here
+                        writer.submit(record * rb, rb, buffers[b], record)
+                        writing[record] = None
+                        self.parts[record] = 2
+                        self.buffer_of[record] = b
+                        ready.append((record, b))
+                    # A batch goes when it is full, or part-full when nothing else can bring
+                    # more records: no fill in flight and no buffer coming free by other means
+                    # (a batch hashing, or a hashed record whose write is finishing). Flushing
+                    # whenever the fills pause instead traps the pack in batches of one record
+                    # once the writes hold the free buffers (x16 then costs 16x per byte).
+                    starved = not filling and (
+                        exhausted or (not free and not hashing and not self._write_will_free())
+                    )
+                    while len(ready) >= self.batch or (ready and starved):
+                        group, ready = ready[: self.batch], ready[self.batch :]
+                        hashing[self.hasher.submit([buffers[b] for _, b in group])] = group
+                    for fut in [f for f in hashing if f.done()]:
+                        group = hashing.pop(fut)
+                        for (record, _), digest in zip(group, fut.result(), strict=True):
+                            self.sha[record] = digest
+                            self._part_done(record)
                     if time.monotonic() - last_journal > JOURNAL_INTERVAL_S:
                         writer.sync()
                         self._journal()
@@ -334,13 +404,33 @@ class _Packer:
         self.unsynced.clear()
         write_journal(self.out, self.plan, self.durable)
 
+    def _hash_written(self) -> None:
+        """The sha256 of every record written but not yet hashed: from its batch if that is
+        hashing, else from its buffer (which stays untouched until both are done)."""
+        for future, group in self.hashing.items():
+            try:
+                digests = future.result()
+            except Exception:
+                continue  # hashed again below
+            for (record, _), digest in zip(group, digests, strict=True):
+                self.sha[record] = digest
+        need = [r for r in self.written if not self.sha[r]]
+        if not need:
+            return
+        try:
+            digests = self.hasher.submit([self.buffers[self.buffer_of[r]] for r in need]).result()
+        except Exception:
+            return  # those records are packed again by --resume
+        for record, digest in zip(need, digests, strict=True):
+            self.sha[record] = digest
+
     def _stop(self, writer, exc: BaseException) -> None:
         """Keep what is durably written for --resume, then raise the StoreError for exc."""
         # writes already queued finish (they hold filled records) unless the user interrupted
         writer.close(cancel=isinstance(exc, KeyboardInterrupt))
-        for c in writer.poll():
-            if c.ok:
-                self.unsynced.append(c.tag)
+        self.written.update(c.tag for c in writer.poll() if c.ok)
+        self._hash_written()
+        self.unsynced.extend(r for r in self.written if self.sha[r])
         try:
             fd = os.open(self.data, os.O_RDONLY)
             try:
