@@ -8,6 +8,11 @@ to the event loop in one `call_soon_threadsafe`. The event loop owns each job's 
 decodes tokens to text and applies stop strings there, off the engine's critical path. Nothing
 here blocks the event loop.
 
+What the engine thread does between two steps is added to every token (bench/server_overhead.py
+measures it), and it runs with caches cold after the wait for the step, so it is kept short:
+sampling is one native call (glm53.engine.sampling), and a step with no new or cancelled job
+takes no lock.
+
 A stream finishes on a stop token id (finish "stop"), a stop string (the text is cut before it;
 the engine slot is freed at the next step), its max_new_tokens or the end of the context
 ("length"), an engine error ("error"), or a cancel (the slot is freed at the next step).
@@ -325,15 +330,43 @@ class Scheduler:
             self._post(_set_exception, loaded, exc)
             return
         self._post(_set_result, loaded)
-        free_slots = list(range(self.num_slots - 1, -1, -1))
         try:
-            while self._next_step(free_slots):
-                pass
+            self._engine_loop(list(range(self.num_slots - 1, -1, -1)))
         finally:
             outputs = [(j, -1, "error", "the server is shutting down", 0) for j in self._all_jobs()]
             if outputs:
                 self._post(self._deliver, outputs)
             self._close_engine()
+
+    def _engine_loop(self, free_slots: list[int]) -> None:
+        while True:
+            # Unlocked test first: submit and cancel only append (under the GIL), and what comes
+            # in just after the test is taken at the next step. Idle, it waits under the lock.
+            if self._inbox or self._cancels or self._is_stopping or not self._running:
+                with self._cv:
+                    while not (
+                        self._is_stopping
+                        or self._inbox
+                        or self._cancels
+                        or self._running
+                        or self._waiting
+                    ):
+                        self._cv.wait()
+                    if self._is_stopping:
+                        return
+                    inbox, self._inbox = self._inbox, []
+                    cancels, self._cancels = self._cancels, []
+                self._waiting.extend(inbox)
+                for job in cancels:
+                    self._drop(job, free_slots)
+            while self._waiting and free_slots:
+                job = self._waiting.popleft()
+                if job.is_cancelled:
+                    continue
+                job.slot = free_slots.pop()
+                self._running.append(job)
+            if self._running:
+                self._run_step(free_slots)
 
     def _close_engine(self) -> None:
         try:
@@ -343,29 +376,6 @@ class Scheduler:
 
     def _all_jobs(self) -> list[_Job]:
         return [*self._running, *self._waiting, *self._inbox]
-
-    def _next_step(self, free_slots: list[int]) -> bool:
-        with self._cv:
-            while not (
-                self._is_stopping or self._inbox or self._cancels or self._running or self._waiting
-            ):
-                self._cv.wait()
-            if self._is_stopping:
-                return False
-            inbox, self._inbox = self._inbox, []
-            cancels, self._cancels = self._cancels, []
-        self._waiting.extend(inbox)
-        for job in cancels:
-            self._drop(job, free_slots)
-        while self._waiting and free_slots:
-            job = self._waiting.popleft()
-            if job.is_cancelled:
-                continue
-            job.slot = free_slots.pop()
-            self._running.append(job)
-        if self._running:
-            self._run_step(free_slots)
-        return True
 
     def _drop(self, job: _Job, free_slots: list[int]) -> None:
         if job in self._running:
@@ -382,10 +392,13 @@ class Scheduler:
         free_slots.append(job.slot)
         job.slot = -1
 
-    def _plan(self) -> tuple[list[StreamWork], list[tuple[_Job, int]], list[_Job]]:
+    def _plan(
+        self,
+    ) -> tuple[list[StreamWork], list[tuple[_Job, int]], list[_Job], list[StreamSampler]]:
         work: list[StreamWork] = []
         fed: list[tuple[_Job, int]] = []  # (job, prompt tokens fed in this step)
         rows: list[_Job] = []  # jobs that get a logits row, in order
+        samplers: list[StreamSampler] = []  # theirs
         budget = self.chunk_size
         for job in self._running:
             prompt = job.request.prompt_ids
@@ -403,19 +416,21 @@ class Scheduler:
                 fed.append((job, n))
                 if is_last:
                     rows.append(job)
+                    samplers.append(job.sampler)
             else:
                 pos = len(prompt) + job.num_generated - 1
                 work.append(StreamWork(job.slot, [job.last_token], pos, True))
                 rows.append(job)
-        return work, fed, rows
+                samplers.append(job.sampler)
+        return work, fed, rows, samplers
 
     def _run_step(self, free_slots: list[int]) -> None:
-        work, fed, rows = self._plan()
+        work, fed, rows, samplers = self._plan()
         if not work:
             return
         try:
             logits = self.engine.step(work)
-            tokens = sample(logits, [job.sampler for job in rows])
+            tokens = sample(logits, samplers)
         except Exception as exc:  # noqa: BLE001 - fail the streams concerned, keep serving
             # An EngineError naming slots left the other streams untouched: they run again next
             # step. Any other failure fails every stream of the step.
@@ -432,10 +447,11 @@ class Scheduler:
             self._post(self._deliver, outputs)
             return
         now_ns = time.monotonic_ns()
-        self.step_counters["steps"] += 1
+        counters = self.step_counters
+        counters["steps"] += 1
         for job, n in fed:
             job.num_fed += n
-        self.step_counters["prompt_tokens"] += sum(n for _, n in fed)
+            counters["prompt_tokens"] += n
         outputs = []
         for job, token in zip(rows, tokens, strict=True):
             job.num_generated += 1
@@ -449,7 +465,7 @@ class Scheduler:
                 self._running.remove(job)
                 self._release(job, free_slots)
             outputs.append((job, token, finish, None, now_ns))
-        self.step_counters["generated_tokens"] += len(outputs)
+        counters["generated_tokens"] += len(outputs)
         self._post(self._deliver, outputs)
 
 
