@@ -466,7 +466,10 @@ class Scheduler:
                 self._release(job, free_slots)
             outputs.append((job, token, finish, None, now_ns))
         counters["generated_tokens"] += len(outputs)
-        self._post(self._deliver, outputs)
+        try:  # not through _post: one call less on this path
+            self._loop.call_soon_threadsafe(self._deliver, outputs)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
 
 
 def _set_result(future: asyncio.Future) -> None:
