@@ -4,14 +4,14 @@ Threads: the engine thread owns the engine and the waiting/running lists; it loa
 then loops: take new and cancelled jobs, fill free slots from the queue, plan one step (every
 decoding stream gets its next token; prompts are fed in chunks of at most `chunk_size` tokens per
 step, over all prefilling streams), run it, sample each stream's token, and post the step's tokens
-to the event loop in one `call_soon_threadsafe`. The event loop owns each job's `JobStream`: it
-decodes tokens to text and applies stop strings there, off the engine's critical path. Nothing
-here blocks the event loop.
+to the event loop in one `Handoff.post` (glm53._handoff). The event loop owns each job's
+`JobStream`: it decodes tokens to text and applies stop strings there, off the engine's critical
+path. Nothing here blocks the event loop.
 
 What the engine thread does between two steps is added to every token (bench/server_overhead.py
 measures it), and it runs with caches cold after the wait for the step, so it is kept short:
-sampling is one native call (glm53.engine.sampling), and a step with no new or cancelled job
-takes no lock.
+sampling is one native call (glm53.engine.sampling), the post is one eventfd write with the GIL
+held (glm53._handoff), and a step with no new or cancelled job takes no lock.
 
 A stream finishes on a stop token id (finish "stop"), a stop string (the text is cut before it;
 the engine slot is freed at the next step), its max_new_tokens or the end of the context
@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from glm53._handoff import Handoff
 from glm53.engine.base import Engine, EngineError, StreamWork
 from glm53.engine.sampling import SamplingParams, StreamSampler, sample
 from glm53.engine.stops import StopMatcher
@@ -210,6 +211,7 @@ class Scheduler:
         self.context_length = 0
         self.is_ready = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._handoff: Handoff | None = None  # engine thread -> event loop
         self._cv = threading.Condition()
         self._inbox: list[_Job] = []
         self._cancels: list[_Job] = []
@@ -234,6 +236,7 @@ class Scheduler:
     async def start(self) -> None:
         """Start the engine thread and wait for the engine to load (raises what load raised)."""
         self._loop = asyncio.get_running_loop()
+        self._handoff = Handoff(self._loop)
         loaded = self._loop.create_future()
         self._thread = threading.Thread(
             target=self._thread_main, args=(loaded,), name="glm53-engine", daemon=True
@@ -312,13 +315,12 @@ class Scheduler:
             self._cv.notify()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
+        if self._handoff is not None:  # the engine thread is gone: nothing posts any more
+            self._handoff.close()
 
     # --- engine thread -----------------------------------------------------------------------
     def _post(self, fn, *args) -> None:
-        try:
-            self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
+        self._handoff.post(fn, *args)
 
     def _thread_main(self, loaded: asyncio.Future) -> None:
         try:
@@ -466,10 +468,7 @@ class Scheduler:
                 self._release(job, free_slots)
             outputs.append((job, token, finish, None, now_ns))
         counters["generated_tokens"] += len(outputs)
-        try:  # not through _post: one call less on this path
-            self._loop.call_soon_threadsafe(self._deliver, outputs)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
+        self._handoff.post(self._deliver, outputs)  # not through _post: one call less here
 
 
 def _set_result(future: asyncio.Future) -> None:
