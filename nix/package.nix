@@ -99,7 +99,8 @@ buildPython {
   # The test suite starts servers and takes minutes; it runs in the project's CI. The package
   # build checks that every native module imports.
   doCheck = false;
-  pythonImportsCheck = [ "glm53" "glm53._clock" "glm53._odirect" "glm53._gemv" "glm53.notify" ]
+  pythonImportsCheck = [ "glm53" "glm53._clock" "glm53._odirect" "glm53._gemv" "glm53._handoff"
+    "glm53._sample" "glm53.notify" ]
     ++ lib.optionals cudaSupport [ "glm53._cuda" ];
 
   meta = {

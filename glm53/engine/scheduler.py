@@ -4,9 +4,14 @@ Threads: the engine thread owns the engine and the waiting/running lists; it loa
 then loops: take new and cancelled jobs, fill free slots from the queue, plan one step (every
 decoding stream gets its next token; prompts are fed in chunks of at most `chunk_size` tokens per
 step, over all prefilling streams), run it, sample each stream's token, and post the step's tokens
-to the event loop in one `call_soon_threadsafe`. The event loop owns each job's `JobStream`: it
-decodes tokens to text and applies stop strings there, off the engine's critical path. Nothing
-here blocks the event loop.
+to the event loop in one `Handoff.post` (glm53._handoff). The event loop owns each job's
+`JobStream`: it decodes tokens to text and applies stop strings there, off the engine's critical
+path. Nothing here blocks the event loop.
+
+What the engine thread does between two steps is added to every token (bench/server_overhead.py
+measures it), and it runs with caches cold after the wait for the step, so it is kept short:
+sampling is one native call (glm53.engine.sampling), the post is one eventfd write with the GIL
+held (glm53._handoff), and a step with no new or cancelled job takes no lock.
 
 A stream finishes on a stop token id (finish "stop"), a stop string (the text is cut before it;
 the engine slot is freed at the next step), its max_new_tokens or the end of the context
@@ -24,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from glm53._handoff import Handoff
 from glm53.engine.base import Engine, EngineError, StreamWork
 from glm53.engine.sampling import SamplingParams, StreamSampler, sample
 from glm53.engine.stops import StopMatcher
@@ -205,6 +211,7 @@ class Scheduler:
         self.context_length = 0
         self.is_ready = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._handoff: Handoff | None = None  # engine thread -> event loop
         self._cv = threading.Condition()
         self._inbox: list[_Job] = []
         self._cancels: list[_Job] = []
@@ -229,6 +236,7 @@ class Scheduler:
     async def start(self) -> None:
         """Start the engine thread and wait for the engine to load (raises what load raised)."""
         self._loop = asyncio.get_running_loop()
+        self._handoff = Handoff(self._loop)
         loaded = self._loop.create_future()
         self._thread = threading.Thread(
             target=self._thread_main, args=(loaded,), name="glm53-engine", daemon=True
@@ -307,13 +315,12 @@ class Scheduler:
             self._cv.notify()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
+        if self._handoff is not None:  # the engine thread is gone: nothing posts any more
+            self._handoff.close()
 
     # --- engine thread -----------------------------------------------------------------------
     def _post(self, fn, *args) -> None:
-        try:
-            self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
+        self._handoff.post(fn, *args)
 
     def _thread_main(self, loaded: asyncio.Future) -> None:
         try:
@@ -325,15 +332,43 @@ class Scheduler:
             self._post(_set_exception, loaded, exc)
             return
         self._post(_set_result, loaded)
-        free_slots = list(range(self.num_slots - 1, -1, -1))
         try:
-            while self._next_step(free_slots):
-                pass
+            self._engine_loop(list(range(self.num_slots - 1, -1, -1)))
         finally:
             outputs = [(j, -1, "error", "the server is shutting down", 0) for j in self._all_jobs()]
             if outputs:
                 self._post(self._deliver, outputs)
             self._close_engine()
+
+    def _engine_loop(self, free_slots: list[int]) -> None:
+        while True:
+            # Unlocked test first: submit and cancel only append (under the GIL), and what comes
+            # in just after the test is taken at the next step. Idle, it waits under the lock.
+            if self._inbox or self._cancels or self._is_stopping or not self._running:
+                with self._cv:
+                    while not (
+                        self._is_stopping
+                        or self._inbox
+                        or self._cancels
+                        or self._running
+                        or self._waiting
+                    ):
+                        self._cv.wait()
+                    if self._is_stopping:
+                        return
+                    inbox, self._inbox = self._inbox, []
+                    cancels, self._cancels = self._cancels, []
+                self._waiting.extend(inbox)
+                for job in cancels:
+                    self._drop(job, free_slots)
+            while self._waiting and free_slots:
+                job = self._waiting.popleft()
+                if job.is_cancelled:
+                    continue
+                job.slot = free_slots.pop()
+                self._running.append(job)
+            if self._running:
+                self._run_step(free_slots)
 
     def _close_engine(self) -> None:
         try:
@@ -343,29 +378,6 @@ class Scheduler:
 
     def _all_jobs(self) -> list[_Job]:
         return [*self._running, *self._waiting, *self._inbox]
-
-    def _next_step(self, free_slots: list[int]) -> bool:
-        with self._cv:
-            while not (
-                self._is_stopping or self._inbox or self._cancels or self._running or self._waiting
-            ):
-                self._cv.wait()
-            if self._is_stopping:
-                return False
-            inbox, self._inbox = self._inbox, []
-            cancels, self._cancels = self._cancels, []
-        self._waiting.extend(inbox)
-        for job in cancels:
-            self._drop(job, free_slots)
-        while self._waiting and free_slots:
-            job = self._waiting.popleft()
-            if job.is_cancelled:
-                continue
-            job.slot = free_slots.pop()
-            self._running.append(job)
-        if self._running:
-            self._run_step(free_slots)
-        return True
 
     def _drop(self, job: _Job, free_slots: list[int]) -> None:
         if job in self._running:
@@ -382,10 +394,13 @@ class Scheduler:
         free_slots.append(job.slot)
         job.slot = -1
 
-    def _plan(self) -> tuple[list[StreamWork], list[tuple[_Job, int]], list[_Job]]:
+    def _plan(
+        self,
+    ) -> tuple[list[StreamWork], list[tuple[_Job, int]], list[_Job], list[StreamSampler]]:
         work: list[StreamWork] = []
         fed: list[tuple[_Job, int]] = []  # (job, prompt tokens fed in this step)
         rows: list[_Job] = []  # jobs that get a logits row, in order
+        samplers: list[StreamSampler] = []  # theirs
         budget = self.chunk_size
         for job in self._running:
             prompt = job.request.prompt_ids
@@ -403,19 +418,21 @@ class Scheduler:
                 fed.append((job, n))
                 if is_last:
                     rows.append(job)
+                    samplers.append(job.sampler)
             else:
                 pos = len(prompt) + job.num_generated - 1
                 work.append(StreamWork(job.slot, [job.last_token], pos, True))
                 rows.append(job)
-        return work, fed, rows
+                samplers.append(job.sampler)
+        return work, fed, rows, samplers
 
     def _run_step(self, free_slots: list[int]) -> None:
-        work, fed, rows = self._plan()
+        work, fed, rows, samplers = self._plan()
         if not work:
             return
         try:
             logits = self.engine.step(work)
-            tokens = sample(logits, [job.sampler for job in rows])
+            tokens = sample(logits, samplers)
         except Exception as exc:  # noqa: BLE001 - fail the streams concerned, keep serving
             # An EngineError naming slots left the other streams untouched: they run again next
             # step. Any other failure fails every stream of the step.
@@ -432,10 +449,11 @@ class Scheduler:
             self._post(self._deliver, outputs)
             return
         now_ns = time.monotonic_ns()
-        self.step_counters["steps"] += 1
+        counters = self.step_counters
+        counters["steps"] += 1
         for job, n in fed:
             job.num_fed += n
-        self.step_counters["prompt_tokens"] += sum(n for _, n in fed)
+            counters["prompt_tokens"] += n
         outputs = []
         for job, token in zip(rows, tokens, strict=True):
             job.num_generated += 1
@@ -449,8 +467,8 @@ class Scheduler:
                 self._running.remove(job)
                 self._release(job, free_slots)
             outputs.append((job, token, finish, None, now_ns))
-        self.step_counters["generated_tokens"] += len(outputs)
-        self._post(self._deliver, outputs)
+        counters["generated_tokens"] += len(outputs)
+        self._handoff.post(self._deliver, outputs)  # not through _post: one call less here
 
 
 def _set_result(future: asyncio.Future) -> None:

@@ -1,0 +1,9 @@
+# Types of the compiled glm53._handoff (pyx/_handoff.pyx).
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+class Handoff:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None: ...
+    def post(self, fn: Callable[..., Any], *args: Any) -> None: ...
+    def close(self) -> None: ...
