@@ -4,9 +4,10 @@ At 1 stream bench/server_overhead.py's added latency per token is this time: the
 between tokens is one engine step plus what the engine thread does before it starts the next
 one (sample, bookkeeping, the post to the event loop, planning); the event loop's and the
 client's work per token overlap the next step and only shift every arrival. This runs the real
-Scheduler on the scripted engine (no HTTP) and, for scale, two floors on the same host: a thread
-that only sleeps one step at a time, and one that sleeps and then wakes the event loop with one
-call_soon_threadsafe per step, the least any step-then-post loop pays.
+Scheduler on the scripted engine (no HTTP) and, for scale, floors on the same host: a thread that
+only sleeps one step at a time, and one that sleeps and then wakes the event loop once per step,
+with the scheduler's Handoff (glm53._handoff) or with loop.call_soon_threadsafe: the least any
+step-then-post loop pays.
 
     python bench/step_gap.py [--json] [--step-ms 40] [--tokens 100] [--rounds 5]
 """
@@ -30,6 +31,7 @@ import uvloop
 sys.path.insert(0, str(Path(__file__).parent))
 from server_overhead import WORD, git_commit, make_checkpoint  # noqa: E402
 
+from glm53._handoff import Handoff  # noqa: E402
 from glm53.engine.sampling import SamplingParams  # noqa: E402
 from glm53.engine.scheduler import GenerationRequest, Scheduler  # noqa: E402
 from glm53.engine.scripted import Script, ScriptedEngine  # noqa: E402
@@ -64,11 +66,14 @@ async def scheduler_gaps(checkpoint: Path, step_ms: float, tokens: int) -> list[
     return [(marks[i + 1][0] - marks[i][1]) / 1e3 for i in range(2, len(marks) - 1)]
 
 
-async def floor_gaps(step_ms: float, steps: int, post: bool) -> list[float]:
-    """us from the end of one sleep to the start of the next: nothing, or one post per step."""
+async def floor_gaps(step_ms: float, steps: int, post: str) -> list[float]:
+    """us from the end of one sleep to the start of the next, with one post per step through
+    `post` ("handoff", "call_soon") or none ("")."""
     loop = asyncio.get_running_loop()
     done = asyncio.Event()
     gaps: list[float] = []
+    handoff = Handoff(loop)
+    wake = handoff.post if post == "handoff" else loop.call_soon_threadsafe
 
     def noop() -> None:
         pass
@@ -81,11 +86,12 @@ async def floor_gaps(step_ms: float, steps: int, post: bool) -> list[float]:
             time.sleep(step_ms / 1e3)
             last = time.perf_counter_ns()
             if post:
-                loop.call_soon_threadsafe(noop)
-        loop.call_soon_threadsafe(done.set)
+                wake(noop)
+        handoff.post(done.set)
 
     threading.Thread(target=run, daemon=True).start()
     await done.wait()
+    handoff.close()
     return gaps[2:]
 
 
@@ -97,13 +103,19 @@ def stats(gaps: list[float]) -> dict:
 
 
 async def main_async(args) -> dict:
-    out: dict[str, list] = {"scheduler": [], "floor_sleep_post": [], "floor_sleep": []}
+    out: dict[str, list] = {
+        "scheduler": [],
+        "floor_sleep_handoff": [],
+        "floor_sleep_call_soon": [],
+        "floor_sleep": [],
+    }
     with tempfile.TemporaryDirectory(prefix="glm53-step-gap-") as tmp:
         checkpoint = make_checkpoint(Path(tmp))
         for _ in range(args.rounds):  # interleaved, so each sees the same host
             out["scheduler"].append(await scheduler_gaps(checkpoint, args.step_ms, args.tokens))
-            out["floor_sleep_post"].append(await floor_gaps(args.step_ms, args.tokens, True))
-            out["floor_sleep"].append(await floor_gaps(args.step_ms, args.tokens, False))
+            for post in ("handoff", "call_soon", ""):
+                name = f"floor_sleep_{post}" if post else "floor_sleep"
+                out[name].append(await floor_gaps(args.step_ms, args.tokens, post))
     return {name: stats([g for r in rounds for g in r]) for name, rounds in out.items()}
 
 
@@ -134,7 +146,7 @@ def main() -> int:
     }
     if not args.json:
         for name, f in figures.items():
-            print(f"{name:18s} mean {f['mean_us']:7.1f} us  median {f['median_us']:7.1f} us")
+            print(f"{name:22s} mean {f['mean_us']:7.1f} us  median {f['median_us']:7.1f} us")
     print(json.dumps(result))
     return 0
 
