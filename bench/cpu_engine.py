@@ -20,27 +20,13 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-
-
-def _commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).parent,
-            check=True,
-        )
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+from benchlib import git_commit
 
 
 def prompt_ids(tokenizer, length: int) -> list[int]:
@@ -169,7 +155,7 @@ def main() -> int:
         "machine": platform.machine(),
         "python": sys.version.split()[0],
         "torch": torch.__version__,
-        "commit": _commit(),
+        "commit": git_commit(),
         "repeat": args.repeat,
         "load_avg_1_5_15_start": [round(x, 2) for x in load_start],
         "load_avg_1_5_15_end": [round(x, 2) for x in os.getloadavg()],

@@ -23,11 +23,11 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 
 import numpy as np
+from benchlib import git_commit
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -121,20 +121,6 @@ def run_py_model(rows, args):
 
 def hit_rate(c) -> float:
     return c["hits"] / (c["hits"] + c["misses"])
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=os.path.dirname(os.path.abspath(__file__)),
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "not a git checkout"
 
 
 def main(argv=None) -> int:

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from benchlib import git_commit
 
 HIDDEN, INTER, TOP_K = 4096, 2048, 8
 ROOT = Path(__file__).resolve().parent.parent
@@ -349,7 +350,7 @@ def main(argv=None) -> int:
         "exllamav3": exl_reason or f"exl3_moe_cpu_forward, int8 activations, {exl}",
         "cost_model": "ms = a + b * experts per 'threads,rows' (every expert picked by all rows)",
         "seed": args.seed,
-        "commit": _commit(),
+        "commit": git_commit(),
         "seconds": round(time.perf_counter() - started, 1),
     }
     result = {"bench": "micro_gemv", "figures": figures, "ratios": ratios, "config": config}
@@ -390,16 +391,6 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor()
-
-
-def _commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
-        )
-        return out.stdout.strip()
-    except OSError:
-        return ""
 
 
 if __name__ == "__main__":

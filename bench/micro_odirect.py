@@ -23,6 +23,7 @@ import sys
 import time
 
 import numpy as np
+from benchlib import git_commit
 
 from glm53._odirect import Reader, Writer, aligned_empty, filesystem_of, probe
 
@@ -100,19 +101,6 @@ def run_fio(path: str, size: int, args) -> float:
     if read["io_bytes"] != size:
         raise RuntimeError(f"fio read {read['io_bytes']} bytes, expected {size}")
     return read["bw_bytes"] / 1e9
-
-
-def git_commit() -> str:
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        return subprocess.run(
-            ["git", "-C", here, "rev-parse", "--short", "HEAD"],
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main(argv=None) -> int:

@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import signal
 import socket
 import statistics
@@ -28,6 +26,7 @@ import time
 from pathlib import Path
 
 import httpx
+from benchlib import host_fields
 
 from glm53.chat.render import default_template
 from glm53.engine.scripted import Script, ScriptedEngine
@@ -132,19 +131,6 @@ def start_server(
     raise RuntimeError(f"the server did not become ready:\n{log.read_text()}")
 
 
-def git_commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).parent,
-        )
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
 def engine_counters(url: str) -> tuple[int, float]:
     engine = httpx.get(url + "/stats", timeout=30).json()["engine"]
     return engine["steps"], engine["busy_seconds"]
@@ -240,11 +226,7 @@ def main() -> int:
             "target_errors_at_256": 0,
             "definitions": "added_ms_per_stream_token = client gap between a stream's tokens - engine time per "
             "step (server counters, same rounds); added_ms_per_token = that / streams per step",
-            "commit": git_commit(),
-            "host": platform.node(),
-            "cpus": os.cpu_count(),
-            "load_avg_1m": round(os.getloadavg()[0], 2),
-            "python": platform.python_version(),
+            **host_fields(),
         },
     }
     if not args.json:

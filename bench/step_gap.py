@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -27,9 +25,10 @@ import time
 from pathlib import Path
 
 import uvloop
+from benchlib import host_fields
 
 sys.path.insert(0, str(Path(__file__).parent))
-from server_overhead import WORD, git_commit, make_checkpoint  # noqa: E402
+from server_overhead import WORD, make_checkpoint  # noqa: E402
 
 from glm53._handoff import Handoff  # noqa: E402
 from glm53.engine.sampling import SamplingParams  # noqa: E402
@@ -137,11 +136,7 @@ def main() -> int:
             "step_ms": args.step_ms,
             "tokens": args.tokens,
             "rounds": args.rounds,
-            "commit": git_commit(),
-            "host": platform.node(),
-            "cpus": os.cpu_count(),
-            "load_avg_1m": round(os.getloadavg()[0], 2),
-            "python": platform.python_version(),
+            **host_fields(),
         },
     }
     if not args.json:
