@@ -188,6 +188,17 @@ def main(argv=None) -> int:
     load_rounds: list[float] = []
     engines = {"pack": "", "verify": ""}
     chosen = {} if args.sha256 is None else {"sha256": args.sha256}
+
+    def run_pack(**engine):
+        return pack(ckpt, store, threads=args.threads, io_threads=args.pack_io_threads,
+                    hash_threads=args.threads, **engine)  # fmt: skip
+
+    def run_verify(**engine):
+        checked = verify(store, threads=args.threads, io_threads=args.verify_io_threads, **engine)
+        if not checked.ok:
+            raise RuntimeError(f"the benchmark's store failed verify: {checked.bad[:3]}")
+        return checked
+
     figures: dict[str, float] = {}
     try:
         figures["synth_s"] = round(make_checkpoint(ckpt, args.moe_layers, args.experts), 1)
@@ -207,23 +218,12 @@ def main(argv=None) -> int:
                 rows["sha256_x16"].append(sha256_rate(cpus, "x16"))
                 rows["sha256_x16_1t"].append(sha256_rate(1, "x16"))
             rows["fio_write"].append(run_fio(fio_file, int(size), "write", args))
-            result = pack(
-                ckpt,
-                store,
-                threads=args.threads,
-                io_threads=args.pack_io_threads,
-                hash_threads=args.threads,
-                **chosen,
-            )
+            result = run_pack(**chosen)
             engines["pack"] = result.sha256_engine
             figures["store_bytes"] = result.total_bytes
             rows["pack"].append(result.total_bytes / result.seconds / 1e9)
             rows["fio_read"].append(run_fio(fio_file, int(size), "read", args))
-            checked = verify(
-                store, threads=args.threads, io_threads=args.verify_io_threads, **chosen
-            )
-            if not checked.ok:
-                raise RuntimeError(f"the benchmark's store failed verify: {checked.bad[:3]}")
+            checked = run_verify(**chosen)
             engines["verify"] = checked.sha256_engine
             rows["verify"].append(checked.gbps)
             if args.other_engine:
@@ -231,24 +231,10 @@ def main(argv=None) -> int:
                 shutil.rmtree(store)
                 settle()
                 warm(shards)
-                result = pack(
-                    ckpt,
-                    store,
-                    threads=args.threads,
-                    io_threads=args.pack_io_threads,
-                    hash_threads=args.threads,
-                    sha256=other[engines["pack"]],
-                )
+                result = run_pack(sha256=other[engines["pack"]])
                 engines["pack_other"] = result.sha256_engine
                 rows["pack_other"].append(result.total_bytes / result.seconds / 1e9)
-                checked = verify(
-                    store,
-                    threads=args.threads,
-                    io_threads=args.verify_io_threads,
-                    sha256=other[engines["verify"]],
-                )
-                if not checked.ok:
-                    raise RuntimeError(f"the benchmark's store failed verify: {checked.bad[:3]}")
+                checked = run_verify(sha256=other[engines["verify"]])
                 engines["verify_other"] = checked.sha256_engine
                 rows["verify_other"].append(checked.gbps)
         fio_file.unlink(missing_ok=True)
@@ -258,14 +244,7 @@ def main(argv=None) -> int:
             shutil.rmtree(store)
             settle()
             drop_cache(shards)
-            result = pack(
-                ckpt,
-                store,
-                threads=args.threads,
-                io_threads=args.pack_io_threads,
-                hash_threads=args.threads,
-                **chosen,
-            )
+            result = run_pack(**chosen)
             figures["pack_cold_source_gbps"] = round(result.total_bytes / result.seconds / 1e9, 3)
     finally:
         shutil.rmtree(work, ignore_errors=True)
