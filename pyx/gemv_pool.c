@@ -104,6 +104,17 @@ static void barrier(gemv_pool *pool)
     }
 }
 
+/* Appends job to the queue; pool->lock must be held. */
+static void enqueue_locked(gemv_pool *pool, gemv_job *job)
+{
+    if (pool->tail)
+        pool->tail->next = job;
+    else
+        pool->head = job;
+    pool->tail = job;
+    pool->queued++;
+}
+
 /* Worker 0: the next queued job, or NULL once stopped and drained. */
 static gemv_job *next_job(gemv_pool *pool)
 {
@@ -279,12 +290,7 @@ int gemv_pool_submit(gemv_pool *pool, gemv_job *job, char *msg, size_t msg_len)
                  MAX_QUEUED);
         return GEMV_EBUSY;
     }
-    if (pool->tail)
-        pool->tail->next = job;
-    else
-        pool->head = job;
-    pool->tail = job;
-    pool->queued++;
+    enqueue_locked(pool, job);
     pthread_mutex_unlock(&pool->lock);
     atomic_fetch_add_explicit(&pool->queue_word, 1, memory_order_acq_rel);
     futex_wake(&pool->queue_word);
@@ -355,13 +361,7 @@ int gemv_pool_run_batch(gemv_pool *pool, gemv_job *jobs, int num_jobs, int calle
                 break; /* the jobs left unqueued are failed below */
             }
             while (queued < num_jobs && pool->queued < MAX_QUEUED) {
-                gemv_job *job = &jobs[queued++];
-                if (pool->tail)
-                    pool->tail->next = job;
-                else
-                    pool->head = job;
-                pool->tail = job;
-                pool->queued++;
+                enqueue_locked(pool, &jobs[queued++]);
                 added++;
             }
             if (caller == GEMV_CALLER_HELPS && in_batch(pool->head, jobs, num_jobs)) {
