@@ -5,7 +5,7 @@
 # optionally wheels312/ (build and test wheels for this Python); OUT_DIR receives logs and
 # JSON. STAGES (default "build synth tests bench") picks what runs. A Triton cache found at
 # DEVICE_DIR/triton-cache.tar.gz is restored (and saved to OUT_DIR when GLM53_SAVE_TRITON is set).
-# GLM53_GPU_TESTS narrows the tests (paths or node ids), GLM53_BENCH the benchmarks,
+# GLM53_SYNTH picks the checkpoints (default "demo slice"), GLM53_GPU_TESTS narrows the tests (paths or node ids), GLM53_BENCH the benchmarks,
 # GLM53_BENCH_MODES the gpu_slice rows, GLM53_OFFLOAD_TIMEOUT its stock-offload subprocesses.
 set -uo pipefail
 DEV=$(realpath "${1:?usage: tools/gpu-check.sh DEVICE_DIR OUT_DIR [STAGES]}")
@@ -59,8 +59,10 @@ fi
 cd "$WORK" || exit 2  # import the installed package, not the source tree
 
 if stage synth; then
-  [ -d "$WORK/demo" ] || run synth-demo python3 -m glm53 synth --preset demo --routing glm53 --out "$WORK/demo"
-  [ -d "$WORK/slice" ] || run synth-slice python3 -m glm53 synth --preset slice --routing glm53 --out "$WORK/slice"
+  for preset in ${GLM53_SYNTH:-demo slice}; do
+    [ -d "$WORK/$preset" ] || run "synth-$preset" python3 -m glm53 synth --preset "$preset" --routing glm53 \
+      --out "$WORK/$preset"
+  done
 fi
 export GLM53_TEST_DEMO=$WORK/demo GLM53_TEST_SLICE=$WORK/slice
 if stage tests; then
