@@ -73,12 +73,15 @@ __global__ void route_kernel(g53_ec *ec, const int64_t *sel, int n_sel, int laye
     }
     int n = base;
 
-    // lookups: hits set the reference bit and are pinned (stamped) for this call
+    // lookups: hits set the reference bit and are pinned (stamped) for this call; every
+    // distinct key counts one lookup for the admission filter
+    const bool filter = ec->freq_window > 0;
     int hits = 0, mbase = 0;
     for (int j0 = 0; j0 < n; j0 += 32) {
         int j = j0 + lane;
         bool miss = false;
         if (j < n) {
+            if (filter && ec->key_freq[keys[j]] != 0xffffffffu) ec->key_freq[keys[j]]++;
             int s = ec->key_slot[keys[j]];
             if (s >= 0) {
                 ec->slot_ref[s] = 1;
@@ -103,12 +106,22 @@ __global__ void route_kernel(g53_ec *ec, const int64_t *sel, int n_sel, int laye
         ec->layer_misses[layer] += n_miss;
     }
     __syncwarp();
+    if (filter) {  // aging: halve every count once a window of lookups has passed
+        int64_t events = ec->freq_events + n;
+        if (events >= ec->freq_window) {
+            for (int k = lane; k < ec->n_keys; k += 32) ec->key_freq[k] >>= 1;
+            events >>= 1;
+        }
+        __syncwarp();
+        if (lane == 0) ec->freq_events = events;
+    }
+    __syncwarp();
     if (!admit) return;
 
     const int n_active = ec->n_active;
     int hand = ec->hand;
     int n_jobs = 0;
-    uint64_t skips = 0, evictions = 0, no_victim = 0;
+    uint64_t skips = 0, evictions = 0, no_victim = 0, rejected = 0;
     for (int j = 0; j < n_miss; j++) {
         int key = miss_keys[j];
         // a free slot first (lowest index)
@@ -136,6 +149,13 @@ __global__ void route_kernel(g53_ec *ec, const int64_t *sel, int n_sel, int laye
         }
         __syncwarp();
         if (victim < 0) { no_victim++; continue; }  // stays zero-copy: still exact
+        // the filter: a miss colder than the victim stays zero-copy and the victim stays
+        // (all lanes read the same counts, so the branch is warp-uniform)
+        if (filter && !took_free && ec->slot_key[victim] >= 0 &&
+            ec->key_freq[key] <= ec->key_freq[ec->slot_key[victim]]) {
+            rejected++;
+            continue;
+        }
         if (lane == 0) {
             int old = ec->slot_key[victim];
             if (old >= 0) {
@@ -163,6 +183,7 @@ __global__ void route_kernel(g53_ec *ec, const int64_t *sel, int n_sel, int laye
         ec->evictions += evictions;
         ec->pinned_skips += skips;
         ec->no_victim += no_victim;
+        ec->rejected += rejected;
     }
 }
 
@@ -318,7 +339,7 @@ extern "C" int g53_stream_sync(uintptr_t stream)
 #define G53_OFF(f) offsets[n++] = (int64_t)offsetof(g53_ec, f)
 extern "C" int g53_ec_layout(int64_t *offsets, int cap)
 {
-    if (cap < 32) return G53_CU_EINVAL;
+    if (cap < 34) return G53_CU_EINVAL;
     int n = 0;
     G53_OFF(n_slots); G53_OFF(n_active); G53_OFF(n_keys); G53_OFF(n_experts); G53_OFF(n_layers);
     G53_OFF(hand); G53_OFF(stamp); G53_OFF(n_jobs); G53_OFF(n_used); G53_OFF(slot_bytes);
@@ -326,6 +347,7 @@ extern "C" int g53_ec_layout(int64_t *offsets, int cap)
     G53_OFF(slot_stamp); G53_OFF(home); G53_OFF(tables); G53_OFF(job_src); G53_OFF(job_dst);
     G53_OFF(layer_hits); G53_OFF(layer_misses); G53_OFF(hits); G53_OFF(misses); G53_OFF(admits);
     G53_OFF(evictions); G53_OFF(pinned_skips); G53_OFF(no_victim); G53_OFF(bytes_copied);
+    G53_OFF(key_freq); G53_OFF(freq_window); G53_OFF(freq_events); G53_OFF(rejected);
     offsets[n++] = (int64_t)sizeof(g53_ec);
     return n;
 }

@@ -48,11 +48,20 @@ typedef struct g53_ec {
     uint64_t *layer_hits;  /* [n_layers] */
     uint64_t *layer_misses;/* [n_layers] */
     uint64_t hits, misses, admits, evictions, pinned_skips, no_victim, bytes_copied;
+    /* Admission filter (frequency-gated CLOCK, as in TinyLFU): every looked-up key counts one
+     * in key_freq; a miss that needs an eviction is admitted only if it was looked up more
+     * often than the CLOCK victim, else it stays zero-copy (still exact) and the victim stays.
+     * After freq_window lookups every count is halved, so old popularity fades.
+     * freq_window == 0 turns the filter off (every miss admitted: plain CLOCK). */
+    uint32_t *key_freq;    /* [n_keys] */
+    int64_t freq_window;
+    int64_t freq_events;   /* lookups since the last halving */
+    uint64_t rejected;     /* misses left zero-copy by the filter */
 } g53_ec;
 
 /* Route one MoE layer's picks (sel: int64 device array of n_sel expert ids of this
- * layer). admit = 1 admits misses into slots (decode), 0 only counts (prefill: misses
- * are read zero-copy from home). Queues copy jobs and rewrites table entries; then
+ * layer). admit = 1 admits misses into slots (decode; through the frequency filter when
+ * freq_window > 0), 0 only counts (misses are read zero-copy from home). Queues copy jobs and rewrites table entries; then
  * g53_ec_copy must run on the same stream before the MoE kernel. */
 int g53_ec_route(g53_ec *ec_dev, const int64_t *sel, int n_sel, int layer, int admit,
                  uintptr_t stream);

@@ -205,6 +205,15 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
         Meta(ge=0),
         _s("VRAM (GiB) of the two prefill staging buffers.", group="tiers"),
     ] = 2.6
+    ec_freq_window: Annotated[
+        NonNegInt | None,
+        _s(
+            "Expert-cache admission filter: lookups between halvings of the per-expert counts "
+            "(default 32 per slot). A miss evicts only an expert looked up less often; 0 admits "
+            "every miss (plain CLOCK).",
+            group="tiers",
+        ),
+    ] = None
     triton_pin: Annotated[
         str | None,
         _s(

@@ -616,3 +616,15 @@ def test_heat_order_of_a_seeded_table_is_the_seed_list():
     c.seed([9, 3, 12])
     keys = [c.key_of(s) for s in range(5)]
     assert clock_heat_order(keys, [c.ref_bit(s) for s in range(5)], c.hand) == [9, 3, 12]
+
+
+def test_heat_order_with_filter_counts_ranks_by_count_then_clock_order():
+    from glm53.tiers.vram_cache import clock_heat_order
+
+    keys, refs, hand = [7, 2, -1, 5, 9], [0, 1, 0, 0, 1], 3
+    plain = clock_heat_order(keys, refs, hand)
+    assert plain == [2, 9, 7, 5]
+    freq = np.zeros(10, dtype=np.uint32)
+    freq[[7, 2, 5, 9]] = [4, 1, 4, 6]
+    # 9 (6 lookups) first; 7 and 5 tie at 4 and keep their CLOCK order; 2 (1 lookup) last
+    assert clock_heat_order(keys, refs, hand, freq) == [9, 7, 5, 2]

@@ -82,6 +82,7 @@ def load(
     ec_max_slots: int | None = None,
     ec_reserve_gb: float = 1.0,
     ec_stage_gb: float | None = None,
+    ec_freq_window: int | None = None,
     stage_min_rows: int = 256,
     allow_unsupported: bool = False,
 ) -> Loaded:
@@ -153,7 +154,10 @@ def load(
                 f"{home.geo.record_bytes / 2**20:.1f} MiB: {free / GIB:.2f} GiB free, "
                 f"{ec_reserve_gb:.2f} GiB reserved (--ec-reserve-gb) leaves room for {fit}"
             )
-        ec = DeviceExpertCache(home.geo, slots, home_addr, exl3_hooks.table_addresses(moe), dev)
+        ec = DeviceExpertCache(
+            home.geo, slots, home_addr, exl3_hooks.table_addresses(moe), dev,
+            freq_window=ec_freq_window,
+        )  # fmt: skip
         stager = None
         if stage_slots > 0:
             from glm53.tiers.vram_cache import PrefillStager

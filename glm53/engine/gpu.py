@@ -34,6 +34,7 @@ class GpuEngine:
         ec_max_slots: int | None = None,
         ec_reserve_gb: float = 1.0,
         ec_stage_gb: float | None = None,
+        ec_freq_window: int | None = None,
         device: str = "cuda:0",
         allow_unsupported: bool = False,
         heat_file: str | None = None,
@@ -47,7 +48,7 @@ class GpuEngine:
         self.model_dir, self.mode, self.device = model_dir, mode, device
         self.context_length, self.num_slots, self.chunk_size = context, max_batch, chunk_size
         self.ec_max_slots, self.ec_reserve_gb = ec_max_slots, ec_reserve_gb
-        self.ec_stage_gb = ec_stage_gb
+        self.ec_stage_gb, self.ec_freq_window = ec_stage_gb, ec_freq_window
         self.allow_unsupported = allow_unsupported
         self.heat_file = heat_file
         self.description = f"GPU engine (exllamav3 1.6.5, mode {mode}) on {model_dir}"
@@ -73,6 +74,7 @@ class GpuEngine:
             ec_max_slots=self.ec_max_slots,
             ec_reserve_gb=self.ec_reserve_gb,
             ec_stage_gb=self.ec_stage_gb,
+            ec_freq_window=self.ec_freq_window,
             allow_unsupported=self.allow_unsupported,
         )
         self.block_table = torch.arange(self.num_slots * pages, dtype=torch.int32).view(
@@ -242,4 +244,5 @@ def create(settings, checkpoint_dir) -> GpuEngine:
         ec_max_slots=settings.ec_max_slots,
         ec_reserve_gb=settings.ec_reserve_gb,
         ec_stage_gb=settings.ec_stage_gb,
+        ec_freq_window=settings.ec_freq_window,
     )

@@ -25,9 +25,13 @@ EC_FIELDS: list[tuple[str, str, int]] = [
     ("job_src", "<u8", 1), ("job_dst", "<u8", 1), ("layer_hits", "<u8", 1),
     ("layer_misses", "<u8", 1), ("hits", "<u8", 1), ("misses", "<u8", 1),
     ("admits", "<u8", 1), ("evictions", "<u8", 1), ("pinned_skips", "<u8", 1),
-    ("no_victim", "<u8", 1), ("bytes_copied", "<u8", 1),
+    ("no_victim", "<u8", 1), ("bytes_copied", "<u8", 1), ("key_freq", "<u8", 1),
+    ("freq_window", "<i8", 1), ("freq_events", "<i8", 1), ("rejected", "<u8", 1),
 ]  # fmt: skip
-COUNTERS = ("hits", "misses", "admits", "evictions", "pinned_skips", "no_victim", "bytes_copied")
+COUNTERS = (
+    "hits", "misses", "admits", "evictions", "pinned_skips", "no_victim", "bytes_copied", "rejected",
+)  # fmt: skip
+FREQ_WINDOW_PER_SLOT = 32  # default admission-filter window: lookups per slot between halvings
 
 
 def ec_dtype(layout: list[int]) -> np.dtype:
@@ -71,9 +75,18 @@ class CacheGeometry:
 class DeviceExpertCache:
     """Owns the slot arena and the CLOCK state in VRAM (torch tensors) and drives the
     route/copy kernels. `home` holds the UVA address of every expert record, `tables`
-    the device addresses of exllamav3's pointer tables, [layer][gate, up, down]."""
+    the device addresses of exllamav3's pointer tables, [layer][gate, up, down].
 
-    def __init__(self, geo: CacheGeometry, n_slots: int, home, tables, device, copy_blocks=None):
+    Admission is frequency-gated (TinyLFU's idea over CLOCK): a miss that would evict
+    is admitted only if its key was looked up more often than the CLOCK victim's within
+    the last ~`freq_window` lookups (default 32 per slot); otherwise it is read zero-copy.
+    Under skewed routing this keeps the hot experts resident instead of letting every cold
+    miss push one out. `freq_window=0` admits every miss (plain CLOCK)."""
+
+    def __init__(
+        self, geo: CacheGeometry, n_slots: int, home, tables, device, copy_blocks=None,
+        freq_window: int | None = None,
+    ):  # fmt: skip
         import torch
 
         from glm53 import _cuda
@@ -89,6 +102,11 @@ class DeviceExpertCache:
             raise ValueError(f"tables must have {3 * geo.n_layers} addresses, got {tables.shape}")
         if any(h % 16 for h in home):
             raise ValueError("every home record must be 16-byte aligned")
+        if freq_window is None:
+            freq_window = FREQ_WINDOW_PER_SLOT * self.n_slots
+        if freq_window < 0:
+            raise ValueError(f"freq_window must be >= 0 (0 = admit every miss), got {freq_window}")
+        self.freq_window = int(freq_window)
 
         dev = self.device
         t = {
@@ -103,6 +121,7 @@ class DeviceExpertCache:
             "job_dst": torch.zeros(_cuda.MAX_PICKS, dtype=torch.int64, device=dev),
             "layer_hits": torch.zeros(geo.n_layers, dtype=torch.int64, device=dev),
             "layer_misses": torch.zeros(geo.n_layers, dtype=torch.int64, device=dev),
+            "key_freq": torch.zeros(geo.n_keys, dtype=torch.int32, device=dev),  # uint32 on device
         }
         self._t = t
         self._dtype = ec_dtype(_cuda.ec_layout())
@@ -114,8 +133,9 @@ class DeviceExpertCache:
         s["slot_base"] = t["slots"].data_ptr()
         for name in ("key_slot", "slot_key", "slot_ref", "slot_stamp", "home", "tables"):
             s[name] = t[name].data_ptr()
-        for name in ("job_src", "job_dst", "layer_hits", "layer_misses"):
+        for name in ("job_src", "job_dst", "layer_hits", "layer_misses", "key_freq"):
             s[name] = t[name].data_ptr()
+        s["freq_window"] = self.freq_window
         raw = np.frombuffer(s.tobytes(), dtype=np.uint8).copy()
         self._struct = torch.from_numpy(raw).to(dev)
         self._ptr = self._struct.data_ptr()
@@ -152,6 +172,7 @@ class DeviceExpertCache:
         s = np.frombuffer(self._struct.cpu().numpy().tobytes(), dtype=self._dtype)[0]
         out = {k: int(s[k]) for k in COUNTERS}
         out.update(slots=self.n_slots, used=int(s["n_used"]), hand=int(s["hand"]))
+        out["freq_window"] = self.freq_window
         hits = self._t["layer_hits"].cpu().numpy()
         misses = self._t["layer_misses"].cpu().numpy()
         tot = hits + misses
@@ -165,13 +186,19 @@ class DeviceExpertCache:
     def slot_keys(self) -> np.ndarray:
         return self._t["slot_key"].cpu().numpy()
 
+    def key_freq(self) -> np.ndarray:
+        """The admission filter's decayed lookup count of every key."""
+        return self._t["key_freq"].cpu().numpy().view(np.uint32)
+
     def heat_list(self) -> list[int]:
-        """The cached keys hottest first (the order seed() takes): the reverse of the order in
-        which CLOCK would evict them from here on."""
+        """The cached keys hottest first (the order seed() takes): by the filter's lookup
+        counts when it is on, ties (and plain CLOCK) in the reverse of the order in which
+        CLOCK would evict them from here on."""
         s = np.frombuffer(self._struct.cpu().numpy().tobytes(), dtype=self._dtype)[0]
         return clock_heat_order(
-            self._t["slot_key"].cpu().numpy(), self._t["slot_ref"].cpu().numpy(), int(s["hand"])
-        )
+            self._t["slot_key"].cpu().numpy(), self._t["slot_ref"].cpu().numpy(), int(s["hand"]),
+            self.key_freq() if self.freq_window else None,
+        )  # fmt: skip
 
     def seed(self, keys) -> int:
         """Warm start from a heat list, hottest first (copies synchronously), then point the
@@ -201,16 +228,24 @@ class DeviceExpertCache:
         kt = torch.tensor(keys, dtype=torch.int64, device=self.device)
         self._t["slot_key"][: len(keys)] = kt.to(torch.int32)
         self._t["key_slot"][kt] = idx
+        # the filter starts out trusting the saved order: counts 1 (coldest) .. 8 (hottest),
+        # small enough that a few halvings forget them if the traffic has moved on
+        n = len(keys)
+        self._t["key_freq"][kt] = torch.tensor(
+            [1 + (7 * i) // max(1, n - 1) for i in range(n)], dtype=torch.int32, device=self.device
+        )
         arr[0]["n_used"] = len(keys)
         self._struct.copy_(torch.from_numpy(arr.view(np.uint8).copy()).to(self.device))
         self.reset_tables()
         return len(keys)
 
 
-def clock_heat_order(slot_key, slot_ref, hand: int) -> list[int]:
+def clock_heat_order(slot_key, slot_ref, hand: int, key_freq=None) -> list[int]:
     """Keys of a CLOCK table hottest first. The hand evicts the unreferenced slots in sweep order
     from `hand`, then (their bits cleared on the first pass) the referenced ones in the same
-    order; hottest first is that eviction order reversed. Free slots (key < 0) are left out."""
+    order; hottest first is that eviction order reversed. With `key_freq` (the admission
+    filter's counts, indexed by key) keys are ordered by count, highest first, and that CLOCK
+    order breaks ties. Free slots (key < 0) are left out."""
     slot_key = np.asarray(slot_key)
     slot_ref = np.asarray(slot_ref)
     n = len(slot_key)
@@ -220,7 +255,11 @@ def clock_heat_order(slot_key, slot_ref, hand: int) -> list[int]:
         return []
     sweep = [(hand + i) % n for i in range(n)]
     evict = [s for s in sweep if not slot_ref[s]] + [s for s in sweep if slot_ref[s]]
-    return [int(slot_key[s]) for s in reversed(evict) if slot_key[s] >= 0]
+    order = [int(slot_key[s]) for s in reversed(evict) if slot_key[s] >= 0]
+    if key_freq is not None:
+        key_freq = np.asarray(key_freq)
+        order.sort(key=lambda k: -int(key_freq[k]))  # stable: CLOCK order within a count
+    return order
 
 
 def _uva_tensor(addr: int, nbytes: int, device):

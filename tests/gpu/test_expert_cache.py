@@ -1,6 +1,6 @@
-"""The device-side CLOCK expert cache (cuda/ec.cu) against a Python model of the same
-policy: same slots, same victims, same counters, and every table entry pointing at a
-byte-exact copy of its expert after every step."""
+"""The device-side expert cache (cuda/ec.cu) against a Python model of the same policy
+(CLOCK, with or without the frequency admission filter): same slots, same victims, same
+counters, and every table entry pointing at a byte-exact copy of its expert after every step."""
 
 import numpy as np
 import pytest
@@ -12,20 +12,23 @@ from glm53.tiers.vram_cache import CacheGeometry, DeviceExpertCache  # noqa: E40
 
 
 class ClockModel:
-    def __init__(self, n_slots):
+    def __init__(self, n_slots, n_keys=4096, window=0):
         self.n = n_slots
         self.slot_key = [-1] * n_slots
         self.key_slot = {}
         self.ref = [0] * n_slots
         self.stamp = [0] * n_slots
         self.hand = self.cur = self.used = 0
-        self.c = dict(hits=0, misses=0, admits=0, evictions=0, pinned_skips=0)
+        self.window, self.events, self.freq = window, 0, [0] * n_keys
+        self.c = dict(hits=0, misses=0, admits=0, evictions=0, pinned_skips=0, rejected=0)
 
     def route(self, keys, admit=True):
         self.cur += 1
         uniq = list(dict.fromkeys(keys))
         misses = []
         for k in uniq:
+            if self.window:
+                self.freq[k] += 1
             s = self.key_slot.get(k)
             if s is None:
                 misses.append(k)
@@ -34,10 +37,16 @@ class ClockModel:
                 self.stamp[s] = self.cur
         self.c["hits"] += len(uniq) - len(misses)
         self.c["misses"] += len(misses)
+        if self.window:
+            self.events += len(uniq)
+            if self.events >= self.window:
+                self.freq = [f >> 1 for f in self.freq]
+                self.events >>= 1
         if not admit:
             return
         for k in misses:
-            if self.used < self.n:
+            took_free = self.used < self.n
+            if took_free:
                 v = self.slot_key.index(-1)
                 self.used += 1
             else:
@@ -52,6 +61,9 @@ class ClockModel:
                         v = s
                         break
             old = self.slot_key[v]
+            if self.window and not took_free and self.freq[k] <= self.freq[old]:
+                self.c["rejected"] += 1
+                continue
             if old >= 0:
                 del self.key_slot[old]
                 self.c["evictions"] += 1
@@ -62,7 +74,7 @@ class ClockModel:
             self.c["admits"] += 1
 
 
-def make_setup(n_layers, n_experts, parts, n_slots, seed=0):
+def make_setup(n_layers, n_experts, parts, n_slots, seed=0, freq_window=0):
     geo = CacheGeometry(n_layers, n_experts, parts)
     rb = geo.record_bytes
     g = torch.Generator().manual_seed(seed)
@@ -73,7 +85,7 @@ def make_setup(n_layers, n_experts, parts, n_slots, seed=0):
     for p, off in enumerate(geo.part_off):
         tables[:, p, :] = torch.from_numpy(home_addr.reshape(n_layers, n_experts) + off).cuda()
     addrs = [tables[layer, p].data_ptr() for layer in range(n_layers) for p in range(3)]
-    cache = DeviceExpertCache(geo, n_slots, home_addr, addrs, "cuda")
+    cache = DeviceExpertCache(geo, n_slots, home_addr, addrs, "cuda", freq_window=freq_window)
     return geo, home, home_addr, tables, cache
 
 
@@ -96,9 +108,12 @@ def check_tables(geo, home, home_addr, tables, cache, model):
 
 
 @pytest.mark.parametrize("n_slots", [5, 37, 100])
-def test_device_clock_matches_model(n_slots):
-    geo, home, home_addr, tables, cache = make_setup(4, 24, (1024, 1024, 2048), n_slots)
-    model = ClockModel(n_slots)
+@pytest.mark.parametrize("freq_window", [0, 40, None])  # off, halving often, the default
+def test_device_clock_matches_model(n_slots, freq_window):
+    geo, home, home_addr, tables, cache = make_setup(
+        4, 24, (1024, 1024, 2048), n_slots, freq_window=freq_window
+    )
+    model = ClockModel(n_slots, geo.n_keys, cache.freq_window)
     rng = np.random.default_rng(n_slots)
     popularity = rng.dirichlet(np.full(geo.n_experts, 0.3), size=geo.n_layers)
     for step in range(300):
@@ -119,6 +134,25 @@ def test_device_clock_matches_model(n_slots):
         assert st[k] == v, k
     assert st["no_victim"] == 0
     assert st["bytes_copied"] == model.c["admits"] * geo.record_bytes
+    if cache.freq_window:
+        assert cache.key_freq().tolist() == model.freq
+
+
+def test_filter_keeps_the_hot_set_against_one_off_misses():
+    geo, home, home_addr, tables, cache = make_setup(1, 64, (512, 512, 1024), 4, freq_window=1000)
+    hot = torch.arange(4, dtype=torch.int64, device="cuda")
+    for _ in range(3):
+        cache.route(0, hot)
+    for e in range(4, 64):  # every cold expert once: colder than any resident
+        cache.route(0, torch.tensor([e], dtype=torch.int64, device="cuda"))
+    st = cache.state()
+    assert (st["admits"], st["evictions"], st["rejected"]) == (4, 0, 60)
+    assert sorted(cache.slot_keys().tolist()) == [0, 1, 2, 3]
+    # an expert that turns hot gets in once it has been looked up more often than a victim
+    for _ in range(4):
+        cache.route(0, torch.tensor([40], dtype=torch.int64, device="cuda"))
+    assert 40 in cache.slot_keys().tolist()
+    assert cache.heat_list()[0] == 40  # 5 lookups against the residents' 3
 
 
 def test_count_only_route_leaves_tables_alone():
@@ -159,6 +193,14 @@ def test_seed_fills_slots_in_priority_order():
     model.key_slot = {12: 0, 3: 1, 9: 2}
     model.used = 3
     check_tables(geo, home, home_addr, tables, cache, model)
+
+
+def test_seed_gives_the_filter_counts_in_heat_order():
+    geo, home, home_addr, tables, cache = make_setup(2, 8, (512, 512, 1024), 4, freq_window=None)
+    assert cache.seed([9, 3, 12]) == 3
+    freq = cache.key_freq()
+    assert (freq[12], freq[3], freq[9]) == (1, 4, 8)  # coldest 1 .. hottest 8
+    assert cache.heat_list() == [9, 3, 12]
 
 
 def test_too_many_picks_is_a_clear_error():
