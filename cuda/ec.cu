@@ -231,6 +231,17 @@ __global__ void stage_kernel(g53_ec *ec, int layer, uint8_t *buf, int buf_slots,
     if (threadIdx.x == 0) *n_jobs = min(base_s, buf_slots);
 }
 
+// Whole-layer staging: buf holds a copy of the layer's entire home arena (expert e at
+// e * slot_bytes, made on a copy engine); every uncached expert's entries point there.
+__global__ void stage_layer_kernel(g53_ec *ec, int layer, uint8_t *buf)
+{
+    for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < ec->n_experts;
+         e += gridDim.x * blockDim.x) {
+        int key = layer * ec->n_experts + e;
+        if (ec->key_slot[key] < 0) point_tables(ec, key, (int64_t)(buf + (int64_t)e * ec->slot_bytes));
+    }
+}
+
 __global__ void unstage_kernel(g53_ec *ec, int layer)
 {
     for (int e = threadIdx.x; e < ec->n_experts; e += blockDim.x) {
@@ -291,6 +302,20 @@ extern "C" int g53_ec_stage(g53_ec *ec, int layer, uint8_t *buf, int buf_slots, 
     stage_kernel<<<1, 1024, 0, (cudaStream_t)stream>>>(ec, layer, buf, buf_slots, job_src, job_dst,
                                                         n_jobs);
     return status();
+}
+
+extern "C" int g53_ec_stage_layer(g53_ec *ec, int layer, uint8_t *buf, uintptr_t stream)
+{
+    if (!ec || !buf || layer < 0) return G53_CU_EINVAL;
+    stage_layer_kernel<<<4, 256, 0, (cudaStream_t)stream>>>(ec, layer, buf);
+    return status();
+}
+
+extern "C" int g53_memcpy_async(void *dst, const void *src, size_t nbytes, uintptr_t stream)
+{
+    if (!dst || !src) return G53_CU_EINVAL;
+    cudaError_t e = cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDefault, (cudaStream_t)stream);
+    return e == cudaSuccess ? 0 : (int)e;
 }
 
 extern "C" int g53_ec_unstage(g53_ec *ec, int layer, uintptr_t stream)

@@ -4,8 +4,9 @@ from libc.stdint cimport int32_t, int64_t, uint8_t, uintptr_t
 
 from cuda cimport (
     G53_EC_MAX_PICKS, g53_copy_jobs, g53_cuda_strerror, g53_ec, g53_ec_copy, g53_ec_layout,
-    g53_ec_reset_tables, g53_ec_route, g53_ec_stage, g53_ec_unstage, g53_host_device_pointer,
-    g53_host_register, g53_host_unregister, g53_stream_sync,
+    g53_ec_reset_tables, g53_ec_route, g53_ec_stage, g53_ec_stage_layer, g53_ec_unstage,
+    g53_host_device_pointer, g53_host_register, g53_host_unregister, g53_memcpy_async,
+    g53_stream_sync,
 )
 
 MAX_PICKS = G53_EC_MAX_PICKS
@@ -46,6 +47,22 @@ def ec_stage(uintptr_t ec, int layer, uintptr_t buf, int buf_slots, uintptr_t jo
         rc = g53_ec_stage(<g53_ec *> ec, layer, <uint8_t *> buf, buf_slots, <int64_t *> job_src,
                           <int64_t *> job_dst, <int32_t *> n_jobs, stream)
     _check(rc, f"prefill staging of MoE layer {layer}")
+
+
+def ec_stage_layer(uintptr_t ec, int layer, uintptr_t buf, uintptr_t stream):
+    """Point a layer's uncached experts at a whole-layer copy of its home arena in buf."""
+    cdef int rc
+    with nogil:
+        rc = g53_ec_stage_layer(<g53_ec *> ec, layer, <uint8_t *> buf, stream)
+    _check(rc, f"whole-layer staging of MoE layer {layer}")
+
+
+def memcpy_async(uintptr_t dst, uintptr_t src, size_t nbytes, uintptr_t stream):
+    """cudaMemcpyAsync(cudaMemcpyDefault) on a stream: a copy engine moves the bytes."""
+    cdef int rc
+    with nogil:
+        rc = g53_memcpy_async(<void *> dst, <const void *> src, nbytes, stream)
+    _check(rc, f"async copy of {nbytes} bytes")
 
 
 def ec_unstage(uintptr_t ec, int layer, uintptr_t stream):

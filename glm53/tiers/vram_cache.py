@@ -283,7 +283,14 @@ class PrefillStager:
     l % 2 and the layer's table entries pointed there; the copy for layer l + 1 runs on a
     side stream while layer l computes. A buffer's previous layer is unstaged (entries back
     to slot or home) before it is overwritten, so every entry always points at a valid copy.
-    No admissions happen here: the cache itself is untouched by prefill."""
+    No admissions happen here: the cache itself is untouched by prefill.
+
+    When a buffer holds a whole layer and each layer's home is one contiguous arena (as
+    PinnedExpertHome lays it out), a stage is one copy-engine transfer of the layer's arena
+    (`whole_layer`): an SM copy kernel on the side stream occupies the SMs the computing
+    layer needs, so copy and compute ran one after the other (H200, slice, 8k prompt in one
+    chunk: 11,176 tok/s, about the sum of all-VRAM compute and streaming every expert once).
+    Otherwise the uncached experts are gathered into the buffer by a copy kernel."""
 
     def __init__(self, cache: DeviceExpertCache, buf_slots: int, min_rows: int = 256):
         import torch
@@ -297,6 +304,11 @@ class PrefillStager:
         self.job_dst = [torch.zeros(self.buf_slots, dtype=torch.int64, device=dev) for _ in "ab"]
         self.n_jobs = [torch.zeros(1, dtype=torch.int32, device=dev) for _ in "ab"]
         self.owner = [-1, -1]
+        n_e = cache.geo.n_experts
+        per_layer = cache._t["home"].cpu().numpy().reshape(cache.geo.n_layers, n_e)
+        contiguous = bool((np.diff(per_layer, axis=1) == rb).all())
+        self.whole_layer = self.buf_slots >= n_e and contiguous
+        self.layer_home = [int(a) for a in per_layer[:, 0]]
         self.side = torch.cuda.Stream(dev)
         self.pending: dict = {}
         self.stages = 0
@@ -310,6 +322,13 @@ class PrefillStager:
         b, ec, s = layer % 2, self.cache._ptr, stream.cuda_stream
         if self.owner[b] >= 0:
             c.ec_unstage(ec, self.owner[b], s)
+        if self.whole_layer:
+            geo, buf = self.cache.geo, self.bufs[b].data_ptr()
+            c.memcpy_async(buf, self.layer_home[layer], geo.n_experts * geo.record_bytes, s)
+            c.ec_stage_layer(ec, layer, buf, s)
+            self.owner[b] = layer
+            self.stages += 1
+            return
         c.ec_stage(ec, layer, self.bufs[b].data_ptr(), self.buf_slots, self.job_src[b].data_ptr(),
                    self.job_dst[b].data_ptr(), self.n_jobs[b].data_ptr(), s)  # fmt: skip
         c.copy_jobs(self.job_src[b].data_ptr(), self.job_dst[b].data_ptr(),

@@ -240,6 +240,44 @@ def test_stage_and_unstage_keep_every_entry_on_a_valid_copy():
     check_tables(geo, home, home_addr, tables, cache, model)
 
 
+def test_whole_layer_staging_copies_each_layer_once_and_points_every_uncached_entry():
+    from glm53.tiers.vram_cache import PrefillStager
+
+    geo, home, home_addr, tables, cache = make_setup(3, 16, (512, 512, 1024), 6)
+    cache.route(1, torch.tensor([2, 5, 7], dtype=torch.int64, device="cuda"))  # 3 cached
+    stager = PrefillStager(cache, buf_slots=16, min_rows=1)
+    assert stager.whole_layer
+    for layer in range(3):  # layer 2 reuses buffer 0: layer 0 is unstaged first
+        stager.on_layer(layer)
+    torch.cuda.synchronize()
+    rb, t = geo.record_bytes, tables.cpu().numpy()
+    cached = {16 + e for e in (2, 5, 7)}
+    bufs = {0: stager.bufs[0], 1: stager.bufs[1]}  # layer 2 -> buf 0, layer 1 -> buf 1
+    for key in range(geo.n_keys):
+        layer, e = divmod(key, 16)
+        for p in range(3):
+            addr = int(t[layer, p, e])
+            assert torch.equal(
+                _read(addr, geo.part_bytes[p]),
+                home[key * rb + geo.part_off[p] : key * rb + geo.part_off[p] + geo.part_bytes[p]],
+            ), (key, p)
+        addr = int(t[layer, 0, e])
+        if key in cached:
+            assert addr == cache._t["slots"].data_ptr() + cache.slot_keys().tolist().index(key) * rb
+        elif layer == 0:  # its buffer now holds layer 2: back at home
+            assert addr == home_addr[key]
+        else:
+            assert addr == bufs[layer % 2].data_ptr() + e * rb
+    assert stager.stages == 3
+
+
+def test_staging_falls_back_to_gathering_when_a_layer_does_not_fit():
+    from glm53.tiers.vram_cache import PrefillStager
+
+    geo, home, home_addr, tables, cache = make_setup(2, 16, (512, 512, 1024), 4)
+    assert not PrefillStager(cache, buf_slots=15, min_rows=1).whole_layer
+
+
 def _read(addr, nbytes):
     from glm53.tiers.vram_cache import _uva_tensor
 
