@@ -66,8 +66,12 @@ if stage synth; then
 fi
 export GLM53_TEST_DEMO=$WORK/demo GLM53_TEST_SLICE=$WORK/slice
 if stage tests; then
-  run tests python3 -m pytest -q -p no:cacheprovider -o addopts="" --junitxml="$OUT/gpu-tests.xml" \
-    ${GLM53_GPU_TESTS:-"$REPO/tests/gpu"}
+  tests=()  # GLM53_GPU_TESTS paths are relative to the repository (this script runs from $WORK)
+  for t in ${GLM53_GPU_TESTS:-tests/gpu}; do
+    case $t in /*) tests+=("$t") ;; *) tests+=("$REPO/$t") ;; esac
+  done
+  run tests python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" \
+    --junitxml="$OUT/gpu-tests.xml" -o junit_family=legacy "${tests[@]}"
 fi
 if stage bench; then
   # GLM53_BENCH picks the benchmarks, GLM53_BENCH_MODES the gpu_slice rows (default: all);
