@@ -117,6 +117,49 @@ def test_engine_decode_agrees_with_an_uncached_forward(engines, record_property)
     assert figures["top1_engine"] >= figures["top1_context_changed"], figures
 
 
+def test_engine_decode_matches_exllamav3_generator_logits(engines):
+    """The step engine against exllamav3's own Generator on a separately loaded copy of the model
+    (a Generator takes over its cache, and captured graphs bake the addresses they were built
+    with, so the two must not share a model). Same prompt, prefilled as one chunk, then one-row
+    decode steps on both sides: the same kernels at the same shapes, so the logits of every step
+    must be identical; a difference points at the engine's state or position handling, not at
+    rounding."""
+    from exllamav3 import ArgmaxSampler, Generator, Job
+
+    from glm53.engine import exl3_load
+
+    stock, _ = engines
+    vocab = stock.tokenizer.vocab_size
+    prompt = torch.randint(0, vocab, (500,), generator=torch.Generator().manual_seed(5)).tolist()
+    toks, logits = greedy(stock, [prompt], 24, chunk=2048)
+    stock.release(0)
+    ref = exl3_load.load(DEMO, "stock", cache_tokens=4096, max_batch=1)
+    try:
+        gen = Generator(model=ref.model, cache=ref.cache, tokenizer=ref.tokenizer, max_batch_size=1)
+        gen.enqueue(
+            Job(input_ids=torch.tensor([prompt]), max_new_tokens=24, sampler=ArgmaxSampler(),
+                stop_conditions=[], return_logits=True)
+        )  # fmt: skip
+        got_ids, got_logits = [], []
+        while gen.num_remaining_jobs():
+            for r in gen.iterate():
+                if "token_ids" in r:
+                    got_ids += r["token_ids"].reshape(-1).tolist()
+                if "logits" in r:
+                    got_logits.append(r["logits"].reshape(-1, r["logits"].shape[-1]).float().cpu())
+    finally:
+        ref.close()
+    want = torch.stack(logits[0])
+    got = torch.cat(got_logits)[:, : want.shape[-1]]
+    assert got.shape == want.shape
+    diff = (got - want).abs().amax(-1)
+    first = int((diff > 0).nonzero()[0]) if bool((diff > 0).any()) else None
+    assert first is None and got_ids == toks[0], (
+        f"first differing step {first}, max |diff| per step {diff.tolist()}, "
+        f"tokens engine {toks[0]} generator {got_ids}"
+    )
+
+
 def test_heat_list_round_trip(engines):
     _, exact = engines
     path = exact.save_heat()
