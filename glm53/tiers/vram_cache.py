@@ -322,18 +322,16 @@ class PrefillStager:
         b, ec, s = layer % 2, self.cache._ptr, stream.cuda_stream
         if self.owner[b] >= 0:
             c.ec_unstage(ec, self.owner[b], s)
+        geo, buf = self.cache.geo, self.bufs[b].data_ptr()
         if self.whole_layer:
-            geo, buf = self.cache.geo, self.bufs[b].data_ptr()
             c.memcpy_async(buf, self.layer_home[layer], geo.n_experts * geo.record_bytes, s)
             c.ec_stage_layer(ec, layer, buf, s)
-            self.owner[b] = layer
-            self.stages += 1
-            return
-        c.ec_stage(ec, layer, self.bufs[b].data_ptr(), self.buf_slots, self.job_src[b].data_ptr(),
-                   self.job_dst[b].data_ptr(), self.n_jobs[b].data_ptr(), s)  # fmt: skip
-        c.copy_jobs(self.job_src[b].data_ptr(), self.job_dst[b].data_ptr(),
-                    self.n_jobs[b].data_ptr(), self.cache.geo.record_bytes,
-                    self.cache.copy_blocks, s)  # fmt: skip
+        else:
+            c.ec_stage(ec, layer, buf, self.buf_slots, self.job_src[b].data_ptr(),
+                       self.job_dst[b].data_ptr(), self.n_jobs[b].data_ptr(), s)  # fmt: skip
+            c.copy_jobs(self.job_src[b].data_ptr(), self.job_dst[b].data_ptr(),
+                        self.n_jobs[b].data_ptr(), geo.record_bytes, self.cache.copy_blocks,
+                        s)  # fmt: skip
         self.owner[b] = layer
         self.stages += 1
 
