@@ -32,3 +32,14 @@ def test_modes_the_gpu_engine_cannot_serve_are_refused(tmp_path, mode):
 def test_a_store_is_refused_in_exact_mode(tmp_path):
     with pytest.raises(ConfigurationError, match="leave --store out"):
         create(settings("--store", str(tmp_path)), tmp_path)
+
+
+def test_an_unloaded_gpu_engine_has_every_protocol_attribute_the_server_reads(tmp_path):
+    """The API reads generation_defaults (and the rest) of whatever engine it serves; the GPU
+    engine once lacked it, and every request through `glm53 serve --engine gpu` got a 500."""
+    from glm53.engine.base import Engine
+
+    e = create(settings("--mode", "exact"), tmp_path)
+    e.tokenizer = None  # set by load(); everything else must exist from the start
+    assert isinstance(e, Engine)
+    assert e.generation_defaults == {}

@@ -52,6 +52,7 @@ class GpuEngine:
         self.allow_unsupported = allow_unsupported
         self.heat_file = heat_file
         self.description = f"GPU engine (exllamav3 1.6.5, mode {mode}) on {model_dir}"
+        self.generation_defaults: dict[str, float] = {}
         self.loaded = None
         self._lock = threading.Lock()
         self._stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "step_s": 0.0}
@@ -60,10 +61,11 @@ class GpuEngine:
         import torch
 
         from glm53.engine import exl3_load
-        from glm53.engine.tokenizer import CheckpointTokenizer
+        from glm53.engine.tokenizer import CheckpointTokenizer, read_generation_defaults
 
         pages = -(-self.context_length // PAGE)
         self.tokenizer = CheckpointTokenizer.from_dir(self.model_dir)
+        self.generation_defaults = read_generation_defaults(self.model_dir)
         self.loaded = exl3_load.load(
             self.model_dir,
             self.mode,

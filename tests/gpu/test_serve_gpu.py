@@ -101,7 +101,8 @@ def test_stats_show_the_vram_cache_working(server, client):
     assert len(cache["layer_hit_rate"]) > 0
 
 
-def test_save_heat_on_demand(server):
+def test_save_heat_on_demand(server, client):
+    client.completions.create(model="glm-5.3-flash", prompt="heat", max_tokens=8, temperature=0)
     r = httpx.post(server.url + "/admin/save_heat", timeout=60)
     assert r.status_code == 200, r.text
     path = Path(r.json()["heat_file"])
