@@ -122,6 +122,31 @@ def time_lane(lane, table, x, jobs) -> float:
     return float(np.median(times))
 
 
+def time_independent(table, x, cpus, variant, num, jobs) -> float:
+    """Median seconds per job when every CPU runs its own one-thread lane at the same time: the
+    scaling ceiling of this host (shared memory bandwidth, all-core clocks) with no work split,
+    no barriers and no shared queue, to tell the pool's own losses from the host's."""
+    from glm53.tiers.cpu_lane import CpuLane, LaneLayout
+
+    lanes = [CpuLane(LaneLayout((c,)), variant) for c in cpus]
+    lists = [job_ids(num, jobs + 2, start=1000 + 37 * i) for i in range(len(cpus))]
+    for lane, ids in zip(lanes, lists, strict=True):
+        time_lane(lane, table, x, ids[:2])
+    start = threading.Barrier(len(lanes))
+    medians = [0.0] * len(lanes)
+
+    def run(i: int) -> None:
+        start.wait()
+        medians[i] = time_lane(lanes[i], table, x, lists[i][2:])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(lanes))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return float(np.median(medians))
+
+
 def max_rel_err(pool, variants) -> dict[str, float]:
     from glm53 import _gemv
     from glm53.tiers.cpu_lane import CpuLane, LaneLayout, expert_table, reference_moe
@@ -282,6 +307,7 @@ def main(argv=None) -> int:
                 }
             )
             del lane
+    independent_s = time_independent(table, x, cpus, best, num, args.jobs)
     errs = max_rel_err(pool, variants)
     cost = None
     if not args.no_calibrate:
@@ -310,6 +336,7 @@ def main(argv=None) -> int:
         "ms_per_expert": all_cores["ms_per_expert"],
         "ms_per_expert_threads": max(best_rows),
         "trellis_gbps_all_cores": all_cores["trellis_gbps"],
+        "independent_gbps_per_thread": TOP_K * per_expert / independent_s / 1e9,
         "dram_gbps": dram["dram_gbps"],
         "memcpy_gbps": dram["copy_gbps"],
         "dram_read_gbps": dram["read_gbps"],
@@ -329,6 +356,9 @@ def main(argv=None) -> int:
         "vs_exllamav3": vs_exl,
         "vs_exllamav3_swizzled": vs_exl_swz,
         "dram_share": all_cores["dram_share"],
+        # all-core pool throughput against every core running its own one-thread lane at once
+        "pool_vs_independent": all_cores["trellis_gbps"]
+        / (max(best_rows) * TOP_K * per_expert / independent_s / 1e9),
     }
     config = {
         "host": platform.node(),
@@ -348,6 +378,8 @@ def main(argv=None) -> int:
         "dram_read_gbps: the same threads xor-reducing the buffer",
         "swizzle": "none: each work unit streams whole tile rows, already contiguous (0 extra RAM)",
         "exllamav3": exl_reason or f"exl3_moe_cpu_forward, int8 activations, {exl}",
+        "independent": f"each of the {max_threads} CPUs runs its own one-thread lane "
+        f"({best_name}) at the same time, {args.jobs} jobs each; figure = median per-lane GB/s",
         "cost_model": "ms = a + b * experts per 'threads,rows' (every expert picked by all rows)",
         "seed": args.seed,
         "commit": git_commit(),
@@ -377,6 +409,11 @@ def print_table(result: dict) -> None:
             f"{row['trellis_gbps']:>8.2f} {row['trellis_gbps_per_thread']:>9.2f} "
             f"{100 * row['dram_share']:>6.1f}%"
         )
+    print(
+        f"{c['cpus']} independent one-thread lanes at once: "
+        f"{f['independent_gbps_per_thread']:.2f} GB/s each; the pool's all-core figure is "
+        f"{r['pool_vs_independent']:.2f} of their sum"
+    )
     print(f"max rel err vs fp64 reference: {f['max_rel_err']:.2e}")
     print(f"vs exllamav3: {r['vs_exllamav3']} ({c['exllamav3']})")
     if f["cost_model"]:
