@@ -233,10 +233,10 @@ __global__ void stage_kernel(g53_ec *ec, int layer, uint8_t *buf, int buf_slots,
 
 // Whole-layer staging: buf holds a copy of the layer's entire home arena (expert e at
 // e * slot_bytes, made on a copy engine); every uncached expert's entries point there.
-__global__ void stage_layer_kernel(g53_ec *ec, int layer, uint8_t *buf)
+__global__ void stage_layer_kernel(g53_ec *ec, int layer, uint8_t *buf, int count)
 {
-    for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < ec->n_experts;
-         e += gridDim.x * blockDim.x) {
+    int end = count < ec->n_experts ? count : ec->n_experts;
+    for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < end; e += gridDim.x * blockDim.x) {
         int key = layer * ec->n_experts + e;
         if (ec->key_slot[key] < 0) point_tables(ec, key, (int64_t)(buf + (int64_t)e * ec->slot_bytes));
     }
@@ -304,10 +304,11 @@ extern "C" int g53_ec_stage(g53_ec *ec, int layer, uint8_t *buf, int buf_slots, 
     return status();
 }
 
-extern "C" int g53_ec_stage_layer(g53_ec *ec, int layer, uint8_t *buf, uintptr_t stream)
+extern "C" int g53_ec_stage_layer(g53_ec *ec, int layer, uint8_t *buf, int count,
+                                  uintptr_t stream)
 {
-    if (!ec || !buf || layer < 0) return G53_CU_EINVAL;
-    stage_layer_kernel<<<4, 256, 0, (cudaStream_t)stream>>>(ec, layer, buf);
+    if (!ec || !buf || layer < 0 || count < 1) return G53_CU_EINVAL;
+    stage_layer_kernel<<<4, 256, 0, (cudaStream_t)stream>>>(ec, layer, buf, count);
     return status();
 }
 

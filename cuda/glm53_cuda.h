@@ -77,10 +77,11 @@ int g53_ec_reset_tables(g53_ec *ec_dev, uintptr_t stream);
 int g53_ec_stage(g53_ec *ec_dev, int layer, uint8_t *buf, int buf_slots, int64_t *job_src,
                  int64_t *job_dst, int32_t *n_jobs, uintptr_t stream);
 int g53_ec_unstage(g53_ec *ec_dev, int layer, uintptr_t stream);
-/* Whole-layer staging: buf (n_experts * slot_bytes) holds a copy of the layer's whole home
- * arena, made with g53_memcpy_async (a copy engine, no SMs taken from the layer computing
- * meanwhile); point every uncached expert of `layer` at its record in buf. */
-int g53_ec_stage_layer(g53_ec *ec_dev, int layer, uint8_t *buf, uintptr_t stream);
+/* Range staging: buf (count * slot_bytes) holds a copy of the first `count` records of the
+ * layer's home arena (all n_experts of them when it fits), made with g53_memcpy_async (a copy
+ * engine, no SMs taken from the layer computing meanwhile); point every uncached expert
+ * e < count of `layer` at its record in buf. */
+int g53_ec_stage_layer(g53_ec *ec_dev, int layer, uint8_t *buf, int count, uintptr_t stream);
 /* cudaMemcpyAsync with cudaMemcpyDefault (pinned host <-> device through UVA). */
 int g53_memcpy_async(void *dst, const void *src, size_t nbytes, uintptr_t stream);
 int g53_copy_jobs(const int64_t *job_src, const int64_t *job_dst, const int32_t *n_jobs,

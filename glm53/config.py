@@ -38,6 +38,7 @@ def _s(
 
 Mode = Literal["auto", "exact", "fast", "nvme", "nvme-exact"]
 NonNegInt = Annotated[int, Meta(ge=0)]
+NonNegFloat = Annotated[float, Meta(ge=0)]
 PosInt = Annotated[int, Meta(ge=1)]
 EngineKind = Literal["auto", "cpu", "gpu", "scripted"]
 LogLevel = Literal["debug", "info", "warning", "error"]
@@ -201,10 +202,14 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
         ),
     ] = 10.0
     ec_stage_gb: Annotated[
-        float,
-        Meta(ge=0),
-        _s("VRAM (GiB) of the two prefill staging buffers.", group="tiers"),
-    ] = 2.6
+        NonNegFloat | None,
+        _s(
+            "VRAM (GiB) of the two prefill staging buffers; default: two whole MoE layers when "
+            "they take at most a quarter of the VRAM left after the model, else that quarter. "
+            "0 turns staging off.",
+            group="tiers",
+        ),
+    ] = None
     ec_freq_window: Annotated[
         NonNegInt | None,
         _s(

@@ -49,12 +49,13 @@ def ec_stage(uintptr_t ec, int layer, uintptr_t buf, int buf_slots, uintptr_t jo
     _check(rc, f"prefill staging of MoE layer {layer}")
 
 
-def ec_stage_layer(uintptr_t ec, int layer, uintptr_t buf, uintptr_t stream):
-    """Point a layer's uncached experts at a whole-layer copy of its home arena in buf."""
+def ec_stage_layer(uintptr_t ec, int layer, uintptr_t buf, int count, uintptr_t stream):
+    """Point a layer's uncached experts e < count at a copy of the first `count` records of its
+    home arena in buf."""
     cdef int rc
     with nogil:
-        rc = g53_ec_stage_layer(<g53_ec *> ec, layer, <uint8_t *> buf, stream)
-    _check(rc, f"whole-layer staging of MoE layer {layer}")
+        rc = g53_ec_stage_layer(<g53_ec *> ec, layer, <uint8_t *> buf, count, stream)
+    _check(rc, f"staging the first {count} experts of MoE layer {layer}")
 
 
 def memcpy_async(uintptr_t dst, uintptr_t src, size_t nbytes, uintptr_t stream):

@@ -12,7 +12,7 @@ cdef extern from "glm53_cuda.h" nogil:
     int g53_ec_stage(g53_ec *ec, int layer, uint8_t *buf, int buf_slots, int64_t *job_src,
                      int64_t *job_dst, int32_t *n_jobs, uintptr_t stream)
     int g53_ec_unstage(g53_ec *ec, int layer, uintptr_t stream)
-    int g53_ec_stage_layer(g53_ec *ec, int layer, uint8_t *buf, uintptr_t stream)
+    int g53_ec_stage_layer(g53_ec *ec, int layer, uint8_t *buf, int count, uintptr_t stream)
     int g53_memcpy_async(void *dst, const void *src, size_t nbytes, uintptr_t stream)
     int g53_copy_jobs(const int64_t *job_src, const int64_t *job_dst, const int32_t *n_jobs,
                       int64_t nbytes, int n_blocks, uintptr_t stream)

@@ -43,3 +43,21 @@ def test_an_unloaded_gpu_engine_has_every_protocol_attribute_the_server_reads(tm
     e.tokenizer = None  # set by load(); everything else must exist from the start
     assert isinstance(e, Engine)
     assert e.generation_defaults == {}
+
+
+def test_default_staging_takes_whole_layers_when_they_fit_a_quarter_else_the_quarter():
+    from glm53.engine.exl3_load import GIB, MIN_STAGE_SLOTS, staging_slots
+
+    rb = 9_437_184  # one GLM-5.3-Flash expert record at 3 bpw
+    # an H200: two whole layers of 288 are far below a quarter of 130 GiB
+    assert staging_slots(130 * GIB, GIB, 288, rb, None) == 288
+    # 10 GiB left after the model and a 1 GiB reserve: a quarter of 9 GiB over two buffers
+    assert staging_slots(10 * GIB, GIB, 288, rb, None) == int(0.25 * 9 * GIB // (2 * rb)) == 128
+    # too little for MIN_STAGE_SLOTS records per buffer: off rather than a token buffer
+    tight = 2 * MIN_STAGE_SLOTS * rb * 4 - 1 + GIB
+    assert staging_slots(tight, GIB, 288, rb, None) == 0
+    assert staging_slots(GIB // 2, GIB, 288, rb, None) == 0  # less free than the reserve
+    # an explicit size is taken as given (capped at a whole layer); 0 turns staging off
+    assert staging_slots(10 * GIB, GIB, 288, rb, 2.6) == int(2.6 * GIB // (2 * rb)) == 147
+    assert staging_slots(10 * GIB, GIB, 288, rb, 100.0) == 288
+    assert staging_slots(130 * GIB, GIB, 288, rb, 0.0) == 0

@@ -71,6 +71,24 @@ class Loaded:
             self.home.close()
 
 
+STAGE_SHARE = 0.25  # of the VRAM left after the model, at most, for the default staging buffers
+MIN_STAGE_SLOTS = 8  # below this many records per buffer the default turns staging off
+
+
+def staging_slots(
+    free: int, reserve: int, n_experts: int, record_bytes: int, stage_gb: float | None
+) -> int:
+    """Records per prefill staging buffer (two buffers). `stage_gb` None is the default: two
+    whole MoE layers when they take at most STAGE_SHARE of the VRAM left (free - reserve), else
+    as many records as that share holds (GLM-5.3-Flash with 10 GiB free and the 1 GiB reserve: 128
+    of each layer's 288 experts), or none when that is under MIN_STAGE_SLOTS; 0 turns staging off."""
+    if stage_gb is not None:
+        return min(n_experts, int(stage_gb * GIB // (2 * record_bytes)))
+    budget = STAGE_SHARE * max(0, free - reserve)
+    slots = min(n_experts, int(budget // (2 * record_bytes)))
+    return slots if slots >= MIN_STAGE_SLOTS else 0
+
+
 def load(
     model_dir: str,
     mode: str = "exact",
@@ -84,6 +102,7 @@ def load(
     ec_stage_gb: float | None = None,
     ec_freq_window: int | None = None,
     stage_min_rows: int = 256,
+    stage_dma: bool | None = None,
     allow_unsupported: bool = False,
 ) -> Loaded:
     import torch
@@ -136,12 +155,9 @@ def load(
         torch.cuda.synchronize(dev)
         free, _ = torch.cuda.mem_get_info(dev)
         rb = home.geo.record_bytes
-        stage_slots = 0
-        if ec_stage_gb is None:  # default: two whole layers, if that leaves room for the cache
-            want = 2 * home.geo.n_experts * rb
-            ec_stage_gb = want / GIB if want < 0.25 * (free - ec_reserve_gb * GIB) else 0.0
-        if ec_stage_gb > 0:
-            stage_slots = min(home.geo.n_experts, int(ec_stage_gb * GIB // (2 * rb)))
+        stage_slots = staging_slots(
+            free, int(ec_reserve_gb * GIB), home.geo.n_experts, rb, ec_stage_gb
+        )
         free -= 2 * stage_slots * rb
         fit = int((free - ec_reserve_gb * GIB) // rb)
         slots = ec_slots if ec_slots is not None else fit
@@ -162,7 +178,7 @@ def load(
         if stage_slots > 0:
             from glm53.tiers.vram_cache import PrefillStager
 
-            stager = PrefillStager(ec, stage_slots, min_rows=stage_min_rows)
+            stager = PrefillStager(ec, stage_slots, min_rows=stage_min_rows, dma=stage_dma)
         exl3_hooks.attach_cache(moe, ec, stager)
         loaded.ec, loaded.stager = ec, stager
     return loaded

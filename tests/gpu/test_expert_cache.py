@@ -210,11 +210,13 @@ def test_too_many_picks_is_a_clear_error():
 
 
 def test_stage_and_unstage_keep_every_entry_on_a_valid_copy():
+    """The gather path (an SM copy kernel of the uncached experts, as many as fit)."""
     from glm53.tiers.vram_cache import PrefillStager
 
     geo, home, home_addr, tables, cache = make_setup(3, 16, (512, 512, 1024), 6)
     cache.route(1, torch.tensor([2, 5, 7], dtype=torch.int64, device="cuda"))  # 3 cached
-    stager = PrefillStager(cache, buf_slots=10, min_rows=1)
+    stager = PrefillStager(cache, buf_slots=10, min_rows=1, dma=False)
+    assert not stager.dma
     for layer in range(3):
         stager.on_layer(layer)
     torch.cuda.synchronize()
@@ -271,11 +273,55 @@ def test_whole_layer_staging_copies_each_layer_once_and_points_every_uncached_en
     assert stager.stages == 3
 
 
-def test_staging_falls_back_to_gathering_when_a_layer_does_not_fit():
+def test_range_staging_copies_the_first_records_and_points_only_those_uncached():
+    """A buffer smaller than a layer: one copy-engine transfer of the layer's first buf_slots
+    records; those not cached point into it, the rest of the layer stays where it was."""
+    from glm53.tiers.vram_cache import PrefillStager
+
+    geo, home, home_addr, tables, cache = make_setup(3, 16, (512, 512, 1024), 6)
+    cache.route(1, torch.tensor([2, 5, 12], dtype=torch.int64, device="cuda"))  # 3 cached
+    stager = PrefillStager(cache, buf_slots=9, min_rows=1)
+    assert stager.dma and not stager.whole_layer and stager.dma_count == 9
+    for layer in range(3):  # layer 2 reuses buffer 0: layer 0 is unstaged first
+        stager.on_layer(layer)
+    torch.cuda.synchronize()
+    rb, t = geo.record_bytes, tables.cpu().numpy()
+    cached = {16 + e for e in (2, 5, 12)}
+    for key in range(geo.n_keys):
+        layer, e = divmod(key, 16)
+        for p in range(3):
+            addr = int(t[layer, p, e])
+            assert torch.equal(
+                _read(addr, geo.part_bytes[p]),
+                home[key * rb + geo.part_off[p] : key * rb + geo.part_off[p] + geo.part_bytes[p]],
+            ), (key, p)
+        addr = int(t[layer, 0, e])
+        if key in cached:
+            assert addr == cache._t["slots"].data_ptr() + cache.slot_keys().tolist().index(key) * rb
+        elif layer == 0 or e >= 9:  # unstaged, or beyond the copied range: at home
+            assert addr == home_addr[key]
+        else:
+            assert addr == stager.bufs[layer % 2].data_ptr() + e * rb
+    assert stager.stages == 3
+
+
+def test_staging_gathers_when_asked_or_when_homes_are_not_contiguous():
     from glm53.tiers.vram_cache import PrefillStager
 
     geo, home, home_addr, tables, cache = make_setup(2, 16, (512, 512, 1024), 4)
-    assert not PrefillStager(cache, buf_slots=15, min_rows=1).whole_layer
+    assert PrefillStager(cache, buf_slots=15, min_rows=1).dma
+    assert not PrefillStager(cache, buf_slots=15, min_rows=1, dma=False).dma
+    assert PrefillStager(cache, buf_slots=16, min_rows=1).whole_layer
+    # the same records, listed in reverse within each layer: no longer one ascending arena
+    rev = np.ascontiguousarray(home_addr.reshape(2, 16)[:, ::-1]).reshape(-1)
+    tables2 = torch.empty((2, 3, 16), dtype=torch.int64, device="cuda")
+    for p, off in enumerate(geo.part_off):
+        tables2[:, p, :] = torch.from_numpy(rev.reshape(2, 16) + off).cuda()
+    addrs = [tables2[layer, p].data_ptr() for layer in range(2) for p in range(3)]
+    cache2 = DeviceExpertCache(geo, 4, rev, addrs, "cuda", freq_window=0)
+    assert not PrefillStager(cache2, buf_slots=16, min_rows=1).dma
+    with pytest.raises(ValueError, match="contiguous arena"):
+        PrefillStager(cache2, buf_slots=16, min_rows=1, dma=True)
 
 
 def _read(addr, nbytes):
