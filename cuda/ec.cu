@@ -231,8 +231,9 @@ __global__ void stage_kernel(g53_ec *ec, int layer, uint8_t *buf, int buf_slots,
     if (threadIdx.x == 0) *n_jobs = min(base_s, buf_slots);
 }
 
-// Whole-layer staging: buf holds a copy of the layer's entire home arena (expert e at
-// e * slot_bytes, made on a copy engine); every uncached expert's entries point there.
+// Range staging: buf holds a copy of the first `count` records of the layer's home arena
+// (expert e at e * slot_bytes, made on a copy engine; the whole arena when count covers the
+// layer); the entries of every uncached expert e < count point there.
 __global__ void stage_layer_kernel(g53_ec *ec, int layer, uint8_t *buf, int count)
 {
     int end = count < ec->n_experts ? count : ec->n_experts;
