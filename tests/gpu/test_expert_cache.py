@@ -242,46 +242,18 @@ def test_stage_and_unstage_keep_every_entry_on_a_valid_copy():
     check_tables(geo, home, home_addr, tables, cache, model)
 
 
-def test_whole_layer_staging_copies_each_layer_once_and_points_every_uncached_entry():
-    from glm53.tiers.vram_cache import PrefillStager
-
-    geo, home, home_addr, tables, cache = make_setup(3, 16, (512, 512, 1024), 6)
-    cache.route(1, torch.tensor([2, 5, 7], dtype=torch.int64, device="cuda"))  # 3 cached
-    stager = PrefillStager(cache, buf_slots=16, min_rows=1)
-    assert stager.whole_layer
-    for layer in range(3):  # layer 2 reuses buffer 0: layer 0 is unstaged first
-        stager.on_layer(layer)
-    torch.cuda.synchronize()
-    rb, t = geo.record_bytes, tables.cpu().numpy()
-    cached = {16 + e for e in (2, 5, 7)}
-    bufs = {0: stager.bufs[0], 1: stager.bufs[1]}  # layer 2 -> buf 0, layer 1 -> buf 1
-    for key in range(geo.n_keys):
-        layer, e = divmod(key, 16)
-        for p in range(3):
-            addr = int(t[layer, p, e])
-            assert torch.equal(
-                _read(addr, geo.part_bytes[p]),
-                home[key * rb + geo.part_off[p] : key * rb + geo.part_off[p] + geo.part_bytes[p]],
-            ), (key, p)
-        addr = int(t[layer, 0, e])
-        if key in cached:
-            assert addr == cache._t["slots"].data_ptr() + cache.slot_keys().tolist().index(key) * rb
-        elif layer == 0:  # its buffer now holds layer 2: back at home
-            assert addr == home_addr[key]
-        else:
-            assert addr == bufs[layer % 2].data_ptr() + e * rb
-    assert stager.stages == 3
-
-
-def test_range_staging_copies_the_first_records_and_points_only_those_uncached():
-    """A buffer smaller than a layer: one copy-engine transfer of the layer's first buf_slots
-    records; those not cached point into it, the rest of the layer stays where it was."""
+@pytest.mark.parametrize("buf_slots", [16, 9], ids=["whole-layer", "range"])
+def test_copy_engine_staging_copies_the_first_records_and_points_only_those_uncached(buf_slots):
+    """One copy-engine transfer per layer of its first buf_slots records (all 16: the whole
+    layer); the uncached experts among them point into the buffer, the rest of the layer stays
+    where it was, and a buffer's previous layer goes back home before it is reused."""
     from glm53.tiers.vram_cache import PrefillStager
 
     geo, home, home_addr, tables, cache = make_setup(3, 16, (512, 512, 1024), 6)
     cache.route(1, torch.tensor([2, 5, 12], dtype=torch.int64, device="cuda"))  # 3 cached
-    stager = PrefillStager(cache, buf_slots=9, min_rows=1)
-    assert stager.dma and not stager.whole_layer and stager.dma_count == 9
+    stager = PrefillStager(cache, buf_slots=buf_slots, min_rows=1)
+    assert stager.dma and stager.dma_count == buf_slots
+    assert stager.whole_layer == (buf_slots == 16)
     for layer in range(3):  # layer 2 reuses buffer 0: layer 0 is unstaged first
         stager.on_layer(layer)
     torch.cuda.synchronize()
@@ -298,7 +270,7 @@ def test_range_staging_copies_the_first_records_and_points_only_those_uncached()
         addr = int(t[layer, 0, e])
         if key in cached:
             assert addr == cache._t["slots"].data_ptr() + cache.slot_keys().tolist().index(key) * rb
-        elif layer == 0 or e >= 9:  # unstaged, or beyond the copied range: at home
+        elif layer == 0 or e >= buf_slots:  # unstaged, or beyond the copied range: at home
             assert addr == home_addr[key]
         else:
             assert addr == stager.bufs[layer % 2].data_ptr() + e * rb
