@@ -16,6 +16,9 @@ AVX512 = GEMV_AVX512
 AVX512_FP16 = GEMV_AVX512_FP16
 VARIANTS = tuple(range(GEMV_NUM_VARIANTS))
 BEST = GEMV_BEST
+EXACT = GEMV_EXACT
+FAST = GEMV_FAST
+PRECISIONS = tuple(range(GEMV_NUM_PRECISIONS))
 CALLER_WAITS = GEMV_CALLER_WAITS
 CALLER_HELPS = GEMV_CALLER_HELPS
 CALLER_RUNS_ALL = GEMV_CALLER_RUNS_ALL
@@ -29,6 +32,16 @@ def variant_name(int variant):
 def variant_supported(int variant):
     """Whether this CPU runs `variant` (0 scalar, 1 avx2, 2 avx512, 3 avx512-fp16)."""
     return bool(gemv_variant_supported(variant))
+
+
+def precision_name(int precision):
+    """'exact' or 'fast'."""
+    return gemv_precision_name(precision).decode()
+
+
+def kernel_supported(int variant, int precision):
+    """Whether this CPU runs `variant` at `precision` (EXACT or FAST)."""
+    return bool(gemv_kernel_supported(variant, precision))
 
 
 def best_variant():
@@ -196,12 +209,13 @@ cdef class Pool:
         return <uintptr_t>self._p
 
     def submit(self, ExpertTable table not None, x, rows, experts, weights, out=None, *,
-               int variant=GEMV_BEST, float act_limit=10.0, done=None):
+               int variant=GEMV_BEST, float act_limit=10.0, done=None, int precision=GEMV_EXACT):
         """Queue out[r] = sum over picks (rows[i] == r) of weights[i] * expert(experts[i])(x[r]).
 
         x: float32 [num_rows, hidden], num_rows 1..8; rows, experts, weights: one entry per pick
         (at most 64); out: float32 [num_rows, hidden] (allocated if None), overwritten; done: an
-        optional uint32 array whose element 0 receives the job's sequence number when it is done.
+        optional uint32 array whose element 0 receives the job's sequence number when it is done;
+        precision: EXACT (fp16 weights, fp32 products) or FAST (see pyx/gemv_fast.h).
         """
         if not isinstance(x, np.ndarray) or x.ndim != 2:
             raise TypeError(f"x must be a 2-D float32 numpy array [rows, {table.hidden}], got "
@@ -248,6 +262,7 @@ cdef class Pool:
         j.hidden, j.inter, j.k2 = table.hidden, table.inter, table.k2
         j.act_limit = act_limit
         j.variant = variant
+        j.precision = precision
         j.experts = table._e
         j.num_experts = table.num_experts
         j.x = <const float *><uintptr_t>x.ctypes.data
@@ -272,13 +287,14 @@ cdef class Pool:
         return job
 
     def run(self, ExpertTable table not None, x, rows, experts, weights, out=None, *,
-            int variant=GEMV_BEST, float act_limit=10.0):
+            int variant=GEMV_BEST, float act_limit=10.0, int precision=GEMV_EXACT):
         """submit(...).wait(): the MoE output rows, float32 [num_rows, hidden]."""
         return self.submit(table, x, rows, experts, weights, out, variant=variant,
-                           act_limit=act_limit).wait()
+                           act_limit=act_limit, precision=precision).wait()
 
     def run_picks(self, ExpertTable table not None, x, rows, experts, weights, dest, out, *,
-                  int variant=GEMV_BEST, float act_limit=10.0, int caller=GEMV_CALLER_WAITS):
+                  int variant=GEMV_BEST, float act_limit=10.0, int caller=GEMV_CALLER_WAITS,
+                  int precision=GEMV_EXACT):
         """out[dest[i]] = weights[i] * expert(experts[i])(x[rows[i]]) for every pick i, computed
         as one batch of jobs; returns the number of jobs.
 
@@ -347,6 +363,7 @@ cdef class Pool:
                         j.hidden, j.inter, j.k2 = table.hidden, table.inter, table.k2
                         j.act_limit = act_limit
                         j.variant = variant
+                        j.precision = precision
                         j.experts = table._e
                         j.num_experts = table.num_experts
                         j.x = xs + start * hidden
@@ -376,8 +393,9 @@ cdef class Pool:
         return num_jobs
 
 
-def tiles(int variant, trellis, xh, int kt0=0, kt1=None):
-    """One tile kernel on one thread: acc[i] = xh[i, 16 kt0:16 kt1] @ Wq[16 kt0:16 kt1] (fp32).
+def tiles(int variant, trellis, xh, int kt0=0, kt1=None, int precision=GEMV_EXACT):
+    """One tile kernel on one thread: acc[i] = xh[i, 16 kt0:16 kt1] @ Wq[16 kt0:16 kt1] (fp32;
+    FAST: with the unrounded codebook and int16 inputs, pyx/gemv_fast.h).
 
     trellis: int16 [k/16, n/16, 8 k2]; xh: float32 [m, k] rotated inputs, m 1..8. For tests and
     benchmarks of the kernels alone."""
@@ -398,16 +416,13 @@ def tiles(int variant, trellis, xh, int kt0=0, kt1=None):
         kt1 = kt
     if not 0 <= kt0 <= kt1 <= kt:
         raise ValueError(f"tile rows [{kt0}, {kt1}) are not inside [0, {kt})")
-    if not gemv_variant_supported(variant):
-        raise RuntimeError(f"this CPU cannot run the {variant_name(variant)} variant")
+    if precision not in (GEMV_EXACT, GEMV_FAST):
+        raise ValueError(f"precision {precision} is not EXACT ({GEMV_EXACT}) or FAST ({GEMV_FAST})")
+    if not gemv_kernel_supported(variant, precision):
+        raise RuntimeError(f"this CPU cannot run the {variant_name(variant)} "
+                           f"{precision_name(precision)} kernel")
     acc = np.empty((m, 16 * nt), dtype=np.float32)
-    cdef gemv_tiles_fn fn = gemv_tiles_scalar
-    if variant == GEMV_AVX2:
-        fn = gemv_tiles_avx2
-    elif variant == GEMV_AVX512:
-        fn = gemv_tiles_avx512
-    elif variant == GEMV_AVX512_FP16:
-        fn = gemv_tiles_avx512fp16
+    cdef gemv_tiles_fn fn = gemv_kernel(variant, precision)
     cdef const uint8_t *t = <const uint8_t *><uintptr_t>trellis.ctypes.data
     cdef const float *x = <const float *><uintptr_t>xh.ctypes.data
     cdef float *a = <float *><uintptr_t>acc.ctypes.data

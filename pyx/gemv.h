@@ -7,7 +7,9 @@
  * where each EXL3 linear is  y = had(had(x * suh) @ Wq) * svh  (had: 128-point Walsh-Hadamard
  * blocks scaled by 1/sqrt(128); Wq: the decoded fp16 tile weights, bit-identical to exllamav3's
  * reconstruct). Everything after the fp16 weights is fp32: inputs, accumulation, outputs.
- * An expert picked by several rows is decoded once per job.
+ * That is the exact precision. The fast precision (gemv_fast.h) skips the codebook's fp16 rounding
+ * and multiplies int16-quantised inputs in integers: about 2x the speed, with an error below the
+ * GPU kernel's own. An expert picked by several rows is decoded once per job.
  *
  * Layouts (all caller memory, never copied, never written except `out`, `done` and `status`):
  *   trellis   int16 tiles [k/16][n/16][8 * k2], exllamav3's native layout (k2 = 2 K: 6 for 3 bits,
@@ -39,6 +41,12 @@ enum gemv_variant {
     GEMV_AVX512_FP16 = 3, /* + VBMI2 + FP16: the weights decoded 32 at a time in fp16 */
     GEMV_NUM_VARIANTS = 4,
     GEMV_BEST = -1 /* the fastest variant this CPU runs */
+};
+
+enum gemv_precision {
+    GEMV_EXACT = 0, /* fp16 weights bit-identical to exllamav3's, fp32 products */
+    GEMV_FAST = 1,  /* unrounded codebook, int16 inputs (gemv_fast.h) */
+    GEMV_NUM_PRECISIONS = 2,
 };
 
 enum gemv_status {
@@ -73,6 +81,7 @@ typedef struct gemv_job {
     int32_t k2;     /* bits per weight in half bits */
     float act_limit; /* SwiGLU clamp; 0 = none */
     int32_t variant; /* enum gemv_variant */
+    int32_t precision; /* enum gemv_precision; 0 (exact) in a zeroed job */
     /* inputs */
     const gemv_expert *experts;
     int32_t num_experts; /* picks index 0..num_experts-1 */
@@ -91,7 +100,10 @@ typedef struct gemv_job {
 } gemv_job;
 
 const char *gemv_variant_name(int variant);
+const char *gemv_precision_name(int precision);
 int gemv_variant_supported(int variant);
+/* Whether this CPU runs `variant` at `precision` (the fast avx512-fp16 kernel is the avx512 one). */
+int gemv_kernel_supported(int variant, int precision);
 int gemv_best_variant(void);
 /* Checks shapes, pointers, ids and the variant. Returns GEMV_OK, or an error code with a sentence
  * naming the bad field in msg. */

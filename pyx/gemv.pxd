@@ -20,6 +20,11 @@ cdef extern from "gemv.h" nogil:
         GEMV_BEST
 
     enum:
+        GEMV_EXACT
+        GEMV_FAST
+        GEMV_NUM_PRECISIONS
+
+    enum:
         GEMV_OK
         GEMV_EINVAL
         GEMV_ENOSYS
@@ -48,6 +53,7 @@ cdef extern from "gemv.h" nogil:
         int32_t k2
         float act_limit
         int32_t variant
+        int32_t precision
         const gemv_expert *experts
         int32_t num_experts
         const float *x
@@ -63,7 +69,9 @@ cdef extern from "gemv.h" nogil:
         pass
 
     const char *gemv_variant_name(int variant)
+    const char *gemv_precision_name(int precision)
     int gemv_variant_supported(int variant)
+    int gemv_kernel_supported(int variant, int precision)
     int gemv_best_variant()
     int gemv_job_check(const gemv_job *job, char *msg, size_t msg_len)
 
@@ -85,6 +93,7 @@ cdef extern from "gemv.h" nogil:
 cdef extern from "gemv_kern.h" nogil:
     ctypedef void (*gemv_tiles_fn)(const uint8_t *trellis, int n_tiles, int k2, int kt0, int kt1,
                                    const float *xh, int x_stride, int m, float *acc)
+    gemv_tiles_fn gemv_kernel(int variant, int precision)
     void gemv_tiles_scalar(const uint8_t *trellis, int n_tiles, int k2, int kt0, int kt1,
                            const float *xh, int x_stride, int m, float *acc)
     void gemv_tiles_avx2(const uint8_t *trellis, int n_tiles, int k2, int kt0, int kt1,

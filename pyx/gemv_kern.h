@@ -28,6 +28,15 @@ void gemv_tiles_avx512(const uint8_t *trellis, int n_tiles, int k2, int kt0, int
                        const float *xh, int x_stride, int m, float *acc);
 void gemv_tiles_avx512fp16(const uint8_t *trellis, int n_tiles, int k2, int kt0, int kt1,
                            const float *xh, int x_stride, int m, float *acc);
+/* The tile kernel of a variant at a precision (gemv.h); the caller checks support. */
+gemv_tiles_fn gemv_kernel(int variant, int precision);
+/* The fast (inexact) kernels: unrounded codebook, int16 inputs (gemv_fast.h). */
+void gemv_tiles_scalar_fast(const uint8_t *trellis, int n_tiles, int k2, int kt0, int kt1,
+                            const float *xh, int x_stride, int m, float *acc);
+void gemv_tiles_avx2_fast(const uint8_t *trellis, int n_tiles, int k2, int kt0, int kt1,
+                          const float *xh, int x_stride, int m, float *acc);
+void gemv_tiles_avx512_fast(const uint8_t *trellis, int n_tiles, int k2, int kt0, int kt1,
+                            const float *xh, int x_stride, int m, float *acc);
 
 #define GEMV_MUL1_MULT 0x83DCD12Du
 /* mul1 weight = fp16(KINV * byte_sum + C0): the fp32 product and sum are exact (every term is a

@@ -27,6 +27,15 @@ const char *gemv_variant_name(int variant)
     }
 }
 
+const char *gemv_precision_name(int precision)
+{
+    switch (precision) {
+    case GEMV_EXACT: return "exact";
+    case GEMV_FAST: return "fast";
+    default: return "unknown";
+    }
+}
+
 int gemv_variant_supported(int variant)
 {
     __builtin_cpu_init();
@@ -47,6 +56,15 @@ int gemv_variant_supported(int variant)
     }
 }
 
+int gemv_kernel_supported(int variant, int precision)
+{
+    if (!gemv_variant_supported(variant))
+        return 0;
+    if (precision == GEMV_FAST && variant == GEMV_AVX512_FP16) /* it runs the avx512 fast kernel */
+        return gemv_variant_supported(GEMV_AVX512);
+    return precision == GEMV_EXACT || precision == GEMV_FAST;
+}
+
 int gemv_best_variant(void)
 {
     for (int v = GEMV_NUM_VARIANTS - 1; v > GEMV_SCALAR; v--)
@@ -55,8 +73,15 @@ int gemv_best_variant(void)
     return GEMV_SCALAR;
 }
 
-static gemv_tiles_fn variant_tiles(int variant)
+gemv_tiles_fn gemv_kernel(int variant, int precision)
 {
+    if (precision == GEMV_FAST)
+        switch (variant) {
+        case GEMV_AVX2: return gemv_tiles_avx2_fast;
+        case GEMV_AVX512:
+        case GEMV_AVX512_FP16: return gemv_tiles_avx512_fast;
+        default: return gemv_tiles_scalar_fast;
+        }
     switch (variant) {
     case GEMV_AVX2: return gemv_tiles_avx2;
     case GEMV_AVX512: return gemv_tiles_avx512;
@@ -106,9 +131,16 @@ int gemv_job_check(const gemv_job *job, char *msg, size_t len)
     if (v < 0 || v >= GEMV_NUM_VARIANTS)
         return fail(msg, len, GEMV_EINVAL, "variant %d is not one of 0..%d or -1 (best)",
                     job->variant, GEMV_NUM_VARIANTS - 1);
+    if (job->precision < 0 || job->precision >= GEMV_NUM_PRECISIONS)
+        return fail(msg, len, GEMV_EINVAL, "precision %d is not 0 (exact) or 1 (fast)",
+                    job->precision);
     if (!gemv_variant_supported(v))
         return fail(msg, len, GEMV_ENOSYS, "this CPU cannot run the %s variant; use %s",
                     gemv_variant_name(v), gemv_variant_name(gemv_best_variant()));
+    if (!gemv_kernel_supported(v, job->precision))
+        return fail(msg, len, GEMV_ENOSYS, "this CPU cannot run the %s %s kernel; use %s",
+                    gemv_variant_name(v), gemv_precision_name(job->precision),
+                    gemv_variant_name(GEMV_AVX2));
     if (job->num_rows < 1 || job->num_rows > GEMV_MAX_ROWS)
         return fail(msg, len, GEMV_EINVAL, "num_rows %d must be 1..%d", job->num_rows,
                     GEMV_MAX_ROWS);
@@ -158,7 +190,7 @@ int gemv_exec_plan(gemv_exec *ex, const gemv_job *job, int num_threads)
 {
     int variant = job->variant == GEMV_BEST ? gemv_best_variant() : job->variant;
     ex->job = job;
-    ex->tiles = variant_tiles(variant);
+    ex->tiles = gemv_kernel(variant, job->precision);
     ex->num_experts = 0;
     for (int p = 0; p < job->num_picks; p++) {
         const gemv_pick *pk = &job->picks[p];

@@ -3,7 +3,9 @@ the exact reference it is tested against, and the per-host cost model the planne
 
 The kernels and the pinned pool are native (`glm53._gemv`, pyx/gemv.h); this module only sets
 them up. The lane computes routed experts in fp32 from the EXL3 trellis; `reference_moe` is the
-same computation in fp64 from the numpy decoder.
+same computation in fp64 from the numpy decoder. At precision "fast" the kernels skip the
+codebook's fp16 rounding and use int16 inputs (pyx/gemv_fast.h); `reference_moe_fast` is that
+computation in fp64, and `FAST_REL_TOL` bounds how far it may stray from the exact reference.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from glm53 import _gemv
-from glm53.models.exl3 import Exl3Weights
+from glm53.models.exl3 import MUL1_MULT, Exl3Weights, decode_states, tc_perm
+from glm53.models.exl3 import _blocks as _hadamard_blocks
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +34,11 @@ SYS_CPU = Path("/sys/devices/system/cpu")
 CALLER_ONLY_WEIGHTS = 1 << 21
 
 VARIANTS = {_gemv.variant_name(v): v for v in _gemv.VARIANTS}
+PRECISIONS = {_gemv.precision_name(p): p for p in _gemv.PRECISIONS}
+# The fast lane's bound on one expert's output against the fp64 reference: max |error| over max
+# |reference|. Measured 3e-4 to 6e-4 on random GLM-shaped experts (tests/test_gemv.py); exllamav3's
+# GPU kernel measures about the same on the same experts and inputs (tests/gpu/).
+FAST_REL_TOL = 2e-3
 
 
 class LaneConfigError(ValueError):
@@ -210,14 +218,76 @@ def reference_moe(
     return out
 
 
+def _quantise_blocks(xh: np.ndarray) -> np.ndarray:
+    """The fast kernels' int16 step (gemv_fast.h), dequantised, per 128-block of the last axis."""
+    b = xh.astype(np.float32).reshape(*xh.shape[:-1], -1, 128)
+    amax = np.abs(b).max(axis=-1, keepdims=True)
+    safe = np.where(amax > 0, amax, np.float32(1))
+    q = np.rint(b * (np.float32(16383) / safe))
+    scale = np.where(amax > 0, safe / np.float32(16383), np.float32(0))
+    return (q.astype(np.float64) * scale.astype(np.float64)).reshape(xh.shape)
+
+
+def _unrounded_inner(lin: Exl3Weights) -> np.ndarray:
+    """Wq `[k, n]` fp64 from the mul1 codebook without its fp16 rounding: KINV * s + C0."""
+    t = lin.trellis
+    kt, nt, _ = t.shape
+    x = decode_states(t).astype(np.uint32) * np.uint32(MUL1_MULT)
+    s = sum((x >> np.uint32(b)) & np.uint32(0xFF) for b in (0, 8, 16, 24)).astype(np.float64)
+    tiles = np.empty((kt, nt, 256))
+    tiles[:, :, tc_perm()] = s * (1774 / 2**18) - 3.453125
+    return tiles.reshape(kt, nt, 16, 16).transpose(0, 2, 1, 3).reshape(16 * kt, 16 * nt)
+
+
+def _apply_fast(lin: Exl3Weights, x: np.ndarray, inner: np.ndarray) -> np.ndarray:
+    xh = _quantise_blocks(_hadamard_blocks(x * lin.suh.astype(np.float64), -1))
+    return _hadamard_blocks(xh @ inner, -1) * lin.svh.astype(np.float64)
+
+
+def reference_moe_fast(
+    x: np.ndarray,
+    rows: Sequence[int],
+    expert_ids: Sequence[int],
+    weights: Sequence[float],
+    experts: Sequence[Expert],
+    act_limit: float = SWIGLU_LIMIT,
+) -> np.ndarray:
+    """What the lane computes at precision "fast", in fp64: the same MoE as `reference_moe` with
+    the unrounded codebook and the int16 steps of pyx/gemv_fast.h."""
+    x = np.asarray(x, dtype=np.float64)
+    out = np.zeros_like(x)
+    inner: dict[int, tuple[np.ndarray, ...]] = {}
+    for r, e, w in zip(rows, expert_ids, weights, strict=True):
+        if e not in inner:
+            inner[e] = tuple(_unrounded_inner(lin) for lin in experts[e])
+        gate, up, down = experts[e]
+        g = _apply_fast(gate, x[r], inner[e][0])
+        u = _apply_fast(up, x[r], inner[e][1])
+        out[r] += w * _apply_fast(down, swiglu(g, u, act_limit), inner[e][2])
+    return out
+
+
 # --- the lane ----------------------------------------------------------------------------------
 
 
 class CpuLane:
     """The pinned worker pool and the kernel variant it runs. Thread-safe: jobs queue in C."""
 
-    def __init__(self, layout: LaneLayout | None = None, variant: str | int = "best"):
+    def __init__(
+        self,
+        layout: LaneLayout | None = None,
+        variant: str | int = "best",
+        precision: str | int = "exact",
+    ):
         self.layout = layout or lane_layout()
+        if isinstance(precision, str):
+            if precision not in PRECISIONS:
+                raise LaneConfigError(
+                    f"lane precision {precision!r} is not one of {', '.join(PRECISIONS)}"
+                )
+            precision = PRECISIONS[precision]
+        elif precision not in _gemv.PRECISIONS:
+            raise LaneConfigError(f"lane precision {precision} is not one of {_gemv.PRECISIONS}")
         if isinstance(variant, str):
             if variant == "best":
                 variant = _gemv.best_variant()
@@ -233,23 +303,37 @@ class CpuLane:
                 f"it runs {_gemv.variant_name(_gemv.best_variant())}"
             )
         self.variant = variant
+        self.precision = precision
         self.pool = _gemv.Pool(self.layout.threads, self.layout.cpus)
 
     @property
     def variant_name(self) -> str:
         return _gemv.variant_name(self.variant)
 
+    @property
+    def precision_name(self) -> str:
+        return _gemv.precision_name(self.precision)
+
     def describe(self) -> str:
         cpus = _cpu_list_text(sorted(self.layout.cpus))
         note = f" ({self.layout.note})" if self.layout.note else ""
         return (
-            f"CPU lane: {self.variant_name}, {self.layout.threads} thread(s) on cpus {cpus}{note}"
+            f"CPU lane: {self.variant_name} {self.precision_name}, {self.layout.threads} "
+            f"thread(s) on cpus {cpus}{note}"
         )
 
     def run(self, table, x, rows, expert_ids, weights, out=None, act_limit=SWIGLU_LIMIT):
         """MoE output rows (float32 [num_rows, hidden]) for the picks, computed on the lane."""
         return self.pool.run(
-            table, x, rows, expert_ids, weights, out, variant=self.variant, act_limit=act_limit
+            table,
+            x,
+            rows,
+            expert_ids,
+            weights,
+            out,
+            variant=self.variant,
+            act_limit=act_limit,
+            precision=self.precision,
         )
 
     def run_picks(self, table, x, rows, expert_ids, weights, dest, out, act_limit=SWIGLU_LIMIT):
@@ -272,6 +356,7 @@ class CpuLane:
             variant=self.variant,
             act_limit=act_limit,
             caller=caller,
+            precision=self.precision,
         )
 
 

@@ -1,0 +1,202 @@
+/* gemv_avx2_fast.c: the fast AVX2 tile kernel (unrounded codebook, int16 inputs; gemv_fast.h).
+ *
+ * A ymm holds 16 consecutive trellis states t = 16h .. 16h + 15 (two lane groups of the exact
+ * kernel, one per 128-bit half) as 16-bit lanes. Each 32-bit lane holds a pair (t, t + 1): the
+ * same column, rows r and r + 1, so vpmaddwd against the pair's two int16 inputs gives that
+ * column's partial sum with no float in between. Per chunk of 16 weights:
+ *   vpshufb          4 stream bytes per pair, most significant first, from the chunk's window
+ *   vpsrlvd/vpsllvd  state t in the low half, state t + 1 in the high half, then vpblendw: the two
+ *                    16-bit states, with no mask (the blend drops what the shifts left over)
+ *   3 x vpmul*w      state * 0x83DCD12D as two 16-bit halves
+ *   2 x vpmaddubsw   the byte sum s (0..1020) in the 16-bit lane
+ *   vpmaddwd         per pair: q[r] s + q[r + 1] s'  (int32)
+ * The eight int32 accumulators of a tile (column c in lanes 0, 1, 4, 5; c + 8 in 2, 3, 6, 7) fold
+ * with vphaddd into the tile's 16 column sums, kept in the order POS below until the end. */
+#include <immintrin.h>
+#include <pthread.h>
+#include <string.h>
+
+#include "gemv_fast.h"
+
+typedef struct {
+    int16_t off[16][2];   /* per chunk: window start in the padded tile of its low, high half */
+    uint8_t ctrl[16][32]; /* per chunk: vpshufb control, per pair [S3, S2, S1, S0] */
+    int32_t shr[16][8];   /* per chunk and pair: right shift that leaves state t in bits 0..15 */
+    int32_t shl[16][8];   /* ... left shift that puts state t + 1 in bits 16..31 */
+    int one_window;       /* every chunk's two halves read the same 16 bytes (K <= 5) */
+} fast_tables;
+
+static fast_tables tables[17]; /* by k2 */
+static pthread_once_t tables_once = PTHREAD_ONCE_INIT;
+
+/* Column of accumulator position p in a tile's 16 floats. */
+static const int POS[16] = {0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15};
+
+static int floor_div(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+
+/* 4-aligned byte where the window of lane group g starts (relative to the tile). */
+static int group_base(int k2, int g)
+{
+    return 4 * floor_div(floor_div(gemv_state_end(k2, 8 * g) - 16, 8), 4);
+}
+
+/* Fill chunk h's half `half` from a window at `base`; returns 0 if a pair's bytes fall outside. */
+static int fill_half(fast_tables *tab, int k2, int h, int half, int base)
+{
+    for (int j = 0; j < 4; j++) {
+        int k = 4 * half + j, t = 16 * h + 2 * k;
+        int start = gemv_state_end(k2, t) - 16;
+        int qabs = floor_div(start, 8), p0 = start - 8 * qabs, q = qabs - base;
+        if (q < 0 || q + 3 > 15)
+            return 0;
+        uint8_t *lane = &tab->ctrl[h][4 * k];
+        for (int b = 0; b < 4; b++) /* lane byte b (little-endian) = stream byte q + 3 - b */
+            lane[b] = (uint8_t)gemv_stream_byte(q + 3 - b);
+        tab->shr[h][k] = 16 - p0;
+        tab->shl[h][k] = p0 + gemv_state_end(k2, t + 1) - gemv_state_end(k2, t);
+    }
+    return 1;
+}
+
+static void build_tables(void)
+{
+    for (int k2 = 2; k2 <= 16; k2++) {
+        fast_tables *tab = &tables[k2];
+        tab->one_window = 1;
+        for (int h = 0; h < 16; h++) {
+            int lo = group_base(k2, 2 * h), hi = group_base(k2, 2 * h + 1);
+            fill_half(tab, k2, h, 0, lo);
+            tab->off[h][0] = (int16_t)(16 + lo);
+            if (tab->one_window && fill_half(tab, k2, h, 1, lo)) {
+                tab->off[h][1] = (int16_t)(16 + lo);
+            } else {
+                tab->one_window = 0;
+                fill_half(tab, k2, h, 1, hi);
+                tab->off[h][1] = (int16_t)(16 + hi);
+            }
+        }
+        if (!tab->one_window) /* one layout for every chunk: each half at its own window */
+            for (int h = 0; h < 16; h++) {
+                int hi = group_base(k2, 2 * h + 1);
+                fill_half(tab, k2, h, 1, hi);
+                tab->off[h][1] = (int16_t)(16 + hi);
+            }
+    }
+}
+
+/* The byte sums of chunk h (16 states) as 16-bit lanes. */
+static inline __attribute__((always_inline)) __m256i chunk_sums(const uint8_t *padded,
+                                                                const fast_tables *tab, int h,
+                                                                const int one)
+{
+    const __m256i mlo = _mm256_set1_epi16((short)(GEMV_MUL1_MULT & 0xFFFF));
+    const __m256i mhi = _mm256_set1_epi16((short)(GEMV_MUL1_MULT >> 16));
+    const __m256i ones8 = _mm256_set1_epi8(1);
+    __m256i win = one ? _mm256_broadcastsi128_si256(
+                            _mm_loadu_si128((const __m128i *)(padded + tab->off[h][0])))
+                      : _mm256_loadu2_m128i((const __m128i *)(padded + tab->off[h][1]),
+                                            (const __m128i *)(padded + tab->off[h][0]));
+    __m256i raw = _mm256_shuffle_epi8(win, _mm256_loadu_si256((const __m256i *)tab->ctrl[h]));
+    __m256i even = _mm256_srlv_epi32(raw, _mm256_loadu_si256((const __m256i *)tab->shr[h]));
+    __m256i odd = _mm256_sllv_epi32(raw, _mm256_loadu_si256((const __m256i *)tab->shl[h]));
+    __m256i state = _mm256_blend_epi16(even, odd, 0xAA);
+    __m256i lo = _mm256_mullo_epi16(state, mlo);
+    __m256i hi = _mm256_add_epi16(_mm256_mulhi_epu16(state, mlo), _mm256_mullo_epi16(state, mhi));
+    return _mm256_add_epi16(_mm256_maddubs_epi16(lo, ones8), _mm256_maddubs_epi16(hi, ones8));
+}
+
+static inline __attribute__((always_inline)) void
+tiles_m(const uint8_t *trellis, int n_tiles, int k2, int kt0, int kt1, const float *xh,
+        int x_stride, const int m, float *acc, const int one)
+{
+    const fast_tables *tab = &tables[k2];
+    const size_t tile_bytes = (size_t)gemv_tile_bytes(k2), n = 16 * (size_t)n_tiles;
+    _Alignas(64) uint8_t padded[16 + 256 + 16];
+    _Alignas(32) int16_t q[GEMV_MAX_ROWS][128];
+    _Alignas(32) int16_t xq[GEMV_MAX_ROWS][2][16]; /* inputs in lane order of even, odd chunks */
+    float scale[GEMV_MAX_ROWS], sx[GEMV_MAX_ROWS];
+    int32_t centre[GEMV_MAX_ROWS];
+    memset(acc, 0, sizeof(float) * (size_t)m * n);
+    for (int i = 0; i < m; i++)
+        sx[i] = scale[i] = 0.0f;
+    for (int kt = kt0, block = -1; kt < kt1; kt++) {
+        if (kt / 8 != block) {
+            block = kt / 8;
+            for (int i = 0; i < m; i++)
+                scale[i] = gemv_fast_quantise(xh + (size_t)i * (size_t)x_stride + 128 * block, q[i]);
+        }
+        for (int i = 0; i < m; i++) {
+            const int16_t *x = q[i] + 16 * (kt % 8);
+            int qsum = 0;
+            for (int r = 0; r < 16; r++)
+                qsum += x[r];
+            sx[i] = fmaf(scale[i], (float)qsum, sx[i]);
+            centre[i] = GEMV_FAST_CENTRE * qsum;
+            for (int t = 0; t < 32; t++)
+                xq[i][t / 16][t % 16] = x[gemv_tc_row(t)];
+        }
+        const uint8_t *tile = trellis + (size_t)kt * (size_t)n_tiles * tile_bytes;
+        for (int nt = 0; nt < n_tiles; nt++, tile += tile_bytes) {
+            /* 16-byte pieces only: the tile is a multiple of 16 bytes, nothing is read past it */
+            _mm_store_si128((__m128i *)padded,
+                            _mm_loadu_si128((const __m128i *)(tile + tile_bytes - 16)));
+            for (size_t b = 0; b < tile_bytes; b += 16)
+                _mm_storeu_si128((__m128i *)(padded + 16 + b), _mm_loadu_si128((const __m128i *)(tile + b)));
+            _mm_storeu_si128((__m128i *)(padded + 16 + tile_bytes), _mm_loadu_si128((const __m128i *)tile));
+            __m256i h[GEMV_MAX_ROWS][4];
+            for (int quarter = 0; quarter < 4; quarter++) {
+                __m256i s0 = chunk_sums(padded, tab, 4 * quarter, one);
+                __m256i s1 = chunk_sums(padded, tab, 4 * quarter + 1, one);
+                __m256i s2 = chunk_sums(padded, tab, 4 * quarter + 2, one);
+                __m256i s3 = chunk_sums(padded, tab, 4 * quarter + 3, one);
+                for (int i = 0; i < m; i++) {
+                    __m256i xe = _mm256_load_si256((const __m256i *)xq[i][0]);
+                    __m256i xo = _mm256_load_si256((const __m256i *)xq[i][1]);
+                    __m256i a0 = _mm256_add_epi32(_mm256_madd_epi16(s0, xe), _mm256_madd_epi16(s1, xo));
+                    __m256i a1 = _mm256_add_epi32(_mm256_madd_epi16(s2, xe), _mm256_madd_epi16(s3, xo));
+                    h[i][quarter] = _mm256_hadd_epi32(a0, a1); /* columns 2q, 2q+8, 2q+1, 2q+9 */
+                }
+            }
+            for (int i = 0; i < m; i++) {
+                const __m256i c = _mm256_set1_epi32(centre[i]);
+                const __m256 sc = _mm256_set1_ps(scale[i]);
+                __m256i v0 = _mm256_add_epi32(_mm256_permute2x128_si256(h[i][0], h[i][1], 0x20),
+                                              _mm256_permute2x128_si256(h[i][0], h[i][1], 0x31));
+                __m256i v1 = _mm256_add_epi32(_mm256_permute2x128_si256(h[i][2], h[i][3], 0x20),
+                                              _mm256_permute2x128_si256(h[i][2], h[i][3], 0x31));
+                float *y = acc + (size_t)i * n + 16 * (size_t)nt;
+                _mm256_storeu_ps(y, _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(_mm256_sub_epi32(v0, c)),
+                                                    _mm256_loadu_ps(y)));
+                _mm256_storeu_ps(y + 8, _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(_mm256_sub_epi32(v1, c)),
+                                                        _mm256_loadu_ps(y + 8)));
+            }
+        }
+    }
+    for (int i = 0; i < m; i++) {
+        float offset = GEMV_FAST_C0P * sx[i], tile[16];
+        for (size_t col = 0; col < n; col += 16) {
+            float *y = acc + (size_t)i * n + col;
+            for (int p = 0; p < 16; p++)
+                tile[POS[p]] = fmaf(GEMV_MUL1_KINV, y[p], offset);
+            memcpy(y, tile, sizeof tile);
+        }
+    }
+}
+
+void gemv_tiles_avx2_fast(const uint8_t *trellis, int n_tiles, int k2, int kt0, int kt1,
+                          const float *xh, int x_stride, int m, float *acc)
+{
+    pthread_once(&tables_once, build_tables);
+    const int one = tables[k2].one_window;
+    switch (m) {
+#define CASE(M)                                                                                \
+    case M:                                                                                    \
+        if (one)                                                                               \
+            tiles_m(trellis, n_tiles, k2, kt0, kt1, xh, x_stride, M, acc, 1);                 \
+        else                                                                                   \
+            tiles_m(trellis, n_tiles, k2, kt0, kt1, xh, x_stride, M, acc, 0);                 \
+        break;
+        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+#undef CASE
+    }
+}

@@ -1,0 +1,157 @@
+/* gemv_avx512_fast.c: the fast AVX-512 tile kernel (F/BW/VL + VBMI + VNNI; unrounded codebook,
+ * int16 inputs; gemv_fast.h).
+ *
+ * A zmm holds one row pair (r, r + 1) of a tile: 32-bit lane k is column POS[k], its low 16 bits
+ * the state at row r, its high 16 bits the state at row r + 1. So one vpdpwssd against the pair's
+ * int16 inputs (broadcast) adds q[r] s + q[r+1] s' to each column, and a tile keeps one int32
+ * accumulator per activation row. Per row pair (32 weights):
+ *   vpermi2b       each 64-bit lane (columns c and c + 8: states t, t+1, t+4, t+5) gets the 8
+ *                  stream bytes that hold its four windows, most significant first (the tile sits
+ *                  in two zmm; tiles wider than 128 bytes take two gathers blended on bit 7)
+ *   vpmultishiftqb each 16-bit lane picks its state's two bytes at any bit offset: the states,
+ *                  with no shift or mask
+ *   3 x vpmul*w, 2 x vpmaddubsw   the byte sums s, as in the AVX2 fast kernel
+ *   vpdpwssd       per activation row
+ * At the end of a tile the accumulator is centred, converted and added with the block scale. */
+#include <immintrin.h>
+#include <pthread.h>
+#include <string.h>
+
+#include "gemv_fast.h"
+
+typedef struct {
+    uint8_t idx[8][64];   /* per row pair: byte of the tile for each qword byte */
+    uint8_t shift[8][64]; /* per row pair: vpmultishiftqb control (bit offset of each byte) */
+} fast_tables;
+
+static fast_tables tables[17]; /* by k2 */
+static pthread_once_t tables_once = PTHREAD_ONCE_INIT;
+
+/* Column of lane k: qword j holds columns j and j + 8. */
+static inline int lane_col(int k) { return (k >> 1) + 8 * (k & 1); }
+
+static int floor_div(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+
+static void build_tables(void)
+{
+    for (int k2 = 2; k2 <= 16; k2++) {
+        int ring_bits = 128 * k2, ring_bytes = 16 * k2;
+        for (int p = 0; p < 8; p++) { /* row pair p: rows 2 (p & 3) + 8 (p >> 2), + 1 */
+            for (int j = 0; j < 8; j++) {
+                /* the four states of qword j, in 16-bit lane order */
+                int t0 = 32 * j + 8 * (p & 3) + 2 * (p >> 2);
+                int ts[4] = {t0, t0 + 1, t0 + 4, t0 + 5};
+                int first = floor_div(gemv_state_end(k2, t0) - 16, 8); /* stream byte, may be < 0 */
+                for (int b = 0; b < 8; b++) { /* qword byte b = stream byte first + 7 - b */
+                    int qs = ((first + 7 - b) % ring_bytes + ring_bytes) % ring_bytes;
+                    tables[k2].idx[p][8 * j + b] = (uint8_t)gemv_stream_byte(qs);
+                }
+                for (int u = 0; u < 4; u++) {
+                    int bit = gemv_state_end(k2, ts[u]) - 16 - 8 * first; /* 0..47 */
+                    tables[k2].shift[p][8 * j + 2 * u] = (uint8_t)(48 - bit);
+                    tables[k2].shift[p][8 * j + 2 * u + 1] = (uint8_t)(56 - bit);
+                }
+            }
+        }
+        (void)ring_bits;
+    }
+}
+
+static inline __attribute__((always_inline)) void
+tiles_m(const uint8_t *trellis, int n_tiles, int k2, int kt0, int kt1, const float *xh,
+        int x_stride, const int m, float *acc)
+{
+    const fast_tables *tab = &tables[k2];
+    const __m512i mlo = _mm512_set1_epi16((short)(GEMV_MUL1_MULT & 0xFFFF));
+    const __m512i mhi = _mm512_set1_epi16((short)(GEMV_MUL1_MULT >> 16));
+    const __m512i ones8 = _mm512_set1_epi8(1);
+    const size_t tile_bytes = (size_t)gemv_tile_bytes(k2), n = 16 * (size_t)n_tiles;
+    const int wide = tile_bytes > 128;
+    /* Bytes of the last zmm load that lie inside the tile (masked: never reads past it). */
+    const __mmask64 tail = tile_bytes % 64 ? ((__mmask64)1 << (tile_bytes % 64)) - 1 : ~(__mmask64)0;
+    _Alignas(64) int16_t q[GEMV_MAX_ROWS][128];
+    int32_t xpair[GEMV_MAX_ROWS][8]; /* per row pair: (q[r], q[r + 1]) as one int32 */
+    float scale[GEMV_MAX_ROWS], sx[GEMV_MAX_ROWS];
+    int32_t centre[GEMV_MAX_ROWS];
+    memset(acc, 0, sizeof(float) * (size_t)m * n);
+    for (int i = 0; i < m; i++)
+        sx[i] = scale[i] = 0.0f;
+    for (int kt = kt0, block = -1; kt < kt1; kt++) {
+        if (kt / 8 != block) {
+            block = kt / 8;
+            for (int i = 0; i < m; i++)
+                scale[i] = gemv_fast_quantise(xh + (size_t)i * (size_t)x_stride + 128 * block, q[i]);
+        }
+        for (int i = 0; i < m; i++) {
+            const int16_t *x = q[i] + 16 * (kt % 8);
+            int qsum = 0;
+            for (int r = 0; r < 16; r++)
+                qsum += x[r];
+            sx[i] = fmaf(scale[i], (float)qsum, sx[i]);
+            centre[i] = GEMV_FAST_CENTRE * qsum;
+            for (int p = 0; p < 8; p++) {
+                int r = 2 * (p & 3) + 8 * (p >> 2);
+                xpair[i][p] = (int32_t)((uint32_t)(uint16_t)x[r] | (uint32_t)(uint16_t)x[r + 1] << 16);
+            }
+        }
+        const uint8_t *tile = trellis + (size_t)kt * (size_t)n_tiles * tile_bytes;
+        for (int nt = 0; nt < n_tiles; nt++, tile += tile_bytes) {
+            __m512i t0, t1, t2 = _mm512_setzero_si512(), t3 = _mm512_setzero_si512();
+            if (!wide) {
+                t0 = tile_bytes >= 64 ? _mm512_loadu_si512(tile) : _mm512_maskz_loadu_epi8(tail, tile);
+                t1 = tile_bytes > 64 ? _mm512_maskz_loadu_epi8(tail, tile + 64) : _mm512_setzero_si512();
+            } else {
+                t0 = _mm512_loadu_si512(tile);
+                t1 = _mm512_loadu_si512(tile + 64);
+                t2 = tile_bytes >= 192 ? _mm512_loadu_si512(tile + 128)
+                                       : _mm512_maskz_loadu_epi8(tail, tile + 128);
+                t3 = tile_bytes > 192 ? _mm512_maskz_loadu_epi8(tail, tile + 192)
+                                      : _mm512_setzero_si512();
+            }
+            __m512i a[GEMV_MAX_ROWS];
+            for (int i = 0; i < m; i++)
+                a[i] = _mm512_setzero_si512();
+            for (int p = 0; p < 8; p++) {
+                __m512i idx = _mm512_loadu_si512(tab->idx[p]);
+                __m512i raw = _mm512_permutex2var_epi8(t0, idx, t1);
+                if (wide)
+                    raw = _mm512_mask_blend_epi8(_mm512_movepi8_mask(idx), raw,
+                                                 _mm512_permutex2var_epi8(t2, idx, t3));
+                __m512i state = _mm512_multishift_epi64_epi8(_mm512_loadu_si512(tab->shift[p]), raw);
+                __m512i lo = _mm512_mullo_epi16(state, mlo);
+                __m512i hi = _mm512_add_epi16(_mm512_mulhi_epu16(state, mlo),
+                                              _mm512_mullo_epi16(state, mhi));
+                __m512i s = _mm512_add_epi16(_mm512_maddubs_epi16(lo, ones8),
+                                             _mm512_maddubs_epi16(hi, ones8));
+                for (int i = 0; i < m; i++)
+                    a[i] = _mm512_dpwssd_epi32(a[i], s, _mm512_set1_epi32(xpair[i][p]));
+            }
+            for (int i = 0; i < m; i++) {
+                float *y = acc + (size_t)i * n + 16 * (size_t)nt;
+                __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(a[i], _mm512_set1_epi32(centre[i])));
+                _mm512_storeu_ps(y, _mm512_fmadd_ps(_mm512_set1_ps(scale[i]), v, _mm512_loadu_ps(y)));
+            }
+        }
+    }
+    for (int i = 0; i < m; i++) {
+        float offset = GEMV_FAST_C0P * sx[i], cols[16];
+        for (size_t col = 0; col < n; col += 16) {
+            float *y = acc + (size_t)i * n + col;
+            for (int k = 0; k < 16; k++)
+                cols[lane_col(k)] = fmaf(GEMV_MUL1_KINV, y[k], offset);
+            memcpy(y, cols, sizeof cols);
+        }
+    }
+}
+
+void gemv_tiles_avx512_fast(const uint8_t *trellis, int n_tiles, int k2, int kt0, int kt1,
+                            const float *xh, int x_stride, int m, float *acc)
+{
+    pthread_once(&tables_once, build_tables);
+    switch (m) {
+#define CASE(M) \
+    case M: tiles_m(trellis, n_tiles, k2, kt0, kt1, xh, x_stride, M, acc); break;
+        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+#undef CASE
+    }
+}
