@@ -1,9 +1,14 @@
 """CPU expert lane micro-benchmark: trellis GB/s and ms per GLM-5.3-Flash expert for every kernel
-variant and thread count, the DRAM bandwidth of this host measured in the same run, the lane's
-share of it, exllamav3's own CPU mul1 MoE kernel on the same experts where it can run, and the
-lane's cost model (`a + b * experts` per thread count and rows).
+(each variant at the exact and the fast precision) and thread count, the DRAM bandwidth of this
+host measured in the same run, the lane's share of it, exllamav3's own CPU mul1 MoE kernel on the
+same experts where it can run, and the lane's cost model (`a + b * experts` per thread count and
+rows) for the kernel fast mode uses.
 
     python bench/micro_gemv.py [--json] [--threads 1,2,4,16] [--pool-mb 1200] [--no-exllamav3]
+
+The headline figures (`trellis_gbps_per_thread`, `ratios.vs_exllamav3`, ...) are those of the
+fast precision's best kernel, the one `--mode fast` runs; `exact_*` are the exact kernel's in the
+same run, and `ratios.fast_vs_exact` compares the two.
 
 Experts are random mul1 experts of GLM-5.3-Flash's shape (gate/up 4096 -> 2048, down 2048 ->
 4096, K = 3 by default); the pool is larger than the last-level cache and jobs walk through it, so
@@ -122,13 +127,13 @@ def time_lane(lane, table, x, jobs) -> float:
     return float(np.median(times))
 
 
-def time_independent(table, x, cpus, variant, num, jobs) -> float:
+def time_independent(table, x, cpus, variant, precision, num, jobs) -> float:
     """Median seconds per job when every CPU runs its own one-thread lane at the same time: the
     scaling ceiling of this host (shared memory bandwidth, all-core clocks) with no work split,
     no barriers and no shared queue, to tell the pool's own losses from the host's."""
     from glm53.tiers.cpu_lane import CpuLane, LaneLayout
 
-    lanes = [CpuLane(LaneLayout((c,)), variant) for c in cpus]
+    lanes = [CpuLane(LaneLayout((c,)), variant, precision) for c in cpus]
     lists = [job_ids(num, jobs + 2, start=1000 + 37 * i) for i in range(len(cpus))]
     for lane, ids in zip(lanes, lists, strict=True):
         time_lane(lane, table, x, ids[:2])
@@ -147,9 +152,9 @@ def time_independent(table, x, cpus, variant, num, jobs) -> float:
     return float(np.median(medians))
 
 
-def max_rel_err(pool, variants) -> dict[str, float]:
-    from glm53 import _gemv
-    from glm53.tiers.cpu_lane import CpuLane, LaneLayout, expert_table, reference_moe
+def max_rel_err(pool, kernels) -> dict[str, float]:
+    """Per kernel (variant, precision): max |error| / max |reference| against the fp64 reference."""
+    from glm53.tiers.cpu_lane import CpuLane, LaneLayout, expert_table, kernel_name, reference_moe
 
     experts = pool[:2]
     table = expert_table(experts)
@@ -158,11 +163,11 @@ def max_rel_err(pool, variants) -> dict[str, float]:
     rows, ids, weights = [0, 0, 1, 1], [0, 1, 1, 0], [0.6, 0.4, 0.7, 0.3]
     ref = reference_moe(x, rows, ids, weights, experts)
     errs = {}
-    for v in variants:
-        out = CpuLane(LaneLayout((os.sched_getaffinity(0).pop(),)), v).run(
+    for v, p in kernels:
+        out = CpuLane(LaneLayout((os.sched_getaffinity(0).pop(),)), v, p).run(
             table, x, rows, ids, weights
         )
-        errs[_gemv.variant_name(v)] = float(np.abs(out - ref).max() / np.abs(ref).max())
+        errs[kernel_name(v, p)] = float(np.abs(out - ref).max() / np.abs(ref).max())
     return errs
 
 
@@ -248,10 +253,12 @@ def main(argv=None) -> int:
         return 0
     from glm53 import _gemv
     from glm53.tiers.cpu_lane import (
+        FAST_REL_TOL,
         CpuLane,
         LaneLayout,
         _cpu_list_text,
         expert_table,
+        kernel_name,
         measure_cost,
         parse_cpu_list,
         physical_cores,
@@ -278,15 +285,20 @@ def main(argv=None) -> int:
     x = np.random.default_rng(2).standard_normal((1, HIDDEN)).astype(np.float16).astype(np.float32)
     variants = [v for v in _gemv.VARIANTS if _gemv.variant_supported(v)]
     best = max(variants)
+    # the fast kernels by name: the avx512-fp16 variant runs the avx512 one
+    fast_kernels = {kernel_name(v, _gemv.FAST): v for v in variants}
+    kernels = [(v, _gemv.EXACT) for v in variants]
+    kernels += [(v, _gemv.FAST) for v in fast_kernels.values()]
+    best_fast = kernel_name(best, _gemv.FAST)
 
     dram = dram_bandwidth(max_threads, max(pool_bytes // 2, 1 << 30))
     table_rows = []
-    for v in variants:
-        name = _gemv.variant_name(v)
+    for v, prec in kernels:
+        name = kernel_name(v, prec)
         counts = [1] if v == _gemv.SCALAR else thread_counts
         for t in counts:
-            lane = CpuLane(LaneLayout(tuple(cpus[:t])), v)
-            jobs = job_ids(num, 1 if v == _gemv.SCALAR else args.jobs + 2, start=t * 7)
+            lane = CpuLane(LaneLayout(tuple(cpus[:t])), v, prec)
+            jobs = job_ids(num, 1 if v == _gemv.SCALAR else args.jobs + 2, start=t * 7 + 3 * prec)
             if v == _gemv.SCALAR:
                 jobs = [jobs[0][:1]]  # one expert: the scalar path is slow by design
                 seconds = time_lane(lane, table, x, jobs)
@@ -299,21 +311,28 @@ def main(argv=None) -> int:
             table_rows.append(
                 {
                     "variant": name,
+                    "precision": _gemv.precision_name(prec),
                     "threads": t,
                     "ms_per_expert": seconds * 1e3 / experts_per_job,
                     "trellis_gbps": gbps,
                     "trellis_gbps_per_thread": gbps / t,
                     "dram_share": gbps / dram["dram_gbps"],
+                    "dram_read_share": gbps / dram["read_gbps"],
                 }
             )
             del lane
     independent_gbps = (
-        TOP_K * per_expert / time_independent(table, x, cpus, best, num, args.jobs) / 1e9
+        TOP_K
+        * per_expert
+        / time_independent(table, x, cpus, best, _gemv.FAST, num, args.jobs)
+        / 1e9
     )
-    errs = max_rel_err(pool, variants)
+    errs = max_rel_err(pool, kernels)
     cost = None
     if not args.no_calibrate:
-        cost = measure_cost(table, LaneLayout(tuple(cpus)), thread_counts, variant=best)
+        cost = measure_cost(
+            table, LaneLayout(tuple(cpus)), thread_counts, variant=best, precision="fast"
+        )
 
     exl, exl_reason = (None, "skipped (--no-exllamav3)")
     if not args.no_exllamav3:
@@ -321,24 +340,41 @@ def main(argv=None) -> int:
         exl, exl_reason = run_exllamav3(num, args.bits, args.seed, thread_counts, args.jobs)
 
     best_name = _gemv.variant_name(best)
-    best_rows = {r["threads"]: r for r in table_rows if r["variant"] == best_name}
-    all_cores = best_rows[max(best_rows)]
-    vs_exl = vs_exl_swz = None
+    rows_of = {
+        name: {r["threads"]: r for r in table_rows if r["variant"] == name}
+        for name in (best_name, best_fast)
+    }
+    fast_rows, exact_rows = rows_of[best_fast], rows_of[best_name]
+    top = max(fast_rows)
+    all_cores, exact_all = fast_rows[top], exact_rows[top]
+    vs_exl = vs_exl_swz = exact_vs_exl = None
     if exl:
         ours = all_cores["ms_per_expert"] * TOP_K / 1e3
-        vs_exl = exl[f"native_{max(best_rows)}"] / ours
-        if f"swizzled_{max(best_rows)}" in exl:
-            vs_exl_swz = exl[f"swizzled_{max(best_rows)}"] / ours
+        vs_exl = exl[f"native_{top}"] / ours
+        exact_vs_exl = exl[f"native_{top}"] / (exact_all["ms_per_expert"] * TOP_K / 1e3)
+        if f"swizzled_{top}" in exl:
+            vs_exl_swz = exl[f"swizzled_{top}"] / ours
+    exact_errs = [e for k, e in errs.items() if not k.endswith(" fast")]
+    fast_errs = [e for k, e in errs.items() if k.endswith(" fast")]
     figures = {
-        "max_rel_err": max(errs.values()),
+        "max_rel_err": max(exact_errs),
+        "fast_max_rel_err": max(fast_errs),
+        "fast_rel_tol": FAST_REL_TOL,
         "rel_err_by_variant": errs,
-        "trellis_gbps_per_thread": best_rows[1]["trellis_gbps_per_thread"]
-        if 1 in best_rows
+        # the kernel fast mode runs (exact_* below: the exact kernel of the same variant)
+        "trellis_gbps_per_thread": fast_rows[1]["trellis_gbps_per_thread"]
+        if 1 in fast_rows
         else None,
         "ms_per_expert": all_cores["ms_per_expert"],
-        "ms_per_expert_threads": max(best_rows),
+        "ms_per_expert_threads": top,
         "trellis_gbps_all_cores": all_cores["trellis_gbps"],
+        "trellis_gbps_per_thread_all_cores": all_cores["trellis_gbps_per_thread"],
         "independent_gbps_per_thread": independent_gbps,
+        "exact_trellis_gbps_one_thread": (
+            exact_rows[1]["trellis_gbps_per_thread"] if 1 in exact_rows else None
+        ),
+        "exact_ms_per_expert": exact_all["ms_per_expert"],
+        "exact_trellis_gbps_all_cores": exact_all["trellis_gbps"],
         "dram_gbps": dram["dram_gbps"],
         "memcpy_gbps": dram["copy_gbps"],
         "dram_read_gbps": dram["read_gbps"],
@@ -357,9 +393,17 @@ def main(argv=None) -> int:
     ratios = {
         "vs_exllamav3": vs_exl,
         "vs_exllamav3_swizzled": vs_exl_swz,
+        "exact_vs_exllamav3": exact_vs_exl,
+        "fast_vs_exact": exact_all["ms_per_expert"] / all_cores["ms_per_expert"],
+        "fast_vs_exact_one_thread": (
+            exact_rows[1]["ms_per_expert"] / fast_rows[1]["ms_per_expert"]
+            if 1 in fast_rows and 1 in exact_rows
+            else None
+        ),
         "dram_share": all_cores["dram_share"],
+        "dram_read_share": all_cores["dram_read_share"],
         # all-core pool throughput against every core running its own one-thread lane at once
-        "pool_vs_independent": all_cores["trellis_gbps"] / (max(best_rows) * independent_gbps),
+        "pool_vs_independent": all_cores["trellis_gbps"] / (top * independent_gbps),
     }
     config = {
         "host": platform.node(),
@@ -367,7 +411,9 @@ def main(argv=None) -> int:
         "cpus": _cpu_list_text(cpus),
         "threads": thread_counts,
         "variants": [_gemv.variant_name(v) for v in variants],
+        "kernels": [kernel_name(v, p) for v, p in kernels],
         "best_variant": best_name,
+        "fast_kernel": best_fast,
         "bits": args.bits,
         "shape": f"gate/up {HIDDEN}->{INTER}, down {INTER}->{HIDDEN}",
         "expert_trellis_bytes": per_expert,
@@ -380,8 +426,9 @@ def main(argv=None) -> int:
         "swizzle": "none: each work unit streams whole tile rows, already contiguous (0 extra RAM)",
         "exllamav3": exl_reason or f"exl3_moe_cpu_forward, int8 activations, {exl}",
         "independent": f"each of the {max_threads} CPUs runs its own one-thread lane "
-        f"({best_name}) at the same time, {args.jobs} jobs each; figure = median per-lane GB/s",
-        "cost_model": "ms = a + b * experts per 'threads,rows' (every expert picked by all rows)",
+        f"({best_fast}) at the same time, {args.jobs} jobs each; figure = median per-lane GB/s",
+        "cost_model": f"{best_fast}: ms = a + b * experts per 'threads,rows' (every expert "
+        "picked by all rows)",
         "seed": args.seed,
         "commit": git_commit(),
         "seconds": round(time.perf_counter() - started, 1),
@@ -402,20 +449,25 @@ def print_table(result: dict) -> None:
         f"copied); read-only {f['dram_read_gbps']:.1f} GB/s"
     )
     print(
-        f"{'variant':>14} {'threads':>7} {'ms/expert':>10} {'GB/s':>8} {'GB/s/thr':>9} {'DRAM %':>7}"
+        f"{'kernel':>14} {'threads':>7} {'ms/expert':>10} {'GB/s':>8} {'GB/s/thr':>9} "
+        f"{'DRAM %':>7} {'read %':>7}"
     )
     for row in f["table"]:
         print(
             f"{row['variant']:>14} {row['threads']:>7} {row['ms_per_expert']:>10.3f} "
             f"{row['trellis_gbps']:>8.2f} {row['trellis_gbps_per_thread']:>9.2f} "
-            f"{100 * row['dram_share']:>6.1f}%"
+            f"{100 * row['dram_share']:>6.1f}% {100 * row['dram_read_share']:>6.1f}%"
         )
     print(
         f"{c['cpus']} independent one-thread lanes at once: "
         f"{f['independent_gbps_per_thread']:.2f} GB/s each; the pool's all-core figure is "
         f"{r['pool_vs_independent']:.2f} of their sum"
     )
-    print(f"max rel err vs fp64 reference: {f['max_rel_err']:.2e}")
+    print(
+        f"max rel err vs fp64 reference: exact {f['max_rel_err']:.2e}, fast "
+        f"{f['fast_max_rel_err']:.2e} (bound {f['fast_rel_tol']:.0e})"
+    )
+    print(f"{c['fast_kernel']} vs {c['best_variant']}: {r['fast_vs_exact']:.2f}x at all cores")
     print(f"vs exllamav3: {r['vs_exllamav3']} ({c['exllamav3']})")
     if f["cost_model"]:
         print("cost model a + b*experts (ms) by threads,rows:", f["cost_model"])

@@ -23,6 +23,7 @@ typedef struct {
     uint8_t ctrl[16][32]; /* per chunk: vpshufb control, per pair [S3, S2, S1, S0] */
     int32_t shr[16][8];   /* per chunk and pair: right shift that leaves state t in bits 0..15 */
     int32_t shl[16][8];   /* ... left shift that puts state t + 1 in bits 16..31 */
+    uint8_t wrap[16];     /* per chunk: a window reaches across the ring's ends (read the copy) */
     int one_window;       /* every chunk's two halves read the same 16 bytes (K <= 5) */
 } fast_tables;
 
@@ -81,21 +82,29 @@ static void build_tables(void)
                 fill_half(tab, k2, h, 1, hi);
                 tab->off[h][1] = (int16_t)(16 + hi);
             }
+        for (int h = 0; h < 16; h++) {
+            int first = tab->off[h][0] < tab->off[h][1] ? tab->off[h][0] : tab->off[h][1];
+            int last = tab->off[h][0] > tab->off[h][1] ? tab->off[h][0] : tab->off[h][1];
+            tab->wrap[h] = first < 16 || last + 16 > 16 + gemv_tile_bytes(k2);
+        }
     }
 }
 
-/* The byte sums of chunk h (16 states) as 16-bit lanes. */
-static inline __attribute__((always_inline)) __m256i chunk_sums(const uint8_t *padded,
+/* The byte sums of chunk h (16 states) as 16-bit lanes. Windows inside the tile are read from
+ * it (`padded` - 16 is the tile); those across its ends from the padded copy. */
+static inline __attribute__((always_inline)) __m256i chunk_sums(const uint8_t *tile_m16,
+                                                                const uint8_t *padded,
                                                                 const fast_tables *tab, int h,
                                                                 const int one)
 {
+    const uint8_t *src = tab->wrap[h] ? padded : tile_m16;
     const __m256i mlo = _mm256_set1_epi16((short)(GEMV_MUL1_MULT & 0xFFFF));
     const __m256i mhi = _mm256_set1_epi16((short)(GEMV_MUL1_MULT >> 16));
     const __m256i ones8 = _mm256_set1_epi8(1);
     __m256i win = one ? _mm256_broadcastsi128_si256(
-                            _mm_loadu_si128((const __m128i *)(padded + tab->off[h][0])))
-                      : _mm256_loadu2_m128i((const __m128i *)(padded + tab->off[h][1]),
-                                            (const __m128i *)(padded + tab->off[h][0]));
+                            _mm_loadu_si128((const __m128i *)(src + tab->off[h][0])))
+                      : _mm256_loadu2_m128i((const __m128i *)(src + tab->off[h][1]),
+                                            (const __m128i *)(src + tab->off[h][0]));
     __m256i raw = _mm256_shuffle_epi8(win, _mm256_loadu_si256((const __m256i *)tab->ctrl[h]));
     __m256i even = _mm256_srlv_epi32(raw, _mm256_loadu_si256((const __m256i *)tab->shr[h]));
     __m256i odd = _mm256_sllv_epi32(raw, _mm256_loadu_si256((const __m256i *)tab->shl[h]));
@@ -145,10 +154,10 @@ tiles_m(const uint8_t *trellis, int n_tiles, int k2, int kt0, int kt1, const flo
             _mm_storeu_si128((__m128i *)(padded + 16 + tile_bytes), _mm_loadu_si128((const __m128i *)tile));
             __m256i h[GEMV_MAX_ROWS][4];
             for (int quarter = 0; quarter < 4; quarter++) {
-                __m256i s0 = chunk_sums(padded, tab, 4 * quarter, one);
-                __m256i s1 = chunk_sums(padded, tab, 4 * quarter + 1, one);
-                __m256i s2 = chunk_sums(padded, tab, 4 * quarter + 2, one);
-                __m256i s3 = chunk_sums(padded, tab, 4 * quarter + 3, one);
+                __m256i s0 = chunk_sums(tile - 16, padded, tab, 4 * quarter, one);
+                __m256i s1 = chunk_sums(tile - 16, padded, tab, 4 * quarter + 1, one);
+                __m256i s2 = chunk_sums(tile - 16, padded, tab, 4 * quarter + 2, one);
+                __m256i s3 = chunk_sums(tile - 16, padded, tab, 4 * quarter + 3, one);
                 for (int i = 0; i < m; i++) {
                     __m256i xe = _mm256_load_si256((const __m256i *)xq[i][0]);
                     __m256i xo = _mm256_load_si256((const __m256i *)xq[i][1]);
