@@ -35,10 +35,13 @@ def test_micro_gemv_contract():
     )  # fmt: skip
     f, ratios, cfg = r["figures"], r["ratios"], r["config"]
     assert f["max_rel_err"] <= 1e-5
+    assert 1e-5 < f["fast_max_rel_err"] <= f["fast_rel_tol"]  # the fast kernels are inexact
     for key in ("trellis_gbps_per_thread", "ms_per_expert", "dram_gbps",
-                "independent_gbps_per_thread"):  # fmt: skip
+                "independent_gbps_per_thread", "exact_trellis_gbps_one_thread"):  # fmt: skip
         assert f[key] > 0, key
-    assert {row["variant"] for row in f["table"]} == set(cfg["variants"])
+    assert {row["variant"] for row in f["table"]} == set(cfg["kernels"])
+    assert cfg["fast_kernel"] in cfg["kernels"] and cfg["fast_kernel"].endswith(" fast")
     assert ratios["vs_exllamav3"] is None and "skipped" in cfg["exllamav3"]
     assert 0 < ratios["dram_share"] and 0 < ratios["pool_vs_independent"]
+    assert 0 < ratios["dram_read_share"] and 0 < ratios["fast_vs_exact"]
     assert f["cost_model"] is None
