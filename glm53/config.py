@@ -42,6 +42,7 @@ NonNegFloat = Annotated[float, Meta(ge=0)]
 PosInt = Annotated[int, Meta(ge=1)]
 EngineKind = Literal["auto", "cpu", "gpu", "scripted"]
 LogLevel = Literal["debug", "info", "warning", "error"]
+LanePrecision = Literal["auto", "exact", "fast"]
 
 
 class Settings(msgspec.Struct, kw_only=True, frozen=True):
@@ -161,6 +162,17 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
             env="GLM53_CT_THREADS",
         ),
     ] = None
+    ct_precision: Annotated[
+        LanePrecision,
+        _s(
+            "Arithmetic of the CPU lane: exact (fp16 weights bit-identical to exllamav3's, fp32 "
+            "products), fast (unrounded codebook, int16 inputs: about twice the speed, an error "
+            "within the GPU kernel's own), or auto: fast in the GPU engine's fast and nvme "
+            "modes, exact elsewhere (the CPU engine stays exact, to match transformers).",
+            group="tiers",
+            env="GLM53_CT_PRECISION",
+        ),
+    ] = "auto"
     ct_b: Annotated[
         float,
         Meta(gt=0),

@@ -140,3 +140,20 @@ def test_precision_is_a_setting_named_in_errors_and_descriptions(layer):
         _gemv.tiles(
             _gemv.SCALAR, np.zeros((8, 8, 48), np.int16), np.ones((1, 128), np.float32), precision=2
         )
+
+
+def test_ct_precision_auto_is_fast_only_where_the_lane_runs_beside_the_gpu():
+    from glm53.config import Settings
+    from glm53.tiers.cpu_lane import lane_precision
+
+    assert Settings().ct_precision == "auto"
+    assert lane_precision("auto", "gpu", "fast") == lane_precision("auto", "gpu", "nvme") == "fast"
+    assert (
+        lane_precision("auto", "gpu", "exact") == lane_precision("auto", "cpu", "fast") == "exact"
+    )
+    assert lane_precision("fast", "cpu", "auto") == "fast"
+    assert lane_precision("exact", "gpu", "fast") == "exact"
+    with pytest.raises(
+        LaneConfigError, match="--ct-precision 'fp8' is not one of auto, exact, fast"
+    ):
+        lane_precision("fp8", "gpu", "fast")

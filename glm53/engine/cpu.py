@@ -42,6 +42,7 @@ class CpuEngine:
         ram_cap: int | None = None,
         cpus: str | None = None,
         cpu_threads: int | None = None,
+        lane_precision: str = "exact",
         torch_threads: int | None = None,
         store: str | Path | None = None,
         kda_chunk: int = KDA_CHUNK,
@@ -51,6 +52,7 @@ class CpuEngine:
         self.num_slots = max_batch
         self.ram_cap = ram_cap
         self.cpus, self.cpu_threads, self.torch_threads = cpus, cpu_threads, torch_threads
+        self.lane_precision = lane_precision
         self.store = store
         self.kda_chunk = kda_chunk
         self.description = (
@@ -83,7 +85,7 @@ class CpuEngine:
         else:
             source = SafetensorsSource(ckpt)
         self.tier = RamTier(source, self.ram_cap)
-        self.lane = CpuLane(lane_layout(self.cpus, self.cpu_threads))
+        self.lane = CpuLane(lane_layout(self.cpus, self.cpu_threads), precision=self.lane_precision)
         # torch gets the CPUs the lane leaves: decode-sized ops gain nothing from more threads,
         # and threads that spin on the lane's core slow both (2-core host: 1 torch thread)
         free_cpus = len(os.sched_getaffinity(0)) - self.lane.layout.threads
@@ -199,6 +201,8 @@ class CpuEngine:
 def create(settings, checkpoint_dir: Path) -> CpuEngine:
     """The CPU engine for these Settings (not loaded). Routed experts come from --store when
     given, else straight from the checkpoint's safetensors shards."""
+    from glm53.tiers.cpu_lane import lane_precision
+
     return CpuEngine(
         checkpoint_dir,
         context=settings.context,
@@ -206,5 +210,6 @@ def create(settings, checkpoint_dir: Path) -> CpuEngine:
         ram_cap=settings.ram_cap,
         cpus=settings.cpus,
         cpu_threads=settings.cpu_threads,
+        lane_precision=lane_precision(settings.ct_precision, "cpu", settings.mode),
         store=settings.store,
     )

@@ -268,6 +268,19 @@ def reference_moe_fast(
     return out
 
 
+def lane_precision(setting: str, engine: str, mode: str) -> str:
+    """The lane's precision for --ct-precision `setting` ("auto", "exact" or "fast") in an
+    engine ("cpu", "gpu") and tier mode: auto is fast only where the GPU engine's mode runs the
+    lane beside the GPU (fast, nvme), whose results are held to the GPU kernel's error."""
+    if setting not in ("auto", *PRECISIONS):
+        raise LaneConfigError(
+            f"--ct-precision {setting!r} is not one of auto, {', '.join(PRECISIONS)}"
+        )
+    if setting != "auto":
+        return setting
+    return "fast" if engine == "gpu" and mode in ("fast", "nvme") else "exact"
+
+
 def kernel_name(variant: int, precision: int) -> str:
     """'avx2', 'avx2 fast', ...: the variant's tile kernel at that precision."""
     if precision == _gemv.EXACT:
