@@ -108,9 +108,10 @@ tiles_m(const uint8_t *trellis, int n_tiles, int k2, int kt0, int kt1, const flo
                 t3 = tile_bytes > 192 ? _mm512_maskz_loadu_epi8(tail, tile + 192)
                                       : _mm512_setzero_si512();
             }
-            __m512i a[GEMV_MAX_ROWS];
+            /* two accumulators per row (even, odd row pairs): half the dependency chain */
+            __m512i a[GEMV_MAX_ROWS][2];
             for (int i = 0; i < m; i++)
-                a[i] = _mm512_setzero_si512();
+                a[i][0] = a[i][1] = _mm512_setzero_si512();
             for (int p = 0; p < 8; p++) {
                 __m512i idx = _mm512_loadu_si512(tab->idx[p]);
                 __m512i raw = _mm512_permutex2var_epi8(t0, idx, t1);
@@ -124,11 +125,12 @@ tiles_m(const uint8_t *trellis, int n_tiles, int k2, int kt0, int kt1, const flo
                 __m512i s = _mm512_add_epi16(_mm512_maddubs_epi16(lo, ones8),
                                              _mm512_maddubs_epi16(hi, ones8));
                 for (int i = 0; i < m; i++)
-                    a[i] = _mm512_dpwssd_epi32(a[i], s, _mm512_set1_epi32(xpair[i][p]));
+                    a[i][p & 1] = _mm512_dpwssd_epi32(a[i][p & 1], s, _mm512_set1_epi32(xpair[i][p]));
             }
             for (int i = 0; i < m; i++) {
                 float *y = acc + (size_t)i * n + 16 * (size_t)nt;
-                __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(a[i], _mm512_set1_epi32(centre[i])));
+                __m512i sum = _mm512_add_epi32(a[i][0], a[i][1]);
+                __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum, _mm512_set1_epi32(centre[i])));
                 _mm512_storeu_ps(y, _mm512_fmadd_ps(_mm512_set1_ps(scale[i]), v, _mm512_loadu_ps(y)));
             }
         }
