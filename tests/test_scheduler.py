@@ -149,7 +149,7 @@ def test_steps_hold_at_most_max_batch_streams(checkpoint):
     asyncio.run(main())
 
 
-def test_prefill_is_fed_in_chunks_shared_by_the_streams(checkpoint):
+def test_prefill_is_fed_in_aligned_chunks_shared_by_the_streams(checkpoint):
     async def main():
         engine = TableEngine(checkpoint)
         scheduler = await started(engine, chunk_size=4)
@@ -172,6 +172,8 @@ def test_prefill_is_fed_in_chunks_shared_by_the_streams(checkpoint):
             pos = 0
             for _, n, start, wants in items:
                 assert start == pos
+                if start < total:  # a prefill chunk ends at a multiple of 4 or at the prompt's end
+                    assert start % 4 == 0 and ((start + n) % 4 == 0 or start + n == total)
                 pos += n
                 assert wants == (pos >= total)  # logits on the prompt's last chunk and decode
             prompt_len[slot] = pos

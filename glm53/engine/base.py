@@ -8,6 +8,12 @@ A step runs up to `num_slots` streams. Each stream owns one slot (its KV and rec
 from its first prefill chunk until `release`. A `StreamWork` with `start_pos == 0` starts a new
 stream in that slot: the engine resets the slot's state first. Prefill arrives in chunks; the last
 chunk of a prompt and every decode step ask for logits (`want_logits`).
+
+An engine may also implement `PrefixSnapshots` (the CPU engine does): the scheduler then copies
+a slot's state out after prefill chunks that end at a chunk boundary and restores it into a new
+stream's slot whose prompt starts with the same tokens; that stream's first `StreamWork` has
+`start_pos` equal to the restored length (see glm53.engine.prefix_cache). Engines that reuse
+prefixes on their own (the GPU engine, inside exllamav3's Generator) leave it out.
 """
 
 from __future__ import annotations
@@ -101,3 +107,18 @@ class Engine(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class PrefixSnapshots(Protocol):
+    """Optional engine surface for the scheduler's prefix cache (called on the engine thread)."""
+
+    def snapshot(self, slot: int) -> tuple[Any, int]:
+        """A copy of the slot's whole stream state that later steps of the slot do not change,
+        and its size in bytes."""
+        ...
+
+    def restore(self, slot: int, state: Any) -> None:
+        """Make the slot's state a copy of `state` (from `snapshot`; `state` itself stays
+        unchanged, as it may be restored again)."""
+        ...
