@@ -1,11 +1,16 @@
-"""The prefix cache through the real server: `glm53 serve --demo --chunk-size 64` with the prefix
-cache on gives a conversation the same answers as a server with it off (--prefix-cache-gb 0),
-and reports the reused prompt tokens in usage, meta_info, /stats and /metrics."""
+"""The prefix cache through the real server: `glm53 serve --engine cpu --chunk-size 64` on a
+demo-preset checkpoint with the prefix cache on gives a conversation the same answers as a
+server with it off (--prefix-cache-gb 0), and reports the reused prompt tokens in usage,
+meta_info, /stats and /metrics. The checkpoint is written once with the stand-in routing (as in
+tests/test_cpu_engine.py), which is quicker to write than --demo's."""
 
 import httpx
 import openai
 import pytest
 from serving_kit import Server
+
+from glm53.models.synth import write_checkpoint
+from glm53.models.synth_layout import preset
 
 MODEL = "glm-5.3-flash"
 C = 64
@@ -13,9 +18,16 @@ SYSTEM = "You are a careful assistant. " * 24  # about 2.5 chunks of the demo's 
 TURNS = ("What is the tallest mountain?", "And the second tallest?", "How were they measured?")
 
 
-def start(tmp, cache_dir, *extra):
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("api-prefix") / "demo"
+    write_checkpoint(preset("demo"), out, seed=0, routing_source="stand-in")
+    return out
+
+
+def start(tmp, checkpoint, *extra):
     server = Server(
-        ["--demo", "--engine", "cpu", "--cache-dir", str(cache_dir), "-cs", "2048",
+        ["--model", str(checkpoint), "--engine", "cpu", "-cs", "2048",
          "--chunk-size", str(C), "--max-batch", "2", *extra],
         log_path=tmp / "log",
     )  # fmt: skip
@@ -58,10 +70,9 @@ IDS_2 = IDS + [11, 12, 13]
 
 
 @pytest.fixture(scope="module")
-def cold(tmp_path_factory):
+def cold(tmp_path_factory, demo):
     """What a server without the prefix cache answers (the reference)."""
-    tmp = tmp_path_factory.mktemp("cold")
-    server = start(tmp, tmp_path_factory.getbasetemp() / "cache", "--prefix-cache-gb", "0")
+    server = start(tmp_path_factory.mktemp("cold"), demo, "--prefix-cache-gb", "0")
     try:
         return {
             "chat": conversation(server),
@@ -73,9 +84,8 @@ def cold(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def warm(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("warm")
-    server = start(tmp, tmp_path_factory.getbasetemp() / "cache")
+def warm(tmp_path_factory, demo):
+    server = start(tmp_path_factory.mktemp("warm"), demo)
     yield server
     assert server.stop() == 0, server.log()
 

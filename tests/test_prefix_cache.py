@@ -246,9 +246,9 @@ def test_a_hit_prefilled_beside_another_prefilling_stream(served, reference):
     served.run(base)
     hit = base[: 2 * C + 3] + prompt(reference, 20, seed=9)  # 23 tokens left to prefill
     # the cold one's last chunk (17 tokens) leaves room for the hit's 23 in the same step
-    served.check(reference, [prompt(reference, 3 * C + 17, seed=8), hit], [0, 2 * C])
+    served.check(reference, [prompt(reference, 2 * C + 17, seed=8), hit], [0, 2 * C])
     # the hit first: the cold one's first chunk (64) does not fit beside it and waits a step
-    served.check(reference, [hit, prompt(reference, 3 * C + 17, seed=13)], [2 * C, 0])
+    served.check(reference, [hit, prompt(reference, 2 * C + 17, seed=13)], [2 * C, 0])
 
 
 def test_an_evicted_prefix_is_prefilled_cold_with_the_same_output(demo, reference):
@@ -266,6 +266,5 @@ def test_an_evicted_prefix_is_prefilled_cold_with_the_same_output(demo, referenc
         stats = served.scheduler.prefix_cache.stats()
         assert (stats["snapshots"], stats["evicted"]) == (1, 3)
         served.check(reference, [first + [5, 6, 7]], [0])  # first's snapshots are gone
-        served.check(reference, [second + [5, 6, 7]], [0])  # and now second's
     finally:
         served.close()
