@@ -91,6 +91,7 @@ class _Job:
     stream: JobStream | None = None
     slot: int = -1
     num_fed: int = 0  # prompt tokens the engine has seen
+    num_cached: int = 0  # prompt tokens a job engine reused from its prefix cache
     num_generated: int = 0
     last_token: int = -1
     is_cancelled: bool = False
@@ -333,7 +334,10 @@ class Scheduler:
             return
         self._post(_set_result, loaded)
         try:
-            self._engine_loop(list(range(self.num_slots - 1, -1, -1)))
+            if getattr(self.engine, "drives_jobs", False):
+                self._job_loop()
+            else:
+                self._engine_loop(list(range(self.num_slots - 1, -1, -1)))
         finally:
             outputs = [(j, -1, "error", "the server is shutting down", 0) for j in self._all_jobs()]
             if outputs:
@@ -369,6 +373,100 @@ class Scheduler:
                 self._running.append(job)
             if self._running:
                 self._run_step(free_slots)
+
+    def _take_inbox(self) -> tuple[list[_Job], bool]:
+        """Wait while idle; move new jobs to the waiting list; return the cancels and whether
+        the scheduler is stopping."""
+        with self._cv:
+            while not (
+                self._is_stopping or self._inbox or self._cancels or self._running or self._waiting
+            ):
+                self._cv.wait()
+            inbox, self._inbox = self._inbox, []
+            cancels, self._cancels = self._cancels, []
+        self._waiting.extend(inbox)
+        return cancels, self._is_stopping
+
+    # --- job engines (glm53.engine.base.JobEngine: the GPU engine over exllamav3's Generator) ----
+    def _job_loop(self) -> None:
+        """The loop for an engine that runs whole requests: admit up to num_slots jobs, start
+        them in the engine, iterate it, and post each job's new tokens. Admission is FIFO, so
+        jobs submitted together start together, in submission order."""
+        while True:
+            if self._inbox or self._cancels or self._is_stopping or not self._running:
+                cancels, stopping = self._take_inbox()
+                if stopping:
+                    return
+                for job in cancels:
+                    if job in self._running:
+                        self._running.remove(job)
+                        self._cancel_in_engine(job)
+                    elif job in self._waiting:
+                        self._waiting.remove(job)
+            while self._waiting and len(self._running) < self.num_slots:
+                job = self._waiting.popleft()
+                if job.is_cancelled:
+                    continue
+                self._start_in_engine(job)
+            if self._running:
+                self._run_iteration()
+
+    def _start_in_engine(self, job: _Job) -> None:
+        try:
+            self.engine.start(id(job), job.request, job.max_new_tokens, False)
+        except Exception as exc:  # noqa: BLE001 - this request fails, the server goes on
+            log.exception("starting a job in the engine failed")
+            self._post(self._deliver, [(job, -1, "error", f"engine error: {exc}", 0)])
+            return
+        job.slot = len(self._running)
+        self._running.append(job)
+
+    def _cancel_in_engine(self, job: _Job) -> None:
+        try:
+            self.engine.cancel(id(job))
+        except Exception:  # noqa: BLE001 - a failed cancel must not stop the other streams
+            log.exception("engine.cancel failed")
+
+    def _run_iteration(self) -> None:
+        counters = self.step_counters
+        try:
+            outs = self.engine.iterate()
+        except Exception as exc:  # noqa: BLE001 - fail the jobs, keep serving
+            counters["step_errors"] += 1
+            log.exception("engine iteration failed for %d jobs", len(self._running))
+            failed, self._running = self._running, []
+            now_ns = time.monotonic_ns()
+            for job in failed:
+                self._cancel_in_engine(job)
+            self._post(
+                self._deliver, [(j, -1, "error", f"engine error: {exc}", now_ns) for j in failed]
+            )
+            return
+        now_ns = time.monotonic_ns()
+        counters["steps"] += 1
+        by_key = {id(job): job for job in self._running}
+        outputs = []
+        for out in outs:
+            job = by_key.get(out.key)
+            if job is None:
+                continue
+            if out.cached_tokens is not None:
+                job.num_cached = out.cached_tokens
+                job.num_fed = len(job.request.prompt_ids)
+                counters["prompt_tokens"] += job.num_fed - out.cached_tokens
+            last = len(out.token_ids) - 1
+            for i, token in enumerate(out.token_ids):
+                job.num_generated += 1
+                job.last_token = token
+                finish = out.finish if i == last and out.finish != "error" else None
+                outputs.append((job, token, finish, None, now_ns))
+            counters["generated_tokens"] += len(out.token_ids)
+            if out.finish == "error":
+                outputs.append((job, -1, "error", out.error, now_ns))
+            if out.finish is not None:
+                self._running.remove(job)
+        if outputs:
+            self._handoff.post(self._deliver, outputs)
 
     def _close_engine(self) -> None:
         try:
