@@ -247,32 +247,42 @@ class Scheduler:
         self.is_ready = True
 
     def submit(self, request: GenerationRequest) -> JobStream:
+        return self.submit_many([request])[0]
+
+    def submit_many(self, requests: list[GenerationRequest]) -> list[JobStream]:
+        """Submit requests as one group: all are admitted or none (QueueFull, PromptTooLong and
+        ValueError name the first bad one), and they reach the engine thread together, in order,
+        so a job engine starts them in the same iteration when it has the slots."""
         if not self.is_ready:
             raise RuntimeError("the scheduler is not started")
-        num_prompt = len(request.prompt_ids)
-        if num_prompt == 0:
-            raise ValueError("the prompt is empty")
-        if num_prompt >= self.context_length:
-            raise PromptTooLong(num_prompt, self.context_length)
-        if self._num_active >= self.num_slots + self.queue_limit:
-            self.counters["requests_rejected"] += 1
+        for request in requests:
+            num_prompt = len(request.prompt_ids)
+            if num_prompt == 0:
+                raise ValueError("the prompt is empty")
+            if num_prompt >= self.context_length:
+                raise PromptTooLong(num_prompt, self.context_length)
+        if self._num_active + len(requests) > self.num_slots + self.queue_limit:
+            self.counters["requests_rejected"] += len(requests)
             raise QueueFull(
                 f"all {self.num_slots} slots are busy and {self.queue_limit} requests are waiting",
                 self.retry_after_s(),
             )
-        room = self.context_length - num_prompt
-        max_new = room if request.max_new_tokens is None else min(request.max_new_tokens, room)
-        job = _Job(request, StreamSampler(request.sampling), max_new)
-        stream = JobStream(
-            self, job, self.engine.tokenizer.new_decoder(), StopMatcher(request.stop_strings)
-        )
-        job.stream = stream
-        self._num_active += 1
-        self.counters["requests_submitted"] += 1
+        jobs, streams = [], []
+        for request in requests:
+            room = self.context_length - len(request.prompt_ids)
+            max_new = room if request.max_new_tokens is None else min(request.max_new_tokens, room)
+            job = _Job(request, StreamSampler(request.sampling), max_new)
+            job.stream = JobStream(
+                self, job, self.engine.tokenizer.new_decoder(), StopMatcher(request.stop_strings)
+            )
+            jobs.append(job)
+            streams.append(job.stream)
+        self._num_active += len(jobs)
+        self.counters["requests_submitted"] += len(jobs)
         with self._cv:
-            self._inbox.append(job)
+            self._inbox.extend(jobs)
             self._cv.notify()
-        return stream
+        return streams
 
     def retry_after_s(self) -> int:
         waves = (self._num_active - self.num_slots + 1) / max(1, self.num_slots)
