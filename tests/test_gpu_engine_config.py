@@ -81,5 +81,7 @@ def test_the_standard_region_ends_where_a_cold_prefill_first_cuts_short():
 
 
 def test_chunk_size_must_be_whole_pages(tmp_path):
+    with pytest.raises(ConfigurationError, match="--chunk-size 1000: .* multiple of 256.* 768"):
+        create(settings("--chunk-size", "1000"), tmp_path)
     with pytest.raises(ValueError, match="multiple of 256"):
         GpuEngine(str(tmp_path), "exact", chunk_size=1000)

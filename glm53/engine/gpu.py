@@ -381,6 +381,11 @@ def create(settings, checkpoint_dir) -> GpuEngine:
             f"--store {settings.store}: exact mode keeps every routed expert in pinned RAM and "
             "does not read a store; leave --store out"
         )
+    if settings.chunk_size % PAGE:
+        raise ConfigurationError(
+            f"--chunk-size {settings.chunk_size}: the GPU engine needs a multiple of {PAGE} "
+            f"(exllamav3's page size), e.g. {max(PAGE, settings.chunk_size // PAGE * PAGE)}"
+        )
     return GpuEngine(
         str(checkpoint_dir),
         mode,
