@@ -20,7 +20,7 @@ the engine slot is freed at the next step), its max_new_tokens or the end of the
 
 Prefix cache (glm53.engine.prefix_cache), with an engine that implements PrefixSnapshots and
 `prefix_cache_bytes` > 0: a new job whose prompt starts with the tokens of a snapshot is given
-that state in its slot and starts prefilling at the snapshot's length (`num_cached_tokens`); every
+that state in its slot and starts prefilling at the snapshot's length (its `num_cached`); every
 prefill chunk that ends at a multiple of `chunk_size` leaves a snapshot. Chunks are cut at the
 same multiples whether a job resumed or started cold, and whatever other streams prefill in the
 same steps, so neither a hit nor a neighbour changes a stream's tokens or logits.
@@ -87,7 +87,7 @@ class TokenEvent:
     num_prompt_tokens: int
     num_generated_tokens: int
     finish_reason: str | None = None  # "stop" | "length" | "error"
-    num_cached_tokens: int = 0  # prompt tokens restored from the prefix cache, not computed
+    num_cached_tokens: int = 0  # prompt tokens reused from a prefix cache, not computed
     matched_stop: str | int | None = None
     error: str | None = None
     time_ns: int = 0
@@ -101,7 +101,7 @@ class _Job:
     stream: JobStream | None = None
     slot: int = -1
     num_fed: int = 0  # prompt tokens the engine has seen (restored ones included)
-    num_cached_tokens: int = 0  # prompt tokens restored from the prefix cache
+    num_cached: int = 0  # prompt tokens reused from the scheduler's or the engine's prefix cache
     prefix_keys: list[bytes] | None = None  # chain keys of the prompt's whole chunks
     num_generated: int = 0
     last_token: int = -1
@@ -139,8 +139,8 @@ class JobStream:
 
     @property
     def num_cached_tokens(self) -> int:
-        """Prompt tokens restored from the prefix cache (set before the first token is posted)."""
-        return self._job.num_cached_tokens
+        """Prompt tokens reused from a prefix cache (set before the first token is posted)."""
+        return self._job.num_cached
 
     def cancel(self) -> None:
         if not self.is_done:
@@ -205,7 +205,7 @@ class JobStream:
             num_prompt_tokens=len(job.request.prompt_ids),
             num_generated_tokens=self._num_generated,
             finish_reason=finish,
-            num_cached_tokens=job.num_cached_tokens,
+            num_cached_tokens=job.num_cached,
             matched_stop=matched,
             error=error,
             time_ns=time_ns,
@@ -278,32 +278,42 @@ class Scheduler:
         self.is_ready = True
 
     def submit(self, request: GenerationRequest) -> JobStream:
+        return self.submit_many([request])[0]
+
+    def submit_many(self, requests: list[GenerationRequest]) -> list[JobStream]:
+        """Submit requests as one group: all are admitted or none (QueueFull, PromptTooLong and
+        ValueError name the first bad one), and they reach the engine thread together, in order,
+        so a job engine starts them in the same iteration when it has the slots."""
         if not self.is_ready:
             raise RuntimeError("the scheduler is not started")
-        num_prompt = len(request.prompt_ids)
-        if num_prompt == 0:
-            raise ValueError("the prompt is empty")
-        if num_prompt >= self.context_length:
-            raise PromptTooLong(num_prompt, self.context_length)
-        if self._num_active >= self.num_slots + self.queue_limit:
-            self.counters["requests_rejected"] += 1
+        for request in requests:
+            num_prompt = len(request.prompt_ids)
+            if num_prompt == 0:
+                raise ValueError("the prompt is empty")
+            if num_prompt >= self.context_length:
+                raise PromptTooLong(num_prompt, self.context_length)
+        if self._num_active + len(requests) > self.num_slots + self.queue_limit:
+            self.counters["requests_rejected"] += len(requests)
             raise QueueFull(
                 f"all {self.num_slots} slots are busy and {self.queue_limit} requests are waiting",
                 self.retry_after_s(),
             )
-        room = self.context_length - num_prompt
-        max_new = room if request.max_new_tokens is None else min(request.max_new_tokens, room)
-        job = _Job(request, StreamSampler(request.sampling), max_new)
-        stream = JobStream(
-            self, job, self.engine.tokenizer.new_decoder(), StopMatcher(request.stop_strings)
-        )
-        job.stream = stream
-        self._num_active += 1
-        self.counters["requests_submitted"] += 1
+        jobs, streams = [], []
+        for request in requests:
+            room = self.context_length - len(request.prompt_ids)
+            max_new = room if request.max_new_tokens is None else min(request.max_new_tokens, room)
+            job = _Job(request, StreamSampler(request.sampling), max_new)
+            job.stream = JobStream(
+                self, job, self.engine.tokenizer.new_decoder(), StopMatcher(request.stop_strings)
+            )
+            jobs.append(job)
+            streams.append(job.stream)
+        self._num_active += len(jobs)
+        self.counters["requests_submitted"] += len(jobs)
         with self._cv:
-            self._inbox.append(job)
+            self._inbox.extend(jobs)
             self._cv.notify()
-        return stream
+        return streams
 
     def retry_after_s(self) -> int:
         waves = (self._num_active - self.num_slots + 1) / max(1, self.num_slots)
@@ -368,7 +378,10 @@ class Scheduler:
             return
         self._post(_set_result, loaded)
         try:
-            self._engine_loop(list(range(self.num_slots - 1, -1, -1)))
+            if getattr(self.engine, "drives_jobs", False):
+                self._job_loop()
+            else:
+                self._engine_loop(list(range(self.num_slots - 1, -1, -1)))
         finally:
             outputs = [(j, -1, "error", "the server is shutting down", 0) for j in self._all_jobs()]
             if outputs:
@@ -406,6 +419,102 @@ class Scheduler:
                     self._resume_prefix(job, free_slots)
             if self._running:
                 self._run_step(free_slots)
+
+    def _take_inbox(self) -> tuple[list[_Job], bool]:
+        """Wait while idle; move new jobs to the waiting list; return the cancels and whether
+        the scheduler is stopping."""
+        with self._cv:
+            while not (
+                self._is_stopping or self._inbox or self._cancels or self._running or self._waiting
+            ):
+                self._cv.wait()
+            inbox, self._inbox = self._inbox, []
+            cancels, self._cancels = self._cancels, []
+        self._waiting.extend(inbox)
+        return cancels, self._is_stopping
+
+    # --- job engines (glm53.engine.base.JobEngine: the GPU engine over exllamav3's Generator) ----
+    def _job_loop(self) -> None:
+        """The loop for an engine that runs whole requests: admit up to num_slots jobs, start
+        them in the engine, iterate it, and post each job's new tokens. Admission is FIFO, so
+        jobs submitted together start together, in submission order."""
+        while True:
+            if self._inbox or self._cancels or self._is_stopping or not self._running:
+                cancels, stopping = self._take_inbox()
+                if stopping:
+                    return
+                for job in cancels:
+                    if job in self._running:
+                        self._running.remove(job)
+                        self._cancel_in_engine(job)
+                    elif job in self._waiting:
+                        self._waiting.remove(job)
+            while self._waiting and len(self._running) < self.num_slots:
+                job = self._waiting.popleft()
+                if job.is_cancelled:
+                    continue
+                self._start_in_engine(job)
+            if self._running:
+                self._run_iteration()
+
+    def _start_in_engine(self, job: _Job) -> None:
+        try:
+            self.engine.start(id(job), job.request, job.max_new_tokens, False)
+        except Exception as exc:  # noqa: BLE001 - this request fails, the server goes on
+            log.exception("starting a job in the engine failed")
+            self._post(self._deliver, [(job, -1, "error", f"engine error: {exc}", 0)])
+            return
+        job.slot = len(self._running)
+        self._running.append(job)
+
+    def _cancel_in_engine(self, job: _Job) -> None:
+        try:
+            self.engine.cancel(id(job))
+        except Exception:  # noqa: BLE001 - a failed cancel must not stop the other streams
+            log.exception("engine.cancel failed")
+
+    def _run_iteration(self) -> None:
+        counters = self.step_counters
+        try:
+            outs = self.engine.iterate()
+        except Exception as exc:  # noqa: BLE001 - fail the jobs, keep serving
+            counters["step_errors"] += 1
+            log.exception("engine iteration failed for %d jobs", len(self._running))
+            failed, self._running = self._running, []
+            now_ns = time.monotonic_ns()
+            for job in failed:
+                self._cancel_in_engine(job)
+            self._post(
+                self._deliver, [(j, -1, "error", f"engine error: {exc}", now_ns) for j in failed]
+            )
+            return
+        now_ns = time.monotonic_ns()
+        counters["steps"] += 1
+        by_key = {id(job): job for job in self._running}
+        outputs = []
+        for out in outs:
+            job = by_key.get(out.key)
+            if job is None:
+                continue
+            if out.cached_tokens is not None:
+                job.num_cached = out.cached_tokens
+                job.num_fed = len(job.request.prompt_ids)
+                counters["prompt_tokens"] += job.num_fed - out.cached_tokens
+                counters["cached_prompt_tokens"] += out.cached_tokens
+                counters["requests_prefix_hit"] += int(out.cached_tokens > 0)
+            last = len(out.token_ids) - 1
+            for i, token in enumerate(out.token_ids):
+                job.num_generated += 1
+                job.last_token = token
+                finish = out.finish if i == last and out.finish != "error" else None
+                outputs.append((job, token, finish, None, now_ns))
+            counters["generated_tokens"] += len(out.token_ids)
+            if out.finish == "error":
+                outputs.append((job, -1, "error", out.error, now_ns))
+            if out.finish is not None:
+                self._running.remove(job)
+        if outputs:
+            self._handoff.post(self._deliver, outputs)
 
     def _close_engine(self) -> None:
         try:
@@ -447,7 +556,7 @@ class Scheduler:
             message = f"engine error: restoring the cached prefix failed: {exc}"
             self._post(self._deliver, [(job, -1, "error", message, time.monotonic_ns())])
             return
-        job.num_fed = job.num_cached_tokens = snap.num_tokens
+        job.num_fed = job.num_cached = snap.num_tokens
         self.step_counters["cached_prompt_tokens"] += snap.num_tokens
         self.step_counters["requests_prefix_hit"] += 1
 
