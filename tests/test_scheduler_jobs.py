@@ -148,8 +148,8 @@ def test_a_cancelled_stream_is_cancelled_in_the_engine(checkpoint):
             stream.cancel()
             break
         await until_idle(s)
-        await s.close()
         assert len(engine.cancelled) == 1 and not engine.jobs
+        await s.close()
 
     asyncio.run(main())
 

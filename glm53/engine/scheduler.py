@@ -445,8 +445,8 @@ class Scheduler:
                     return
                 for job in cancels:
                     if job in self._running:
+                        self._cancel_in_engine(job)  # before it leaves the running count
                         self._running.remove(job)
-                        self._cancel_in_engine(job)
                     elif job in self._waiting:
                         self._waiting.remove(job)
             while self._waiting and len(self._running) < self.num_slots:
