@@ -53,12 +53,17 @@ async def health(state: ServerState, body: bytes, receive: Receive, send: Send) 
     return 200
 
 
+def _is_serving(state: ServerState) -> bool:
+    """Loaded and running: ready, or draining the requests it has."""
+    return state.status in ("ready", "draining") and state.scheduler is not None
+
+
 def _engine_stats(state: ServerState) -> dict:
-    return state.engine.stats() if state.status == "ready" else {}
+    return state.engine.stats() if _is_serving(state) else {}
 
 
 async def stats(state: ServerState, body: bytes, receive: Receive, send: Send) -> int:
-    scheduler = state.scheduler.stats() if state.status == "ready" else {}
+    scheduler = state.scheduler.stats() if _is_serving(state) else {}
     payload = {
         "status": state.status,
         **state.metrics.summary(),
@@ -110,7 +115,7 @@ async def server_info(state: ServerState, body: bytes, receive: Receive, send: S
 
 
 async def metrics(state: ServerState, body: bytes, receive: Receive, send: Send) -> int:
-    scheduler = state.scheduler.stats() if state.status == "ready" else {}
+    scheduler = state.scheduler.stats() if _is_serving(state) else {}
     text = state.metrics.prometheus(scheduler, _engine_stats(state))
     await send_bytes(
         send, 200, text, ((b"content-type", b"text/plain; version=0.0.4; charset=utf-8"),)
