@@ -30,13 +30,15 @@ ROUTES = {
     ("GET", "/stats"): info.stats,
     ("GET", "/server_info"): info.server_info,
     ("GET", "/metrics"): info.metrics,
+    ("GET", "/dashboard"): info.dashboard,
     ("GET", "/openapi.json"): info.openapi,
     ("POST", "/admin/save_heat"): info.save_heat,
     ("POST", "/generate"): native.generate,
     ("POST", "/tokenize"): native.tokenize,
 }
 _PATHS = {path for _, path in ROUTES}
-_OPEN_PATHS = {"/health"}
+# The dashboard page holds no data (it polls /stats, sending the key from its URL's #key=).
+_OPEN_PATHS = {"/health", "/dashboard"}
 # After a drain timeout, how long the open responses get to send their error before the stop.
 _ANSWER_ERRORS_S = 5.0
 

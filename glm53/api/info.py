@@ -1,10 +1,12 @@
-"""Read-only endpoints (/v1/models, /health, /stats, /server_info, /metrics, /openapi.json) and
-POST /admin/save_heat."""
+"""Read-only endpoints (/v1/models, /health, /stats, /server_info, /metrics, /dashboard,
+/openapi.json) and POST /admin/save_heat."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
+from pathlib import Path
 
 import msgspec
 
@@ -119,6 +121,25 @@ async def metrics(state: ServerState, body: bytes, receive: Receive, send: Send)
     text = state.metrics.prometheus(scheduler, _engine_stats(state))
     await send_bytes(
         send, 200, text, ((b"content-type", b"text/plain; version=0.0.4; charset=utf-8"),)
+    )
+    return 200
+
+
+_DASHBOARD = Path(__file__).with_name("dashboard.html")
+
+
+@functools.cache
+def _dashboard_page() -> bytes:
+    return _DASHBOARD.read_bytes()
+
+
+async def dashboard(state: ServerState, body: bytes, receive: Receive, send: Send) -> int:
+    """The live tier page: static HTML that polls /stats every second."""
+    await send_bytes(
+        send,
+        200,
+        _dashboard_page(),
+        ((b"content-type", b"text/html; charset=utf-8"), (b"cache-control", b"no-cache")),
     )
     return 200
 
