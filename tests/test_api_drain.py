@@ -1,13 +1,18 @@
 """Graceful drain: on SIGTERM a real `glm53 serve` process answers /health and new requests with
 503 and Retry-After, lets its running streams finish (bounded by --drain-timeout), then exits 0."""
 
+import asyncio
 import signal
 import threading
 import time
 
 import httpx
 import openai
-from serving_kit import scripted_server
+from serving_kit import scripted_server, write_tokenizer_checkpoint
+from test_api_serve import GatedEngine
+
+from glm53.api.app import App
+from glm53.config import resolve
 
 # 40 tokens at 50 ms a step: a stream runs for about 2 s, long enough to SIGTERM it mid-way.
 ANSWER = " ".join(["word"] * 40)
@@ -105,3 +110,33 @@ def test_idle_server_stops_at_once_on_sigterm(tmp_path):
         assert "draining: 0 requests running or queued" in server.log()
     finally:
         server.stop()
+
+
+async def _drain_while_loading(checkpoint):
+    gate, drained = threading.Event(), []
+    settings, sources = resolve({}, {})
+    app = App(
+        settings,
+        sources,
+        engine_factory=lambda s: GatedEngine(checkpoint, gate),
+        on_drained=lambda: drained.append(True),
+    )
+    loading = asyncio.create_task(app.load())
+    app.begin_drain()
+    app.begin_drain()  # a second SIGTERM changes nothing
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://glm53"
+    ) as client:
+        await asyncio.sleep(0.2)
+        gate.set()
+        await loading
+        health = await client.get("/health")
+    await app.close()
+    return drained, health
+
+
+def test_a_sigterm_during_the_load_keeps_the_server_out_of_service(tmp_path):
+    drained, health = asyncio.run(_drain_while_loading(write_tokenizer_checkpoint(tmp_path)))
+    assert drained == [True]
+    assert health.status_code == 503
+    assert health.json()["error"]["code"] == "draining"

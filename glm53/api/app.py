@@ -148,6 +148,9 @@ class App:
                 self._on_load_failed(exc)
             return
         state.load_seconds = round(time.monotonic() - start, 3)
+        if state.status != "loading":  # a SIGTERM came during the load: stay out of service
+            log.info("loaded in %.1f s, but the server is %s", state.load_seconds, state.status)
+            return
         state.status = "ready"
         log.info(
             "ready in %.1f s: %s, context %d, %d slots; serving %r",
