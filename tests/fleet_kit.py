@@ -241,6 +241,12 @@ def run_fleet(tmp: Path, *, load_s: float = 1.5) -> FleetRun:
             stderr=subprocess.STDOUT,
         )
         metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        time.sleep(0.5)
+        if router.poll() is not None:
+            raise RuntimeError(
+                f"sglang-router exited with {router.returncode} (it is in glm53's test extra: "
+                f"pip install -e '.[test]'):\n{(tmp / 'router.log').read_text(errors='replace')}"
+            )
         _wait(
             lambda: _healthy_workers(httpx.get(metrics_url, timeout=2).text) == 3,
             60,
