@@ -271,6 +271,15 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
         Meta(ge=1024),
         _s("Largest request body; bigger ones get 413.", group="server", kind="size"),
     ] = 32 * 1024 * 1024
+    drain_timeout: Annotated[
+        NonNegFloat,
+        _s(
+            "Seconds a SIGTERM waits for running and queued requests to finish before the server "
+            "stops. While it drains, /health and new requests answer 503 with Retry-After, so a "
+            "router sends them elsewhere; 0 stops at once.",
+            group="server",
+        ),
+    ] = 30.0
     log_level: Annotated[LogLevel, _s("Log level.", group="server")] = "info"
     access_log: Annotated[bool, _s("Log every HTTP request.", group="server")] = False
 

@@ -243,7 +243,7 @@ async def _answer(
         reasoning=reasoning if state.settings.reasoning_field else UNSET,
         tool_calls=_out_calls(calls) if calls else UNSET,
     )
-    usage = gen.usage(last)
+    usage = run.usage(last)
     body = ChatCompletion(
         id=gen.new_id("chatcmpl"),
         created=run.created,
@@ -320,6 +320,6 @@ async def _stream(
     finish = "length" if last.finish_reason == "length" else ("tool_calls" if calls else "stop")
     await sse.event(chunk(ChatDelta(), finish))
     if want_usage:
-        usage = gen.usage(last)
+        usage = run.usage(last)
         await sse.event(_encoder.encode(ChatChunk(rid, created, model, [], usage=usage)))
     await sse.close()

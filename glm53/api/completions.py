@@ -96,7 +96,7 @@ async def completions(state: ServerState, body: bytes, receive: Receive, send: S
             created=run.created,
             model=state.settings.served_name,
             choices=[CompletionChoice(0, "".join(parts), last.finish_reason)],
-            usage=gen.usage(last),
+            usage=run.usage(last),
         )
         await send_bytes(send, 200, _encoder.encode(answer))
         return 200
@@ -133,6 +133,6 @@ async def _stream(
         await sse.close(b"data: " + error.body() + b"\n\ndata: [DONE]\n\n")
         return
     if want_usage:
-        usage = gen.usage(last)
+        usage = run.usage(last)
         await sse.event(_encoder.encode(Completion(rid, run.created, model, [], usage=usage)))
     await sse.close()

@@ -8,9 +8,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 
+import msgspec
+
 from glm53.api.errors import ApiError
 from glm53.api.http import DisconnectWatcher, Receive, Send, SseWriter
-from glm53.api.schemas import PromptTokensDetails, SamplingFields, Usage
+from glm53.api.schemas import PromptTokensDetails, SamplingFields, TierUsage, Usage
 from glm53.api.state import ServerState
 from glm53.engine.base import Tokenizer
 from glm53.engine.sampling import SamplingParams
@@ -129,6 +131,21 @@ class Run:
         async for event in self.stream:
             yield event
 
+    def usage(self, last: TokenEvent) -> Usage:
+        """The answer's `usage`, with the tier counts in `usage.glm53`."""
+        n_prompt, n_gen = last.num_prompt_tokens, last.num_generated_tokens
+        return Usage(
+            n_prompt,
+            n_gen,
+            n_prompt + n_gen,
+            PromptTokensDetails(last.num_cached_tokens),
+            glm53=self.tier_usage(),
+        )
+
+    def tier_usage(self) -> TierUsage:
+        counts = self.stream.usage()
+        return TierUsage(**msgspec.structs.asdict(counts), tiers_counted=self.stream.is_counted)
+
     def close(self) -> None:
         self.watcher.close()
         self.stream.cancel()
@@ -146,12 +163,8 @@ class Run:
                 (stream.first_token_ns - stream.submitted_ns) / 1e9
             )
         metrics.request_seconds.observe((time.monotonic_ns() - stream.submitted_ns) / 1e9)
-
-
-def usage(event: TokenEvent) -> Usage:
-    """The usage of a finished run, from its last TokenEvent."""
-    n_prompt, n_gen = event.num_prompt_tokens, event.num_generated_tokens
-    return Usage(n_prompt, n_gen, n_prompt + n_gen, PromptTokensDetails(event.num_cached_tokens))
+        if stream.first_token_ns:
+            metrics.count_tiers(self.state.settings.mode, stream.usage())
 
 
 def check_model(state: ServerState, model: str) -> None:

@@ -28,17 +28,51 @@ class Histogram:
         self.count += 1
         self.total += value
 
-    def lines(self, name: str) -> list[str]:
+    def lines(self, name: str, labels: str = "") -> list[str]:
+        """The exposition lines; `labels` like 'mode="fast"' go on every line."""
         out, running = [], 0
+        extra, braces = (labels + ",") if labels else "", f"{{{labels}}}" if labels else ""
         for bound, n in zip(self.buckets, self.counts, strict=True):
             running += n
-            out.append(f'{name}_bucket{{le="{bound}"}} {running}')
+            out.append(f'{name}_bucket{{{extra}le="{bound}"}} {running}')
         out += [
-            f'{name}_bucket{{le="+Inf"}} {self.count}',
-            f"{name}_sum {self.total:.6f}",
-            f"{name}_count {self.count}",
+            f'{name}_bucket{{{extra}le="+Inf"}} {self.count}',
+            f"{name}_sum{braces} {self.total:.6f}",
+            f"{name}_count{braces} {self.count}",
         ]
         return out
+
+
+# usage.glm53's counts, as Prometheus counters glm53_tier_<name>_total{mode} (help texts)
+TIER_COUNTS = {
+    "vram_hits": "Expert lookups served from a VRAM slot (GPU engine).",
+    "zero_copy_misses": "Expert lookups read over PCIe from pinned RAM (GPU engine).",
+    "cpu_lane_picks": "Token-expert picks computed on the CPU lane.",
+    "ram_hits": "Expert lookups that hit the RAM tier.",
+    "ram_misses": "Expert lookups that missed the RAM tier and were read from the source.",
+    "store_read_bytes": "Bytes the RAM tier read from the expert source on misses.",
+    "prefix_cached_tokens": "Prompt tokens taken from the prefix cache.",
+}
+
+
+class TierTotals:
+    """usage.glm53 summed over the finished requests of one mode."""
+
+    __slots__ = ("counts", "decode_seconds", "prefill_seconds", "requests")
+
+    def __init__(self):
+        self.requests = 0
+        self.counts = dict.fromkeys(TIER_COUNTS, 0)
+        self.prefill_seconds = Histogram()
+        self.decode_seconds = Histogram()
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "requests": self.requests,
+            **self.counts,
+            "prefill_seconds": round(self.prefill_seconds.total, 6),
+            "decode_seconds": round(self.decode_seconds.total, 6),
+        }
 
 
 class Metrics:
@@ -53,6 +87,16 @@ class Metrics:
         self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=_RECENT_REQUESTS)
         self.time_to_first_token_s = Histogram()
         self.request_seconds = Histogram()
+        self.tiers: dict[str, TierTotals] = {}
+
+    def count_tiers(self, mode: str, usage: Any) -> None:
+        """Add one finished request's tier usage (a StreamUsage) to the totals of `mode`."""
+        totals = self.tiers.get(mode) or self.tiers.setdefault(mode, TierTotals())
+        totals.requests += 1
+        for name in TIER_COUNTS:
+            totals.counts[name] += getattr(usage, name)
+        totals.prefill_seconds.observe(usage.prefill_seconds)
+        totals.decode_seconds.observe(usage.decode_seconds)
 
     def count_request(self, route: str, status: int) -> None:
         self.requests[(route, status)] += 1
@@ -80,6 +124,7 @@ class Metrics:
             "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens,
             "recent_requests": list(self.recent),
+            "tiers_by_mode": {mode: t.summary() for mode, t in self.tiers.items()},
         }
 
     def prometheus(self, scheduler: Mapping[str, Any], engine: Mapping[str, Any]) -> bytes:
@@ -107,9 +152,27 @@ class Metrics:
             "# TYPE glm53_request_seconds histogram",
             *self.request_seconds.lines("glm53_request_seconds"),
         ]
+        lines += self._tier_lines()
         lines += _gauges("glm53_scheduler", scheduler)
         lines += _gauges("glm53_engine", engine)
         return ("\n".join(lines) + "\n").encode()
+
+    def _tier_lines(self) -> list[str]:
+        lines = []
+        for name, help_text in TIER_COUNTS.items():
+            metric = f"glm53_tier_{name}_total"
+            lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} counter"]
+            for mode, totals in sorted(self.tiers.items()):
+                lines.append(f'{metric}{{mode="{mode}"}} {totals.counts[name]}')
+        for phase in ("prefill", "decode"):
+            metric = f"glm53_request_{phase}_seconds"
+            lines += [
+                f"# HELP {metric} Per request: {phase} seconds (usage.glm53.{phase}_seconds).",
+                f"# TYPE {metric} histogram",
+            ]
+            for mode, totals in sorted(self.tiers.items()):
+                lines += getattr(totals, f"{phase}_seconds").lines(metric, f'mode="{mode}"')
+        return lines
 
 
 def _by_route(requests: Mapping[tuple[str, int], int]) -> dict[str, int]:

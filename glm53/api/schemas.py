@@ -137,11 +137,29 @@ class PromptTokensDetails(Struct):
     cached_tokens: int  # prompt tokens restored from the prefix cache, not recomputed
 
 
+class TierUsage(Struct):
+    """`usage.glm53`: what the request cost in each tier (glm53.engine.base.StreamUsage says
+    what each count means). `tiers_counted` is false where the engine does not count per
+    request yet (the GPU engine): its counts are then 0, the seconds are still measured."""
+
+    vram_hits: int
+    zero_copy_misses: int
+    cpu_lane_picks: int
+    ram_hits: int
+    ram_misses: int
+    store_read_bytes: int
+    prefix_cached_tokens: int
+    prefill_seconds: float
+    decode_seconds: float
+    tiers_counted: bool
+
+
 class Usage(Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    glm53: TierUsage | UnsetType = UNSET
 
 
 class OutFunction(Struct):

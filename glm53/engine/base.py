@@ -56,6 +56,31 @@ class StreamWork(msgspec.Struct):
     want_logits: bool
 
 
+class StreamUsage(msgspec.Struct):
+    """What one stream cost in each tier, counted by the engine while the stream runs.
+
+    Expert counts are per distinct expert per MoE layer call (a prefill chunk of 100 tokens that
+    routes 30 distinct experts in a layer makes 30 lookups there), except `cpu_lane_picks`,
+    which counts (token, expert) picks computed on the CPU lane. `vram_hits` and
+    `zero_copy_misses` belong to the GPU engine (VRAM expert slots, and experts read over PCIe
+    from pinned RAM); the CPU engine has no VRAM and leaves them 0. `store_read_bytes` is what
+    the RAM tier read from the expert source (the NVMe store with --store, else the
+    checkpoint's shards) on this stream's misses. `prefix_cached_tokens` are prompt tokens
+    taken from a prefix cache instead of being computed. The scheduler fills
+    `prefill_seconds` (the stream's first step to its first token) and `decode_seconds` (its
+    first token to its last)."""
+
+    vram_hits: int = 0
+    zero_copy_misses: int = 0
+    cpu_lane_picks: int = 0
+    ram_hits: int = 0
+    ram_misses: int = 0
+    store_read_bytes: int = 0
+    prefix_cached_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+
 @runtime_checkable
 class Tokenizer(Protocol):
     """Text <-> token ids for one checkpoint; special tokens written in text are encoded as their ids."""
@@ -122,6 +147,13 @@ class Engine(Protocol):
         ...
 
     def release(self, slot: int) -> None: ...
+
+    def stream_usage(self, slot: int) -> StreamUsage:
+        """The live counters of the stream now in `slot`: the engine adds to this object while
+        the stream runs, and a new stream in the slot (`start_pos == 0`) gets a new one, so the
+        scheduler can keep the object past `release`. Called on the engine thread after the
+        stream's first step; readers on other threads may see counts one step old."""
+        ...
 
     def stats(self) -> dict[str, Any]:
         """Counters as JSON-ready values; tier counters go under "tiers"."""

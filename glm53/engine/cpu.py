@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from glm53.engine.base import EngineError, StreamWork
+from glm53.engine.base import EngineError, StreamUsage, StreamWork
 
 KDA_CHUNK = 16
 
@@ -65,6 +65,7 @@ class CpuEngine:
         self.context_length = context
         self.generation_defaults: dict[str, float] = {}
         self.model = None
+        self.count_streams = True  # per-stream tier counts (bench/cpu_engine.py turns it off)
         self._stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "step_s": 0.0}
 
     def load(self) -> None:
@@ -74,7 +75,7 @@ class CpuEngine:
         from glm53.models.hf_text import build_text_model, lm_head_weight
         from glm53.tiers.cpu_lane import CpuLane, lane_layout
         from glm53.tiers.expert_source import SafetensorsSource
-        from glm53.tiers.moe import TieredMoE
+        from glm53.tiers.moe import TallyTarget, TieredMoE
         from glm53.tiers.ram_tier import RamTier
 
         ckpt = Checkpoint(self.checkpoint_dir)
@@ -96,14 +97,17 @@ class CpuEngine:
         torch.set_num_threads(self.torch_threads or max(1, free_cpus))
         act_limit = float(ckpt.text_config.get("swiglu_limit", 0.0))
 
+        self.tally_target = TallyTarget()
+
         def tiered(layer: int, block: torch.nn.Module) -> TieredMoE:
-            return TieredMoE(layer, block, self.tier, self.lane, act_limit)
+            return TieredMoE(layer, block, self.tier, self.lane, act_limit, self.tally_target)
 
         self.model = build_text_model(ckpt, moe_factory=tiered)
         memoize_expansion(self.model)
         self.lm_head = lm_head_weight(ckpt)
         self.moe = {i: self.model.layers[i].mlp for i in ckpt.moe_layers}
         self.caches: list = [None] * self.num_slots
+        self.usage = [StreamUsage() for _ in range(self.num_slots)]
         self.description = (
             f"CPU engine (transformers glm5_next + tiered experts) on {self.checkpoint_dir}; "
             f"{self.tier.describe()}; {self.lane.describe()}"
@@ -140,6 +144,7 @@ class CpuEngine:
                 raise EngineError(f"slot {w.slot} is outside 0..{self.num_slots - 1}", [w.slot])
             if w.start_pos == 0:
                 self.caches[w.slot] = self.new_cache()
+                self.usage[w.slot] = StreamUsage()
             cache = self.caches[w.slot]
             seen = cache.get_seq_length() if cache is not None else -1
             if cache is None or seen != w.start_pos:
@@ -154,10 +159,13 @@ class CpuEngine:
                     f"length {self.context_length}",
                     [w.slot],
                 )
+            self.tally_target.tally = self.usage[w.slot] if self.count_streams else None
             try:
                 row = self.forward(w.token_ids, cache)
             except Exception as exc:
                 raise EngineError(f"slot {w.slot}: forward failed: {exc}", [w.slot]) from exc
+            finally:
+                self.tally_target.tally = None
             if w.want_logits:
                 logits.append(row)
             key = "decode_tokens" if w.start_pos > 0 and len(w.token_ids) == 1 else "prefill_tokens"
@@ -192,12 +200,16 @@ class CpuEngine:
             raise EngineError(f"slot {slot} is outside 0..{self.num_slots - 1}", [slot])
         self.caches[slot] = copy.deepcopy(state)
 
+    def stream_usage(self, slot: int) -> StreamUsage:
+        return self.usage[slot]
+
     def stats(self) -> dict[str, Any]:
         if self.model is None:
             return dict(self._stats)
         layers = {str(i): m.counters.as_dict() for i, m in self.moe.items()}
         hits = sum(c["hits"] for c in layers.values())
         misses = sum(c["misses"] for c in layers.values())
+        clock = self.tier.counters()
         return {
             **self._stats,
             "tiers": {
@@ -205,7 +217,8 @@ class CpuEngine:
                     "slots": self.tier.num_slots,
                     "cap_bytes": self.tier.ram_cap_bytes,
                     "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-                    **self.tier.counters(),
+                    "resident": clock["admits"] - clock["evictions"],  # records in the arena
+                    **clock,
                 },
                 "layers": layers,
             },

@@ -37,8 +37,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from glm53._handoff import Handoff
-from glm53.engine.base import Engine, EngineError, PrefixSnapshots, StreamWork
+from glm53.engine.base import Engine, EngineError, PrefixSnapshots, StreamUsage, StreamWork
 from glm53.engine.prefix_cache import PrefixCache, Snapshot, chain_keys
 from glm53.engine.sampling import SamplingParams, StreamSampler, sample
 from glm53.engine.stops import StopMatcher
@@ -106,6 +108,8 @@ class _Job:
     num_generated: int = 0
     last_token: int = -1
     is_cancelled: bool = False
+    prefill_start_ns: int = 0  # start of the step that ran the first prompt chunk
+    usage: StreamUsage | None = None  # the engine's live counters of this stream
 
 
 class JobStream:
@@ -123,6 +127,7 @@ class JobStream:
         self.is_done = False
         self.submitted_ns = time.monotonic_ns()
         self.first_token_ns = 0
+        self.last_token_ns = 0
         self.finish_reason: str | None = None
 
     @property
@@ -141,6 +146,23 @@ class JobStream:
     def num_cached_tokens(self) -> int:
         """Prompt tokens reused from a prefix cache (set before the first token is posted)."""
         return self._job.num_cached
+
+    def usage(self) -> StreamUsage:
+        """What this stream cost in each tier so far (the engine's counts; zeros from an engine
+        that does not count per stream, see `is_counted`), with its prefill and decode seconds."""
+        job = self._job
+        counted = job.usage
+        usage = StreamUsage() if counted is None else msgspec.structs.replace(counted)
+        usage.prefix_cached_tokens = job.num_cached
+        if self.first_token_ns and job.prefill_start_ns:
+            usage.prefill_seconds = (self.first_token_ns - job.prefill_start_ns) / 1e9
+            usage.decode_seconds = (self.last_token_ns - self.first_token_ns) / 1e9
+        return usage
+
+    @property
+    def is_counted(self) -> bool:
+        """Whether the engine counted this stream's tiers (`usage` holds its counts)."""
+        return self._job.usage is not None
 
     def cancel(self) -> None:
         if not self.is_done:
@@ -180,6 +202,7 @@ class JobStream:
                 break
             token_ids.append(token)
             self.first_token_ns = self.first_token_ns or item_ns
+            self.last_token_ns = item_ns
             if step_finish == "stop" and token in stop_ids:
                 finish, matched = "stop", token
                 break
@@ -246,6 +269,8 @@ class Scheduler:
         self._cancels: list[_Job] = []
         self._is_stopping = False
         self._thread: threading.Thread | None = None
+        # An engine without per-stream counters (the GPU engine so far) reports none.
+        self._stream_usage = getattr(engine, "stream_usage", None)
         # engine thread
         self._waiting: collections.deque[_Job] = collections.deque()
         self._running: list[_Job] = []
@@ -465,6 +490,7 @@ class Scheduler:
             self._post(self._deliver, [(job, -1, "error", f"engine error: {exc}", 0)])
             return
         job.slot = len(self._running)
+        job.prefill_start_ns = time.monotonic_ns()  # job engines count no tiers per stream yet
         self._running.append(job)
 
     def _cancel_in_engine(self, job: _Job) -> None:
@@ -613,6 +639,7 @@ class Scheduler:
         work, fed, rows, samplers = self._plan()
         if not work:
             return
+        step_start_ns = time.monotonic_ns()
         try:
             logits = self.engine.step(work)
             tokens = sample(logits, samplers)
@@ -635,6 +662,10 @@ class Scheduler:
         counters = self.step_counters
         counters["steps"] += 1
         for job, n in fed:
+            if job.num_fed == 0:  # the stream's first step: its counters exist from here on
+                job.prefill_start_ns = step_start_ns
+                if self._stream_usage is not None:
+                    job.usage = self._stream_usage(job.slot)
             job.num_fed += n
             counters["prompt_tokens"] += n
             if self.prefix_cache is not None and job.num_fed % self.chunk_size == 0:
