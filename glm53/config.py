@@ -131,6 +131,17 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
             group="scheduling",
         ),
     ] = 64
+    prefix_cache_gb: Annotated[
+        float,
+        Meta(ge=0),
+        _s(
+            "RAM (GiB) for prefix-cache snapshots on the CPU engine: a prompt that starts with an "
+            "earlier prompt's first chunks (multiples of --chunk-size) resumes from that state "
+            "instead of recomputing it, with the same output; least recently used evicted "
+            "first; 0 turns it off. The GPU engine reuses prefixes inside exllamav3's Generator.",
+            group="scheduling",
+        ),
+    ] = 2.0
     # --- tiers --------------------------------------------------------------------------------
     ram_cap: Annotated[
         NonNegInt | None,
@@ -272,6 +283,15 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
         Meta(ge=1024),
         _s("Largest request body; bigger ones get 413.", group="server", kind="size"),
     ] = 32 * 1024 * 1024
+    drain_timeout: Annotated[
+        NonNegFloat,
+        _s(
+            "Seconds a SIGTERM waits for running and queued requests to finish before the server "
+            "stops. While it drains, /health and new requests answer 503 with Retry-After, so a "
+            "router sends them elsewhere; 0 stops at once.",
+            group="server",
+        ),
+    ] = 30.0
     log_level: Annotated[LogLevel, _s("Log level.", group="server")] = "info"
     access_log: Annotated[bool, _s("Log every HTTP request.", group="server")] = False
 

@@ -10,6 +10,7 @@ import functools
 import ipaddress
 import logging
 import logging.config
+import math
 import os
 import signal
 import sys
@@ -62,10 +63,16 @@ def _what_is_served(settings: config.Settings) -> str:
     return f"serving {settings.model} on the {kind} engine"
 
 
-def _stop_worker(exc: BaseException) -> None:
+def _stop_worker() -> None:
+    # SIGINT, not SIGTERM: the app took SIGTERM over for the drain, and SIGINT is still
+    # granian's own stop (the listener closes, the lifespan shutdown runs, the worker exits).
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+def _stop_worker_after_failed_load(exc: BaseException) -> None:
     # The app has logged why the load failed. Ending the worker makes granian's main process
     # exit with status 1, which is what `systemctl` and scripts see.
-    os.kill(os.getpid(), signal.SIGTERM)
+    _stop_worker()
 
 
 def load_app(settings_json: bytes):
@@ -77,7 +84,9 @@ def load_app(settings_json: bytes):
     # step while the loop is busy writing streams, it waits up to the switch interval for the
     # GIL (5 ms by default); 0.5 ms bounds what that wait adds to every token.
     sys.setswitchinterval(0.0005)
-    return App(settings, sources, on_load_failed=_stop_worker)
+    return App(
+        settings, sources, on_load_failed=_stop_worker_after_failed_load, on_drained=_stop_worker
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -133,6 +142,8 @@ def main(args: argparse.Namespace) -> int:
         log_level=settings.log_level,
         log_dictconfig=_logging_config(settings.log_level),
         log_access=settings.access_log,
+        # granian's main process waits this long for the draining worker, then kills it
+        workers_kill_timeout=math.ceil(settings.drain_timeout) + 30,
     )
     server.serve(
         target_loader=functools.partial(load_app, config.to_json(settings, sources)),

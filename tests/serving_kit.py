@@ -48,19 +48,31 @@ class Server:
     """`glm53 serve` in a subprocess; `url` is its base URL once `/health` answered 200."""
 
     def __init__(
-        self, args: list[str], env: dict[str, str] | None = None, log_path: Path | None = None
+        self,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        log_path: Path | None = None,
+        *,
+        port: int | None = None,
     ):
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         full_env = {**os.environ, **(env or {})}
-        out = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115
+        out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
+        # Its own process group, so that `kill_group` reaches granian's worker too.
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "glm53", "serve", "--port", str(self.port), *args],
             env=full_env,
             stdout=out,
             stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
+
+    def kill_group(self) -> None:
+        """SIGKILL granian's main process and its worker at once (a crash, or an OOM kill)."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path else ""

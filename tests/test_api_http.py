@@ -239,6 +239,7 @@ def test_openapi_document_describes_every_route(http):
         "/stats",
         "/server_info",
         "/metrics",
+        "/dashboard",
         "/generate",
         "/tokenize",
         "/openapi.json",

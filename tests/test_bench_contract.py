@@ -45,3 +45,25 @@ def test_micro_gemv_contract():
     assert 0 < ratios["dram_share"] and 0 < ratios["pool_vs_independent"]
     assert 0 < ratios["dram_read_share"] and 0 < ratios["fast_vs_exact"]
     assert f["cost_model"] is None
+
+
+def test_prefix_cache_contract(tmp_path):
+    from glm53.models.synth import write_checkpoint
+    from glm53.models.synth_layout import preset
+
+    # the server finds this as its demo checkpoint (quicker to write than --demo's routing)
+    write_checkpoint(
+        preset("demo"), tmp_path / "demo-checkpoint", seed=0, routing_source="stand-in"
+    )
+    r = run_bench(
+        "prefix_cache", "--demo", "--cache-dir", str(tmp_path), "--first-tokens", "140",
+        "--chunk-size", "64", "--answer-tokens", "4", "--turn-tokens", "8", "--turns", "3",
+    )  # fmt: skip
+    f, ratios, cfg = r["figures"], r["ratios"], r["config"]
+    # turns of 140, 152 and 164 tokens: the later two resume at 128 (snapshots at 64 and 128)
+    assert f["prompt_tokens_by_turn"] == [140, 152, 164]
+    assert f["cached_tokens_by_turn"] == [0, 128, 128]
+    assert f["prefilled_tokens_by_turn"] == [140, 24, 36]
+    assert len(f["ttft_s_by_turn"]) == 3 and len(f["cold_ttft_s_same_prefill"]) == 2
+    assert ratios["ttft_first_vs_later"] > 0 and ratios["later_vs_cold_same_prefill"] > 0
+    assert (cfg["engine"], cfg["chunk_size"]) == ("cpu", 64)

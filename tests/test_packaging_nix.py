@@ -35,6 +35,7 @@ let
     optional = c: x: if c then [ x ] else [ ];
     optionals = c: xs: if c then xs else [ ];
     optionalAttrs = c: a: if c then a else { };
+    optionalString = c: s: if c then s else "";
     concatStringsSep = builtins.concatStringsSep;
     replaceStrings = builtins.replaceStrings;
     getExe = p: "${p}/bin/${p.meta.mainProgram}";
@@ -54,6 +55,7 @@ let
     types = {
       bool = "bool"; str = "str"; port = "port"; path = "path"; package = "package";
       enum = vs: "enum"; nullOr = t: "nullOr"; attrsOf = t: "attrsOf"; listOf = t: "listOf";
+      submodule = m: "submodule"; ints.unsigned = "ints.unsigned";
     };
   };
   stub = name: { pname = name; outPath = "/nix/store/stub-${name}"; meta.mainProgram = name; };
@@ -307,6 +309,57 @@ def test_module_settings_reach_the_service_as_real_glm53_variables(nix_eval):
     service = module["serviceConfig"]
     assert (service["MemoryMax"], service["CPUAffinity"]) == ("50G", "0-23")
     assert service["EnvironmentFile"] == ["/run/keys/glm53"]
+
+
+INSTANCES = """
+  let
+    pkgs = {{ stdenv.hostPlatform.system = "x86_64-linux"; }};
+    module = outputs.nixosModules.default;
+    options = (module {{ config = {{ }}; inherit lib pkgs; }}).options.services.glm53;
+    defaults = builtins.mapAttrs (n: o: o.default) options;
+    out = (module {{ config.services.glm53 = defaults // {settings}; inherit lib pkgs; }}).config;
+  in {{
+    firewall = out.content.networking.firewall.allowedTCPPorts;
+    services = builtins.mapAttrs (name: s: {{
+      inherit (s) environment description;
+      serviceConfig = builtins.mapAttrs (n: v: toString v) s.serviceConfig;
+    }}) out.content.systemd.services;
+  }}
+"""
+
+
+def test_module_runs_one_service_per_listed_gpu(nix_eval):
+    module = nix_eval(
+        INSTANCES.format(
+            settings="""{ enable = true; openFirewall = true; model = "/srv/m"; instances = [
+              { gpu = 0; port = 31000; cpus = "2-23"; cpuAffinity = "0-23"; numaNode = 0; }
+              { gpu = 1; port = 31001; cpus = "26-47"; cpuAffinity = "24-47"; numaNode = 1; }
+            ]; }"""
+        )
+    )
+    assert sorted(module["services"]) == ["glm53-gpu0", "glm53-gpu1"]
+    assert module["firewall"] == [31000, 31001]
+    for gpu, (cpus, affinity) in enumerate([("2-23", "0-23"), ("26-47", "24-47")]):
+        service = module["services"][f"glm53-gpu{gpu}"]
+        env = service["environment"]
+        assert env["CUDA_VISIBLE_DEVICES"] == str(gpu)
+        glm53_vars = {k: v for k, v in env.items() if k.startswith("GLM53_")}
+        settings, _ = config.resolve({}, glm53_vars)
+        assert (settings.port, settings.cpus, settings.model) == (31000 + gpu, cpus, "/srv/m")
+        unit = service["serviceConfig"]
+        assert (unit["CPUAffinity"], unit["NUMAPolicy"], unit["NUMAMask"]) == (
+            affinity,
+            "bind",
+            str(gpu),
+        )
+        assert service["description"].endswith(f"on GPU {gpu}")
+
+
+def test_module_without_instances_runs_the_one_glm53_service(nix_eval):
+    module = nix_eval(INSTANCES.format(settings="{ enable = true; }"))
+    assert list(module["services"]) == ["glm53"]
+    assert "CUDA_VISIBLE_DEVICES" not in module["services"]["glm53"]["environment"]
+    assert "NUMAPolicy" not in module["services"]["glm53"]["serviceConfig"]
 
 
 def _unit_directives() -> dict[str, list[str]]:

@@ -15,6 +15,7 @@ from glm53.doctor.cpu import parse_cpu_list
 
 ROOT = Path(__file__).resolve().parents[1]
 UNIT = ROOT / "packaging" / "systemd" / "glm53.service"
+TEMPLATE = ROOT / "packaging" / "systemd" / "glm53@.service"
 ENV_EXAMPLE = ROOT / "packaging" / "systemd" / "glm53.env.example"
 GIB = 2**30
 EXAMPLE = re.compile(r"^#([A-Z][A-Za-z]+=.*)$")
@@ -44,12 +45,12 @@ def values(text: str, key: str) -> list[str]:
     return [v for _, k, v in directives(text) if k == key]
 
 
-def verify(tmp_path: Path, text: str) -> str:
+def verify(tmp_path: Path, text: str, name: str = "glm53.service") -> str:
     # verify checks that ExecStart= exists: point it at this interpreter.
     text = text.replace(
         "ExecStart=/opt/glm53/bin/glm53 serve", f"ExecStart={sys.executable} -m glm53 serve"
     )
-    unit = tmp_path / "glm53.service"
+    unit = tmp_path / name
     unit.write_text(text)
     done = subprocess.run(
         ["systemd-analyze", "verify", "--man=no", str(unit)],
@@ -160,3 +161,62 @@ def test_env_example_uses_only_real_settings_and_resolves():
         settings, sources = config.resolve({}, environ)
         assert all(sources[i.name] == "env" for i in config.SETTINGS if i.env in environ)
     assert settings.ram_cap == 32 * GIB and settings.host == "127.0.0.1"
+
+
+# --- glm53@.service: one instance per GPU --------------------------------------------------------
+# What the template may change of glm53.service: the per-GPU lines.
+_PER_INSTANCE = {"Description", "ExecStartPre", "Environment", "EnvironmentFile"}
+
+
+@needs_systemd_analyze
+def test_template_instance_passes_systemd_analyze_verify(tmp_path):
+    verify(tmp_path, TEMPLATE.read_text(), name="glm53@1.service")
+
+
+@needs_systemd_analyze
+def test_template_instance_with_every_example_uncommented_passes_verify(tmp_path):
+    lines = TEMPLATE.read_text().splitlines()
+    examples = [EXAMPLE.sub(r"\1", line) for line in lines]
+    verify(tmp_path, "\n".join(examples) + "\n", name="glm53@1.service")
+
+
+@needs_systemd_analyze
+def test_template_verify_reports_a_misspelled_key(tmp_path):
+    text = TEMPLATE.read_text().replace("LimitMEMLOCK=infinity", "LimitMEMLOK=infinity")
+    with pytest.raises(AssertionError, match="Unknown key 'LimitMEMLOK'"):
+        verify(tmp_path, text, name="glm53@1.service")
+
+
+def test_template_is_the_single_unit_but_for_the_gpu_port_and_env_files():
+    single, template = directives(UNIT.read_text()), directives(TEMPLATE.read_text())
+    assert [d for d in template if d[1] not in _PER_INSTANCE] == [
+        d for d in single if d[1] not in _PER_INSTANCE
+    ]
+    assert "CUDA_VISIBLE_DEVICES=%i" in values(TEMPLATE.read_text(), "Environment")
+    assert values(TEMPLATE.read_text(), "EnvironmentFile") == [
+        "-/etc/glm53/glm53.env",
+        "-/etc/glm53/glm53@%i.env",
+    ]
+    assert values(TEMPLATE.read_text(), "ExecStartPre") == ["-+/usr/bin/nvidia-modprobe -u -c=%i"]
+
+
+def test_template_gives_each_gpu_its_own_valid_port():
+    port = next(
+        v.partition("=")[2]
+        for v in values(TEMPLATE.read_text(), "Environment")
+        if v.startswith("GLM53_PORT=")
+    )
+    ports = set()
+    for gpu in range(10):
+        settings, sources = config.resolve({}, {"GLM53_PORT": port.replace("%i", str(gpu))})
+        assert sources["port"] == "env"
+        ports.add(settings.port)
+    assert ports == set(range(31000, 31010))
+
+
+def test_template_affinity_example_holds_the_lane_on_one_numa_node():
+    text = TEMPLATE.read_text()
+    affinity = set(parse_cpu_list(re.search(r"^#CPUAffinity=(\S+)$", text, re.M)[1]))
+    lane = set(parse_cpu_list(re.search(r"GLM53_CT_CPUS=(\S+) in /etc/glm53/glm53@1", text)[1]))
+    assert lane < affinity and len(affinity - lane) >= 2
+    assert re.search(r"^#NUMAMask=1$", text, re.M)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import signal
 import time
 from collections.abc import Callable
 
@@ -29,13 +30,17 @@ ROUTES = {
     ("GET", "/stats"): info.stats,
     ("GET", "/server_info"): info.server_info,
     ("GET", "/metrics"): info.metrics,
+    ("GET", "/dashboard"): info.dashboard,
     ("GET", "/openapi.json"): info.openapi,
     ("POST", "/admin/save_heat"): info.save_heat,
     ("POST", "/generate"): native.generate,
     ("POST", "/tokenize"): native.tokenize,
 }
 _PATHS = {path for _, path in ROUTES}
-_OPEN_PATHS = {"/health"}
+# The dashboard page holds no data (it polls /stats, sending the key from its URL's #key=).
+_OPEN_PATHS = {"/health", "/dashboard"}
+# After a drain timeout, how long the open responses get to send their error before the stop.
+_ANSWER_ERRORS_S = 5.0
 
 
 class _TrackedSend:
@@ -77,11 +82,15 @@ class App:
         *,
         engine_factory: Callable[[Settings], Engine] = create_engine,
         on_load_failed: Callable[[BaseException], None] | None = None,
+        on_drained: Callable[[], None] | None = None,
     ):
         self.state = ServerState(settings, sources)
         self._engine_factory = engine_factory
         self._on_load_failed = on_load_failed
+        self._on_drained = on_drained
         self._load_task: asyncio.Task | None = None
+        self._drain_task: asyncio.Task | None = None
+        self._num_open = 0  # POST requests being answered (what a drain waits for)
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -94,6 +103,12 @@ class App:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
+                if self._on_drained is not None:
+                    # granian's worker stops serving at once on SIGTERM; this handler replaces
+                    # its own for SIGTERM (SIGINT keeps it), and `on_drained` stops the worker
+                    # once the requests it has are done.
+                    loop = asyncio.get_running_loop()
+                    loop.add_signal_handler(signal.SIGTERM, self.begin_drain)
                 self._load_task = asyncio.create_task(self.load())
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
@@ -119,6 +134,7 @@ class App:
                 max_batch=settings.max_batch,
                 chunk_size=settings.chunk_size,
                 queue_limit=settings.queue_limit,
+                prefix_cache_bytes=int(settings.prefix_cache_gb * (1 << 30)),
             )
             state.scheduler = scheduler
             await scheduler.start()
@@ -133,6 +149,9 @@ class App:
                 self._on_load_failed(exc)
             return
         state.load_seconds = round(time.monotonic() - start, 3)
+        if state.status != "loading":  # a SIGTERM came during the load: stay out of service
+            log.info("loaded in %.1f s, but the server is %s", state.load_seconds, state.status)
+            return
         state.status = "ready"
         log.info(
             "ready in %.1f s: %s, context %d, %d slots; serving %r",
@@ -144,6 +163,46 @@ class App:
         )
         # /health answers 200 from here on: tell systemd (Type=notify) the service is up.
         notify.ready(f"serving {settings.served_name} on {settings.host}:{settings.port}")
+
+    def begin_drain(self) -> None:
+        """Stop taking requests (/health and new requests answer 503), let the running and
+        queued ones finish for up to --drain-timeout seconds, then call `on_drained`. A second
+        SIGTERM while draining changes nothing."""
+        if self._drain_task is None:
+            self._drain_task = asyncio.create_task(self.drain())
+
+    async def drain(self) -> float:
+        """Drain as `begin_drain` says; the seconds it took."""
+        state, timeout_s = self.state, self.state.settings.drain_timeout
+        start = time.monotonic()
+        if state.status in ("loading", "ready"):
+            state.status = "draining"
+        notify.stopping()
+        log.info(
+            "draining: %d requests running or queued; waiting up to %.1f s (--drain-timeout)",
+            self._num_open,
+            timeout_s,
+        )
+        await self._wait_open(start + timeout_s)
+        if self._num_open and state.scheduler is not None:
+            log.warning(
+                "drain timeout: %d requests still running after %.1f s end with an error",
+                self._num_open,
+                timeout_s,
+            )
+            # Ends every job with "the server is shutting down", which each open response
+            # sends in band (a stream) or as a 500 before the process goes.
+            await state.scheduler.close()
+            await self._wait_open(time.monotonic() + _ANSWER_ERRORS_S)
+        seconds = time.monotonic() - start
+        log.info("drained in %.2f s; stopping", seconds)
+        if self._on_drained is not None:
+            self._on_drained()
+        return seconds
+
+    async def _wait_open(self, deadline: float) -> None:
+        while self._num_open and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
 
     async def close(self) -> None:
         self.state.status = "stopping"
@@ -175,6 +234,8 @@ class App:
         )
         tracked = _TrackedSend(send)
         status = 500
+        is_post = method == "POST"
+        self._num_open += is_post
         try:
             if (
                 settings.api_key
@@ -204,6 +265,7 @@ class App:
             log.exception("%s %s failed", method, path)
             await self._fail(tracked, ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))
         finally:
+            self._num_open -= is_post
             state.metrics.count_request(route, status)
 
     async def _fail(self, tracked: _TrackedSend, error: ApiError) -> None:

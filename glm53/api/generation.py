@@ -8,9 +8,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 
+import msgspec
+
 from glm53.api.errors import ApiError
 from glm53.api.http import DisconnectWatcher, Receive, Send, SseWriter
-from glm53.api.schemas import SamplingFields
+from glm53.api.schemas import PromptTokensDetails, SamplingFields, TierUsage, Usage
 from glm53.api.state import ServerState
 from glm53.engine.base import Tokenizer
 from glm53.engine.sampling import SamplingParams
@@ -129,18 +131,40 @@ class Run:
         async for event in self.stream:
             yield event
 
+    def usage(self, last: TokenEvent) -> Usage:
+        """The answer's `usage`, with the tier counts in `usage.glm53`."""
+        n_prompt, n_gen = last.num_prompt_tokens, last.num_generated_tokens
+        return Usage(
+            n_prompt,
+            n_gen,
+            n_prompt + n_gen,
+            PromptTokensDetails(last.num_cached_tokens),
+            glm53=self.tier_usage(),
+        )
+
+    def tier_usage(self) -> TierUsage:
+        counts = self.stream.usage()
+        return TierUsage(**msgspec.structs.asdict(counts), tiers_counted=self.stream.is_counted)
+
     def close(self) -> None:
         self.watcher.close()
         self.stream.cancel()
         if self._sse is not None:
             self._sse.stop()
         stream, metrics = self.stream, self.state.metrics
-        metrics.count_tokens(stream.num_prompt_tokens, stream.num_generated_tokens)
+        metrics.count_tokens(
+            stream.request.request_id,
+            stream.num_prompt_tokens,
+            stream.num_generated_tokens,
+            stream.num_cached_tokens,
+        )
         if stream.first_token_ns:
             metrics.time_to_first_token_s.observe(
                 (stream.first_token_ns - stream.submitted_ns) / 1e9
             )
         metrics.request_seconds.observe((time.monotonic_ns() - stream.submitted_ns) / 1e9)
+        if stream.first_token_ns:
+            metrics.count_tiers(self.state.settings.mode, stream.usage())
 
 
 def check_model(state: ServerState, model: str) -> None:

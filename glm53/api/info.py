@@ -1,10 +1,12 @@
-"""Read-only endpoints (/v1/models, /health, /stats, /server_info, /metrics, /openapi.json) and
-POST /admin/save_heat."""
+"""Read-only endpoints (/v1/models, /health, /stats, /server_info, /metrics, /dashboard,
+/openapi.json) and POST /admin/save_heat."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
+from pathlib import Path
 
 import msgspec
 
@@ -53,12 +55,17 @@ async def health(state: ServerState, body: bytes, receive: Receive, send: Send) 
     return 200
 
 
+def _is_serving(state: ServerState) -> bool:
+    """Loaded and running: ready, or draining the requests it has."""
+    return state.status in ("ready", "draining") and state.scheduler is not None
+
+
 def _engine_stats(state: ServerState) -> dict:
-    return state.engine.stats() if state.status == "ready" else {}
+    return state.engine.stats() if _is_serving(state) else {}
 
 
 async def stats(state: ServerState, body: bytes, receive: Receive, send: Send) -> int:
-    scheduler = state.scheduler.stats() if state.status == "ready" else {}
+    scheduler = state.scheduler.stats() if _is_serving(state) else {}
     payload = {
         "status": state.status,
         **state.metrics.summary(),
@@ -110,10 +117,29 @@ async def server_info(state: ServerState, body: bytes, receive: Receive, send: S
 
 
 async def metrics(state: ServerState, body: bytes, receive: Receive, send: Send) -> int:
-    scheduler = state.scheduler.stats() if state.status == "ready" else {}
+    scheduler = state.scheduler.stats() if _is_serving(state) else {}
     text = state.metrics.prometheus(scheduler, _engine_stats(state))
     await send_bytes(
         send, 200, text, ((b"content-type", b"text/plain; version=0.0.4; charset=utf-8"),)
+    )
+    return 200
+
+
+_DASHBOARD = Path(__file__).with_name("dashboard.html")
+
+
+@functools.cache
+def _dashboard_page() -> bytes:
+    return _DASHBOARD.read_bytes()
+
+
+async def dashboard(state: ServerState, body: bytes, receive: Receive, send: Send) -> int:
+    """The live tier page: static HTML that polls /stats every second."""
+    await send_bytes(
+        send,
+        200,
+        _dashboard_page(),
+        ((b"content-type", b"text/html; charset=utf-8"), (b"cache-control", b"no-cache")),
     )
     return 200
 

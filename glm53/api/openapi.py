@@ -47,6 +47,7 @@ ENDPOINTS: tuple[tuple[str, str, Any, Any, str], ...] = (
     ("get", "/stats", None, _JSON_OBJECT, "Requests, tokens, queue and the engine's tier counters"),
     ("get", "/server_info", None, _JSON_OBJECT, "Every effective setting and its source"),
     ("get", "/metrics", None, str, "Prometheus text format"),
+    ("get", "/dashboard", None, str, "Live tier page (HTML; polls /stats; no key needed)"),
     ("post", "/generate", GenerateRequest, GenerateResponse, "SGLang-shaped generation"),
     ("post", "/tokenize", TokenizeRequest, TokenizeResponse, "Token ids of a text"),
     ("get", "/openapi.json", None, _JSON_OBJECT, "This document"),
@@ -81,7 +82,8 @@ def openapi_document() -> bytes:
     paths: dict[str, dict[str, Any]] = {}
     for method, path, req, res, summary in ENDPOINTS:
         if res is str:
-            ok = {"description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}}
+            text_type = "text/html" if path == "/dashboard" else "text/plain"
+            ok = {"description": "OK", "content": {text_type: {"schema": {"type": "string"}}}}
         else:
             ok = {"description": "OK", "content": {"application/json": {"schema": by_type[res]}}}
             if req in (ChatRequest, CompletionRequest, GenerateRequest):
@@ -109,7 +111,7 @@ def openapi_document() -> bytes:
                 "required": True,
                 "content": {"application/json": {"schema": by_type[req]}},
             }
-        if path != "/health":
+        if path not in ("/health", "/dashboard"):
             op["security"] = [{"bearer": []}, {}]
         paths.setdefault(path, {})[method] = op
     document = {

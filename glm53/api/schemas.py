@@ -133,10 +133,33 @@ class CompletionRequest(SamplingFields, kw_only=True):
 
 
 # --- chat and completion responses --------------------------------------------------------------
+class PromptTokensDetails(Struct):
+    cached_tokens: int  # prompt tokens restored from the prefix cache, not recomputed
+
+
+class TierUsage(Struct):
+    """`usage.glm53`: what the request cost in each tier (glm53.engine.base.StreamUsage says
+    what each count means). `tiers_counted` is false where the engine does not count per
+    request yet (the GPU engine): its counts are then 0, the seconds are still measured."""
+
+    vram_hits: int
+    zero_copy_misses: int
+    cpu_lane_picks: int
+    ram_hits: int
+    ram_misses: int
+    store_read_bytes: int
+    prefix_cached_tokens: int
+    prefill_seconds: float
+    decode_seconds: float
+    tiers_counted: bool
+
+
 class Usage(Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+    glm53: TierUsage | UnsetType = UNSET
 
 
 class OutFunction(Struct):
@@ -285,6 +308,7 @@ class GenerateMeta(Struct):
     completion_tokens: int
     finish_reason: FinishInfo | None
     e2e_latency: float
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache
 
 
 class GenerateResponse(Struct):

@@ -21,7 +21,7 @@ class ServerState:
     metrics: Metrics = field(default_factory=Metrics)
     engine: Engine | None = None
     scheduler: Scheduler | None = None
-    status: str = "loading"  # loading | ready | failed | stopping
+    status: str = "loading"  # loading | ready | draining | failed | stopping
     load_error: str | None = None
     started_at: float = field(default_factory=time.time)
     load_seconds: float | None = None
@@ -35,6 +35,20 @@ class ServerState:
             raise ApiError(
                 503, f"the model failed to load: {self.load_error}", code="model_load_failed"
             )
+        if self.status == "draining":
+            # A router takes the 503 as "try another replica"; Retry-After is for a lone client.
+            raise ApiError(
+                503,
+                "the server is draining before it stops (SIGTERM): it finishes the requests it "
+                "has and takes no new ones; send this one to another replica",
+                code="draining",
+                headers=((b"retry-after", b"1"),),
+            )
         if self.status == "stopping":
-            raise ApiError(503, "the server is shutting down", code="shutting_down")
+            raise ApiError(
+                503,
+                "the server is shutting down",
+                code="shutting_down",
+                headers=((b"retry-after", b"1"),),
+            )
         raise ApiError(503, "the model is still loading; retry shortly", code="model_loading")

@@ -7,10 +7,12 @@ import re
 import sys
 from pathlib import Path
 
+import msgspec
 from rich.console import Console
 
 from glm53.doctor.checks import run_checks
-from glm53.doctor.cpu import parse_cpu_list
+from glm53.doctor.cpu import format_cpu_list, parse_cpu_list
+from glm53.doctor.fleet import plan_per_gpu
 from glm53.doctor.plan import PlanRequest, make_plan
 from glm53.doctor.probes import probe_host
 from glm53.doctor.report import DoctorReport, render, to_json
@@ -55,6 +57,12 @@ def add_parser(sub) -> None:
     p.add_argument("--cpus", metavar="LIST", help="CPUs of the CPU lane, e.g. 2-23")
     p.add_argument("--ec-max-slots", metavar="N", type=int, help="most VRAM expert slots")
     p.add_argument("--gpu", metavar="N", type=int, help="plan for this GPU (nvidia-smi index)")
+    p.add_argument(
+        "--per-gpu",
+        action="store_true",
+        help="one plan per GPU, for one instance per GPU (glm53@N.service), each with its share "
+        "of the lane CPUs; warns when their pinned RAM does not fit together",
+    )
     p.add_argument(
         "--compare",
         metavar="FILE",
@@ -107,6 +115,8 @@ def run(args) -> int:
         cpus=req.cpus,
         timeout_s=args.timeout,
     )
+    if args.per_gpu:
+        return _run_per_gpu(host, req, args.json, err)
     try:
         plan = make_plan(host, req)
     except (ValueError, FileNotFoundError) as e:
@@ -120,4 +130,31 @@ def run(args) -> int:
         sys.stdout.write(to_json(report) + "\n")
     else:
         render(report, Console(highlight=False))
+    return 0
+
+
+def _run_per_gpu(host, req: PlanRequest, as_json: bool, err: Console) -> int:
+    try:
+        fleet = plan_per_gpu(host, req)
+    except (ValueError, FileNotFoundError) as e:
+        err.print(f"glm53 doctor: {e}")
+        return 2
+    if as_json:
+        sys.stdout.write(msgspec.json.encode({"per_gpu": fleet}).decode() + "\n")
+        return 0
+    out = Console(highlight=False)
+    for gpu_plan in fleet.plans:
+        plan = gpu_plan.plan
+        out.print(f"GPU {gpu_plan.gpu_index}: {plan.headline}")
+        out.print(
+            f"  {gpu_plan.unit} on port {gpu_plan.port}, lane CPUs {format_cpu_list(plan.lane_cpus)}"
+            f" (GLM53_CT_CPUS in /etc/glm53/{gpu_plan.unit}.env), "
+            f"{gpu_plan.pinned_bytes / 2**30:.1f} GiB of RAM pinned"
+        )
+        for step in plan.steps:
+            out.print(f"  $ {step}")
+    budget = "unknown" if fleet.budget_bytes is None else f"{fleet.budget_bytes / 2**30:.1f} GiB"
+    out.print(f"all instances: {fleet.pinned_bytes / 2**30:.1f} GiB pinned, budget {budget}")
+    if fleet.warning:
+        out.print(f"WARNING: {fleet.warning}")
     return 0

@@ -1,4 +1,10 @@
-"""The Engine protocol: what the scheduler needs from a model backend (CPU, GPU, scripted).
+"""The engine protocols: what the scheduler needs from a model backend (CPU, GPU, scripted).
+
+Two kinds. A step engine (`Engine`: the CPU and scripted engines) runs steps that the scheduler
+plans, and the scheduler samples. A job engine (`JobEngine`: the GPU engine, over exllamav3's
+own Generator) takes whole requests: the scheduler starts and cancels them and calls `iterate`,
+and the engine plans, samples and returns tokens. The scheduler keeps admission, limits,
+cancellation, stop strings and stats for both.
 
 Threading: the scheduler calls `load`, `step`, `release` and `close` from its own engine thread,
 one call at a time; `stats` may be called from any thread and returns a snapshot. Nothing here is
@@ -8,6 +14,12 @@ A step runs up to `num_slots` streams. Each stream owns one slot (its KV and rec
 from its first prefill chunk until `release`. A `StreamWork` with `start_pos == 0` starts a new
 stream in that slot: the engine resets the slot's state first. Prefill arrives in chunks; the last
 chunk of a prompt and every decode step ask for logits (`want_logits`).
+
+An engine may also implement `PrefixSnapshots` (the CPU engine does): the scheduler then copies
+a slot's state out after prefill chunks that end at a chunk boundary and restores it into a new
+stream's slot whose prompt starts with the same tokens; that stream's first `StreamWork` has
+`start_pos` equal to the restored length (see glm53.engine.prefix_cache). Engines that reuse
+prefixes on their own (the GPU engine, inside exllamav3's Generator) leave it out.
 """
 
 from __future__ import annotations
@@ -44,6 +56,31 @@ class StreamWork(msgspec.Struct):
     want_logits: bool
 
 
+class StreamUsage(msgspec.Struct):
+    """What one stream cost in each tier, counted by the engine while the stream runs.
+
+    Expert counts are per distinct expert per MoE layer call (a prefill chunk of 100 tokens that
+    routes 30 distinct experts in a layer makes 30 lookups there), except `cpu_lane_picks`,
+    which counts (token, expert) picks computed on the CPU lane. `vram_hits` and
+    `zero_copy_misses` belong to the GPU engine (VRAM expert slots, and experts read over PCIe
+    from pinned RAM); the CPU engine has no VRAM and leaves them 0. `store_read_bytes` is what
+    the RAM tier read from the expert source (the NVMe store with --store, else the
+    checkpoint's shards) on this stream's misses. `prefix_cached_tokens` are prompt tokens
+    taken from a prefix cache instead of being computed. The scheduler fills
+    `prefill_seconds` (the stream's first step to its first token) and `decode_seconds` (its
+    first token to its last)."""
+
+    vram_hits: int = 0
+    zero_copy_misses: int = 0
+    cpu_lane_picks: int = 0
+    ram_hits: int = 0
+    ram_misses: int = 0
+    store_read_bytes: int = 0
+    prefix_cached_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+
 @runtime_checkable
 class Tokenizer(Protocol):
     """Text <-> token ids for one checkpoint; special tokens written in text are encoded as their ids."""
@@ -65,6 +102,21 @@ class IncrementalDecoder(Protocol):
     """Decodes a growing token sequence; `step` returns the text that became final (maybe '')."""
 
     def step(self, token_id: int) -> str: ...
+
+
+class JobOutput(msgspec.Struct):
+    """What one `JobEngine.iterate` produced for one job: its new tokens in order (a stop token
+    included, last), the logits they were sampled from [len(token_ids), vocab] when the job asked
+    for them, and `finish` ("stop": a stop token; "length": max_new_tokens; "error") when the
+    job ended. `cached_tokens` is set once, when the job started: prompt tokens reused from the
+    prefix cache."""
+
+    key: Any
+    token_ids: list[int]
+    logits: Any = None
+    finish: str | None = None
+    error: str | None = None
+    cached_tokens: int | None = None
 
 
 @runtime_checkable
@@ -96,8 +148,63 @@ class Engine(Protocol):
 
     def release(self, slot: int) -> None: ...
 
+    def stream_usage(self, slot: int) -> StreamUsage:
+        """The live counters of the stream now in `slot`: the engine adds to this object while
+        the stream runs, and a new stream in the slot (`start_pos == 0`) gets a new one, so the
+        scheduler can keep the object past `release`. Called on the engine thread after the
+        stream's first step; readers on other threads may see counts one step old."""
+        ...
+
     def stats(self) -> dict[str, Any]:
         """Counters as JSON-ready values; tier counters go under "tiers"."""
         ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class PrefixSnapshots(Protocol):
+    """Optional engine surface for the scheduler's prefix cache (called on the engine thread)."""
+
+    def snapshot(self, slot: int) -> tuple[Any, int]:
+        """A copy of the slot's whole stream state that later steps of the slot do not change,
+        and its size in bytes."""
+        ...
+
+    def restore(self, slot: int, state: Any) -> None:
+        """Make the slot's state a copy of `state` (from `snapshot`; `state` itself stays
+        unchanged, as it may be restored again)."""
+        ...
+
+
+@runtime_checkable
+class JobEngine(Protocol):
+    """A backend that runs whole requests (`drives_jobs` is True). Threading as for Engine: the
+    scheduler's engine thread makes every call but `stats`.
+
+    `start(key, request, max_new_tokens, want_logits)` enqueues a GenerationRequest under a
+    hashable key (the engine admits it when it has room, up to `num_slots` at once); `cancel(key)`
+    drops it wherever it is; `iterate()` runs one step of everything admitted and returns a
+    JobOutput per job that produced something. A job that finished or failed is forgotten by the
+    engine; an exception out of `iterate` fails every job."""
+
+    name: str
+    description: str
+    is_model: bool
+    drives_jobs: bool
+    tokenizer: Tokenizer
+    context_length: int
+    num_slots: int
+    generation_defaults: dict[str, float]
+
+    def load(self) -> None: ...
+
+    def start(self, key: Any, request: Any, max_new_tokens: int, want_logits: bool) -> None: ...
+
+    def cancel(self, key: Any) -> None: ...
+
+    def iterate(self) -> list[JobOutput]: ...
+
+    def stats(self) -> dict[str, Any]: ...
 
     def close(self) -> None: ...

@@ -5,7 +5,12 @@ Implements glm53.engine.base.Engine.
 
 Each slot owns one transformers cache (its DSA latents, indexer keys, KDA conv and recurrent
 state, and the DSA keys/values already expanded from the latents, see glm53.models.hf_expand).
-A step runs its items one after the other.
+A step runs its items one after the other, so a stream's output never depends on the others.
+
+Prefix snapshots (glm53.engine.base.PrefixSnapshots): `snapshot` deep-copies a slot's cache,
+the expanded-KV memo trimmed to its filled positions; `restore` deep-copies it back, so the
+stored snapshot is never written by later steps. Kept with the memo, a restored stream expands
+only its new positions, exactly as the cold stream does at that point.
 
 KDA prefill runs transformers' chunked torch path (its `chunk_size` argument) with chunks of
 KDA_CHUNK tokens instead of its default 64: the intra-chunk decay tensor grows with the chunk,
@@ -16,6 +21,7 @@ chunk 16 are within 2.5e-6 of the largest logit, chunk 64's within 4.4e-6.
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from collections.abc import Sequence
@@ -24,7 +30,7 @@ from typing import Any
 
 import torch
 
-from glm53.engine.base import EngineError, StreamWork
+from glm53.engine.base import EngineError, StreamUsage, StreamWork
 
 KDA_CHUNK = 16
 
@@ -61,6 +67,7 @@ class CpuEngine:
         self.context_length = context
         self.generation_defaults: dict[str, float] = {}
         self.model = None
+        self.count_streams = True  # per-stream tier counts (bench/cpu_engine.py turns it off)
         self._stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "step_s": 0.0}
 
     def load(self) -> None:
@@ -70,7 +77,7 @@ class CpuEngine:
         from glm53.models.hf_text import build_text_model, lm_head_weight
         from glm53.tiers.cpu_lane import CpuLane, lane_layout
         from glm53.tiers.expert_source import SafetensorsSource
-        from glm53.tiers.moe import TieredMoE
+        from glm53.tiers.moe import TallyTarget, TieredMoE
         from glm53.tiers.ram_tier import RamTier
 
         ckpt = Checkpoint(self.checkpoint_dir)
@@ -92,14 +99,17 @@ class CpuEngine:
         torch.set_num_threads(self.torch_threads or max(1, free_cpus))
         act_limit = float(ckpt.text_config.get("swiglu_limit", 0.0))
 
+        self.tally_target = TallyTarget()
+
         def tiered(layer: int, block: torch.nn.Module) -> TieredMoE:
-            return TieredMoE(layer, block, self.tier, self.lane, act_limit)
+            return TieredMoE(layer, block, self.tier, self.lane, act_limit, self.tally_target)
 
         self.model = build_text_model(ckpt, moe_factory=tiered)
         memoize_expansion(self.model)
         self.lm_head = lm_head_weight(ckpt)
         self.moe = {i: self.model.layers[i].mlp for i in ckpt.moe_layers}
         self.caches: list = [None] * self.num_slots
+        self.usage = [StreamUsage() for _ in range(self.num_slots)]
         self.description = (
             f"CPU engine (transformers glm5_next + tiered experts) on {self.checkpoint_dir}; "
             f"{self.tier.describe()}; {self.lane.describe()}"
@@ -136,6 +146,7 @@ class CpuEngine:
                 raise EngineError(f"slot {w.slot} is outside 0..{self.num_slots - 1}", [w.slot])
             if w.start_pos == 0:
                 self.caches[w.slot] = self.new_cache()
+                self.usage[w.slot] = StreamUsage()
             cache = self.caches[w.slot]
             seen = cache.get_seq_length() if cache is not None else -1
             if cache is None or seen != w.start_pos:
@@ -150,10 +161,13 @@ class CpuEngine:
                     f"length {self.context_length}",
                     [w.slot],
                 )
+            self.tally_target.tally = self.usage[w.slot] if self.count_streams else None
             try:
                 row = self.forward(w.token_ids, cache)
             except Exception as exc:
                 raise EngineError(f"slot {w.slot}: forward failed: {exc}", [w.slot]) from exc
+            finally:
+                self.tally_target.tally = None
             if w.want_logits:
                 logits.append(row)
             key = "decode_tokens" if w.start_pos > 0 and len(w.token_ids) == 1 else "prefill_tokens"
@@ -167,12 +181,37 @@ class CpuEngine:
     def release(self, slot: int) -> None:
         self.caches[slot] = None
 
+    @torch.inference_mode()
+    def snapshot(self, slot: int) -> tuple[Any, int]:
+        cache = self.caches[slot]
+        if cache is None:
+            raise EngineError(f"slot {slot} holds no stream to snapshot", [slot])
+        # deepcopy takes these trimmed copies in place of the memo's grown buffers
+        substitutes: dict[int, Any] = {}
+        for layer in cache.layers:
+            memo = getattr(layer, "_glm53_expanded", None)
+            if memo is not None and memo.keys is not None:
+                substitutes[id(memo.keys)] = memo.keys[:, :, : memo.length].clone()
+                substitutes[id(memo.values)] = memo.values[:, :, : memo.length].clone()
+        state = copy.deepcopy(cache, substitutes)
+        return state, tensor_bytes(state)
+
+    @torch.inference_mode()
+    def restore(self, slot: int, state: Any) -> None:
+        if not 0 <= slot < self.num_slots:
+            raise EngineError(f"slot {slot} is outside 0..{self.num_slots - 1}", [slot])
+        self.caches[slot] = copy.deepcopy(state)
+
+    def stream_usage(self, slot: int) -> StreamUsage:
+        return self.usage[slot]
+
     def stats(self) -> dict[str, Any]:
         if self.model is None:
             return dict(self._stats)
         layers = {str(i): m.counters.as_dict() for i, m in self.moe.items()}
         hits = sum(c["hits"] for c in layers.values())
         misses = sum(c["misses"] for c in layers.values())
+        clock = self.tier.counters()
         return {
             **self._stats,
             "tiers": {
@@ -180,7 +219,8 @@ class CpuEngine:
                     "slots": self.tier.num_slots,
                     "cap_bytes": self.tier.ram_cap_bytes,
                     "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-                    **self.tier.counters(),
+                    "resident": clock["admits"] - clock["evictions"],  # records in the arena
+                    **clock,
                 },
                 "layers": layers,
             },
@@ -196,6 +236,33 @@ class CpuEngine:
         if self.model is not None:
             self.tier.close()
             self.model = None
+
+
+def tensor_bytes(root: Any) -> int:
+    """Bytes of every distinct tensor storage reachable from `root` through attributes (also
+    __slots__), dicts, lists and tuples."""
+    seen_objects: set[int] = set()
+    seen_storages: set[int] = set()
+    total, todo = 0, [root]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen_objects:
+            continue
+        seen_objects.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            if storage.data_ptr() not in seen_storages:
+                seen_storages.add(storage.data_ptr())
+                total += storage.nbytes()
+        elif isinstance(obj, dict):
+            todo.extend(obj.values())
+        elif isinstance(obj, list | tuple):
+            todo.extend(obj)
+        elif hasattr(obj, "__dict__") or hasattr(type(obj), "__slots__"):
+            todo.extend(vars(obj).values() if hasattr(obj, "__dict__") else ())
+            for name in getattr(type(obj), "__slots__", ()):
+                todo.append(getattr(obj, name, None))
+    return total
 
 
 def create(settings, checkpoint_dir: Path) -> CpuEngine:

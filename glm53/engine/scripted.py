@@ -23,7 +23,7 @@ from typing import Annotated
 import msgspec
 import numpy as np
 
-from glm53.engine.base import EngineError, StreamWork
+from glm53.engine.base import EngineError, StreamUsage, StreamWork
 from glm53.engine.tokenizer import CheckpointTokenizer, read_generation_defaults
 
 
@@ -50,9 +50,10 @@ def read_script(path: str | Path) -> Script:
 
 
 class _SlotState:
-    __slots__ = ("fail_after", "num_emitted", "prompt_ids", "step_ms", "tokens")
+    __slots__ = ("fail_after", "num_emitted", "prompt_ids", "step_ms", "tokens", "usage")
 
     def __init__(self):
+        self.usage = StreamUsage()  # no tiers here: only the scheduler's seconds get filled
         self.prompt_ids: list[int] = []
         self.tokens: list[int] | None = None
         self.num_emitted = 0
@@ -160,6 +161,9 @@ class ScriptedEngine:
 
     def release(self, slot: int) -> None:
         self._slots[slot] = _SlotState()
+
+    def stream_usage(self, slot: int) -> StreamUsage:
+        return self._slots[slot].usage
 
     def stats(self) -> dict:
         return {"engine": self.name, "is_model": False, **self._counters}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -37,6 +38,26 @@ class LayerCounters:
         return asdict(self)
 
 
+class StreamTally(Protocol):
+    """Per-stream counts a TieredMoE adds to (glm53.engine.base.StreamUsage has these fields)."""
+
+    cpu_lane_picks: int
+    ram_hits: int
+    ram_misses: int
+    store_read_bytes: int
+
+
+class TallyTarget:
+    """Which stream's tally the MoE layers add to, shared by all of an engine's layers. The
+    engine points `tally` at a stream's counters before it runs that stream's tokens (one
+    stream at a time), or at None to count nothing per stream. Owned by the engine thread."""
+
+    __slots__ = ("tally",)
+
+    def __init__(self):
+        self.tally: StreamTally | None = None
+
+
 def pack_jobs(picks: np.ndarray, experts: np.ndarray, rows: np.ndarray) -> list[np.ndarray]:
     """Group pick indices into lane jobs: one expert per job, at most MAX_ROWS of its picks (in
     row order), each pick on its own job row. `_gemv.Pool.run_picks` packs a batch this way in
@@ -59,9 +80,16 @@ class TieredMoE(nn.Module):
     """Router + shared expert in torch, routed experts through the RAM tier and the CPU lane."""
 
     def __init__(
-        self, layer: int, hf_block: nn.Module, tier: RamTier, lane: CpuLane, act_limit: float
+        self,
+        layer: int,
+        hf_block: nn.Module,
+        tier: RamTier,
+        lane: CpuLane,
+        act_limit: float,
+        target: TallyTarget | None = None,
     ):
         super().__init__()
+        self.target = TallyTarget() if target is None else target
         self.layer = layer
         self.gate = hf_block.gate
         self.shared_experts = hf_block.shared_experts
@@ -83,7 +111,7 @@ class TieredMoE(nn.Module):
         Every pick gets its own output row (the lane batches them into one-expert jobs, see
         pack_jobs) and the rows are summed in pick order at the end, so the result does not
         depend on waves or slots: any --ram-cap gives the same bits."""
-        c = self.counters
+        c, tally = self.counters, self.target.tally
         num_rows, top_k = picks.shape
         c.tokens += num_rows
         x_np = x.numpy()
@@ -115,5 +143,10 @@ class TieredMoE(nn.Module):
                 act_limit=self.act_limit,
             )
             c.lane_ns += time.perf_counter_ns() - start
+            if tally is not None:
+                tally.ram_hits += wave.num_hits
+                tally.ram_misses += wave.num_admitted
+                tally.store_read_bytes += wave.bytes_read
+                tally.cpu_lane_picks += len(in_wave)
             pending = pending[slot_of[pending] < 0]
         return torch.from_numpy(contrib).view(num_rows, top_k, -1).sum(dim=1)
