@@ -13,6 +13,7 @@ from msgspec import UNSET
 from glm53.api import generation as gen
 from glm53.api.errors import ApiError, from_decode_error
 from glm53.api.http import Receive, Send, send_bytes
+from glm53.api.logprobs import TokenNames, chat_logprobs
 from glm53.api.schemas import (
     ChatChoice,
     ChatChunk,
@@ -33,6 +34,7 @@ from glm53.api.state import ServerState
 from glm53.chat.parse import CompletionParser, Delta
 from glm53.chat.render import TemplateError, render
 from glm53.engine.scheduler import GenerationRequest
+from glm53.engine.tokenizer import missing_template
 
 _decoder = msgspec.json.Decoder(ChatRequest)
 _encoder = msgspec.json.Encoder()
@@ -104,13 +106,15 @@ def _plan(state: ServerState, body: bytes) -> _Plan:
     except msgspec.DecodeError as exc:
         raise from_decode_error(exc) from None
     gen.check_model(state, req.model)
-    gen.reject_unsupported(req)
+    gen.check_choices(state, req)
     if req.stream_options is not None and not req.stream:
         raise ApiError(
             400, "stream_options is only allowed with stream=true", param="stream_options"
         )
-    if req.logprobs:
-        raise ApiError(400, "logprobs are not supported by glm53", param="logprobs")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ApiError(
+            400, "top_logprobs needs logprobs=true in the same request", param="top_logprobs"
+        )
     if req.response_format is not None and req.response_format.type != "text":
         raise ApiError(
             400,
@@ -183,10 +187,23 @@ def _out_calls(calls: list[dict[str, Any]]) -> list[OutToolCall]:
     ]
 
 
+class _Choice:
+    """One choice's answer in the making: its parser, last event and logprob entries."""
+
+    def __init__(self, parser: CompletionParser):
+        self.parser = parser
+        self.last = None
+        self.logprobs: list = []
+
+
 async def chat_completions(state: ServerState, body: bytes, receive: Receive, send: Send) -> int:
     plan = _plan(state, body)
     scheduler = state.ready_scheduler()
     tokenizer = scheduler.engine.tokenizer
+    if not tokenizer.chat_template:
+        raise ApiError(
+            400, missing_template(state.checkpoint or "the checkpoint"), param="messages"
+        )
     if len(body) > _INLINE_RENDER_CHARS:
         text, prompt_ids = await asyncio.to_thread(
             _prompt, tokenizer.chat_template, plan, tokenizer
@@ -197,64 +214,83 @@ async def chat_completions(state: ServerState, body: bytes, receive: Receive, se
     defaults = scheduler.engine.generation_defaults
     request = GenerationRequest(
         prompt_ids=prompt_ids,
-        sampling=gen.sampling_params(
-            defaults,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            min_p=req.min_p,
-            seed=req.seed,
-        ),
+        sampling=gen.request_sampling(defaults, req, tokenizer.vocab_size),
         max_new_tokens=req.max_completion_tokens or req.max_tokens,
         stop_token_ids=frozenset(tokenizer.eos_token_ids),
         stop_strings=gen.stop_strings(req.stop),
+        logprobs=(req.top_logprobs or 0) if req.logprobs else None,
     )
-    stream = gen.submit(state, request, "messages")
-    run = gen.Run(state, stream, receive)
-    parser = CompletionParser(plan.parse_tools, in_reasoning=text.rstrip().endswith("<think>"))
+    streams = gen.submit_all(state, gen.choices(request, req.n), "messages")
+    run = gen.Run(state, streams, receive)
+    in_reasoning = text.rstrip().endswith("<think>")
+    picks = [
+        _Choice(CompletionParser(plan.parse_tools, in_reasoning=in_reasoning)) for _ in streams
+    ]
+    names = TokenNames(tokenizer, req.return_tokens_as_token_ids) if req.logprobs else None
     try:
         if req.stream:
-            await _stream(state, plan, run, parser, send)
+            await _stream(state, plan, run, picks, names, send)
             return 200
-        return await _answer(state, plan, run, parser, send)
+        return await _answer(state, plan, run, picks, names, send)
     finally:
         run.close()
 
 
-async def _answer(
-    state: ServerState, plan: _Plan, run: gen.Run, parser: CompletionParser, send: Send
-) -> int:
-    last = None
-    async for event in run.events():
-        parser.feed(event.text)
-        last = event
-    if run.is_gone or last is None:
-        return 499
+def _finish(plan: _Plan, pick: _Choice) -> str:
+    """The finish reason of a finished choice; raises when tool_choice is not satisfied."""
+    last = pick.last
     if last.finish_reason == "error":
         raise ApiError(500, f"generation failed: {last.error}", code="engine_error")
-    parser.finish()
-    calls = parser.tool_calls
+    calls = pick.parser.tool_calls
     if (problem := _tool_choice_error(plan.tool_choice, calls)) is not None:
         raise ApiError(500, problem, code="tool_choice_not_satisfied")
-    finish = "length" if last.finish_reason == "length" else ("tool_calls" if calls else "stop")
-    reasoning = parser.reasoning
-    message = OutMessage(
-        content=parser.content if parser.content or not calls else None,
-        reasoning_content=reasoning,
-        reasoning=reasoning if state.settings.reasoning_field else UNSET,
-        tool_calls=_out_calls(calls) if calls else UNSET,
-    )
-    usage = Usage(
-        last.num_prompt_tokens,
-        last.num_generated_tokens,
-        last.num_prompt_tokens + last.num_generated_tokens,
-    )
+    return "length" if last.finish_reason == "length" else ("tool_calls" if calls else "stop")
+
+
+def _usage(picks: list[_Choice]) -> Usage:
+    n_prompt = picks[0].last.num_prompt_tokens
+    n_gen = sum(p.last.num_generated_tokens for p in picks)
+    return Usage(n_prompt, n_gen, n_prompt + n_gen)
+
+
+async def _answer(
+    state: ServerState,
+    plan: _Plan,
+    run: gen.Run,
+    picks: list[_Choice],
+    names: TokenNames | None,
+    send: Send,
+) -> int:
+    async for index, event in run.choice_events():
+        pick = picks[index]
+        pick.parser.feed(event.text)
+        pick.last = event
+        if event.logprobs:
+            pick.logprobs.extend(event.logprobs)
+    if run.is_gone or any(p.last is None for p in picks):
+        return 499
+    choices = []
+    for index, pick in enumerate(picks):
+        parser = pick.parser
+        if pick.last.finish_reason != "error":
+            parser.finish()
+        finish = _finish(plan, pick)
+        calls = parser.tool_calls
+        reasoning = parser.reasoning
+        message = OutMessage(
+            content=parser.content if parser.content or not calls else None,
+            reasoning_content=reasoning,
+            reasoning=reasoning if state.settings.reasoning_field else UNSET,
+            tool_calls=_out_calls(calls) if calls else UNSET,
+        )
+        logprobs = chat_logprobs(pick.logprobs, names) if names is not None else None
+        choices.append(ChatChoice(index, message, finish, logprobs))
     body = ChatCompletion(
         id=gen.new_id("chatcmpl"),
         created=run.created,
         model=state.settings.served_name,
-        choices=[ChatChoice(0, message, finish)],
-        usage=usage,
+        choices=choices,
+        usage=_usage(picks),
     )
     await send_bytes(send, 200, _encoder.encode(body))
     return 200
@@ -287,45 +323,63 @@ def _delta(
 
 
 async def _stream(
-    state: ServerState, plan: _Plan, run: gen.Run, parser: CompletionParser, send: Send
+    state: ServerState,
+    plan: _Plan,
+    run: gen.Run,
+    picks: list[_Choice],
+    names: TokenNames | None,
+    send: Send,
 ) -> None:
+    """SSE chunks; a chunk carries the logprobs of the tokens that arrived with it (every
+    generated token, reasoning and markup included: a token with no text yet still gets a
+    chunk, with an empty delta, for its logprobs)."""
     req = plan.req
     want_usage = req.stream_options is not None and req.stream_options.include_usage
     usage_field = None if want_usage else UNSET
     rid, model, created = gen.new_id("chatcmpl"), state.settings.served_name, run.created
     with_reasoning_field = state.settings.reasoning_field
 
-    def chunk(delta: ChatDelta, finish: str | None = None) -> bytes:
-        return _encoder.encode(
-            ChatChunk(rid, created, model, [ChunkChoice(0, delta, finish)], usage=usage_field)
-        )
+    def chunk(index: int, delta: ChatDelta, finish: str | None = None, logprobs=None) -> bytes:
+        choice = ChunkChoice(index, delta, finish, logprobs)
+        return _encoder.encode(ChatChunk(rid, created, model, [choice], usage=usage_field))
 
     sse = run.sse(send)
     await sse.start()
-    await sse.event(chunk(ChatDelta(role="assistant", content="")))
-    last = None
-    async for event in run.events():
-        last = event
-        deltas = parser.feed(event.text)
+    for index in range(len(picks)):
+        await sse.event(chunk(index, ChatDelta(role="assistant", content="")))
+    num_open, failed = len(picks), None
+    async for index, event in run.choice_events():
+        pick = picks[index]
+        pick.last = event
+        if event.finish_reason == "error":
+            failed = event
+            break
+        deltas = pick.parser.feed(event.text)
         if event.finish_reason in ("stop", "length"):
-            deltas += parser.finish()
-        if (delta := _delta(deltas, parser, with_reasoning_field)) is not None:
-            await sse.event(chunk(delta))
-    if run.is_gone or last is None:
+            deltas += pick.parser.finish()
+        delta = _delta(deltas, pick.parser, with_reasoning_field)
+        logprobs = (
+            chat_logprobs(event.logprobs, names) if names is not None and event.logprobs else None
+        )
+        if delta is not None or logprobs is not None:
+            await sse.event(chunk(index, delta or ChatDelta(), None, logprobs))
+        if event.finish_reason is not None:
+            num_open -= 1
+            try:
+                finish = _finish(plan, pick)
+            except ApiError as error:
+                await sse.close(b"data: " + error.body() + b"\n\ndata: [DONE]\n\n")
+                return
+            await sse.event(chunk(index, ChatDelta(), finish))
+    if run.is_gone:
         return
-    if last.finish_reason == "error":
-        error = ApiError(500, f"generation failed: {last.error}", code="engine_error")
+    if failed is not None:
+        error = ApiError(500, f"generation failed: {failed.error}", code="engine_error")
         await sse.close(b"data: " + error.body() + b"\n\ndata: [DONE]\n\n")
         return
-    calls = parser.tool_calls
-    if (problem := _tool_choice_error(plan.tool_choice, calls)) is not None:
-        error = ApiError(500, problem, code="tool_choice_not_satisfied")
-        await sse.close(b"data: " + error.body() + b"\n\ndata: [DONE]\n\n")
+    if num_open:
         return
-    finish = "length" if last.finish_reason == "length" else ("tool_calls" if calls else "stop")
-    await sse.event(chunk(ChatDelta(), finish))
     if want_usage:
-        n_prompt, n_gen = last.num_prompt_tokens, last.num_generated_tokens
-        usage = Usage(n_prompt, n_gen, n_prompt + n_gen)
+        usage = _usage(picks)
         await sse.event(_encoder.encode(ChatChunk(rid, created, model, [], usage=usage)))
     await sse.close()

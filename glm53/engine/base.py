@@ -7,7 +7,9 @@ async and nothing here touches the event loop.
 A step runs up to `num_slots` streams. Each stream owns one slot (its KV and recurrent KDA state)
 from its first prefill chunk until `release`. A `StreamWork` with `start_pos == 0` starts a new
 stream in that slot: the engine resets the slot's state first. Prefill arrives in chunks; the last
-chunk of a prompt and every decode step ask for logits (`want_logits`).
+chunk of a prompt and every decode step ask for logits (`want_logits`: the row of the item's last
+position). A chunk whose prompt is scored (prompt logprobs) asks for `all_logits`: one row per
+position of the item, the last of which is the `want_logits` row when both are set.
 """
 
 from __future__ import annotations
@@ -42,11 +44,13 @@ class StreamWork(msgspec.Struct):
     token_ids: list[int]
     start_pos: int
     want_logits: bool
+    all_logits: bool = False
 
 
 @runtime_checkable
 class Tokenizer(Protocol):
-    """Text <-> token ids for one checkpoint; special tokens written in text are encoded as their ids."""
+    """Text <-> token ids for one checkpoint; special tokens written in text are encoded as their
+    ids. `chat_template` is "" for a checkpoint without one."""
 
     vocab_size: int
     eos_token_ids: tuple[int, ...]
@@ -57,6 +61,8 @@ class Tokenizer(Protocol):
     def decode(self, token_ids: Sequence[int]) -> str: ...
 
     def token_to_id(self, token: str) -> int | None: ...
+
+    def token_bytes(self, token_id: int) -> bytes: ...
 
     def new_decoder(self) -> IncrementalDecoder: ...
 
@@ -89,9 +95,10 @@ class Engine(Protocol):
     def load(self) -> None: ...
 
     def step(self, work: Sequence[StreamWork]) -> torch.Tensor | np.ndarray:
-        """Run one step; return logits [number of items with want_logits, vocab_size], in the
-        order of `work`, as a torch tensor (any device) or a float32 numpy array. Raise
-        EngineError naming the slots that failed."""
+        """Run one step; return logits [rows, vocab_size], in the order of `work`: an item
+        with `all_logits` has len(token_ids) rows (position by position), else one row if it
+        has `want_logits`, else none. A torch tensor (any device) or a float32 numpy array.
+        Raise EngineError naming the slots that failed."""
         ...
 
     def release(self, slot: int) -> None: ...

@@ -13,6 +13,10 @@ measures it), and it runs with caches cold after the wait for the step, so it is
 sampling is one native call (glm53.engine.sampling), the post is one eventfd write with the GIL
 held (glm53._handoff), and a step with no new or cancelled job takes no lock.
 
+Logprobs: a sampled token's come from its sampler (glm53.engine.sampling, which logits in
+glm53.engine.logprobs); a scored prompt's chunks ask the engine for every position's logits
+(StreamWork.all_logits) and are turned into entries here, only for the jobs that asked.
+
 A stream finishes on a stop token id (finish "stop"), a stop string (the text is cut before it;
 the engine slot is freed at the next step), its max_new_tokens or the end of the context
 ("length"), an engine error ("error"), or a cancel (the slot is freed at the next step).
@@ -29,8 +33,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import torch
+
 from glm53._handoff import Handoff
 from glm53.engine.base import Engine, EngineError, StreamWork
+from glm53.engine.logprobs import TokenLogprob, block_logprobs
 from glm53.engine.sampling import SamplingParams, StreamSampler, sample
 from glm53.engine.stops import StopMatcher
 
@@ -58,7 +66,11 @@ class PromptTooLong(ValueError):
 @dataclass(slots=True)
 class GenerationRequest:
     """One generation: a prompt, how to sample, and when to stop. max_new_tokens None = up to the
-    end of the context."""
+    end of the context; 0 only scores the prompt (needs prompt_logprobs).
+
+    `logprobs` None: none; k: each generated token's logprob and top k (TokenEvent.logprobs).
+    `prompt_logprobs` None: none; k: the prompt tokens' from position `prompt_logprobs_from`
+    on, each with its top k (TokenEvent.prompt_logprobs; position 0 has none: None)."""
 
     prompt_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -66,6 +78,9 @@ class GenerationRequest:
     stop_token_ids: frozenset[int] = frozenset()
     stop_strings: tuple[str, ...] = ()
     request_id: str = ""
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    prompt_logprobs_from: int = 0
 
 
 @dataclass(slots=True)
@@ -81,6 +96,8 @@ class TokenEvent:
     matched_stop: str | int | None = None
     error: str | None = None
     time_ns: int = 0
+    logprobs: list[TokenLogprob] | None = None  # aligned with token_ids, when asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # first event only, when asked
 
 
 @dataclass(slots=True, eq=False)
@@ -94,6 +111,7 @@ class _Job:
     num_generated: int = 0
     last_token: int = -1
     is_cancelled: bool = False
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # filled during prefill
 
 
 class JobStream:
@@ -105,7 +123,7 @@ class JobStream:
         self._job = job
         self._decoder = decoder
         self._stops = stops
-        self._pending: list[tuple[int, str | None, str | None, int]] = []
+        self._pending: list[tuple[int | None, str | None, str | None, int, Any]] = []
         self._ready = asyncio.Event()
         self._num_generated = 0
         self.is_done = False
@@ -132,8 +150,15 @@ class JobStream:
             self._scheduler._cancel(self._job, counted=True)
             self._ready.set()
 
-    def _push(self, token: int, finish: str | None, error: str | None, time_ns: int) -> None:
-        self._pending.append((token, finish, error, time_ns))
+    def _push(
+        self,
+        token: int | None,
+        finish: str | None,
+        error: str | None,
+        time_ns: int,
+        logprob: TokenLogprob | None,
+    ) -> None:
+        self._pending.append((token, finish, error, time_ns, logprob))
         self._ready.set()
 
     def __aiter__(self):
@@ -154,14 +179,21 @@ class JobStream:
         job, stop_ids = self._job, self._job.request.stop_token_ids
         parts: list[str] = []
         token_ids: list[int] = []
+        wants_logprobs = job.request.logprobs is not None
+        logprobs: list[TokenLogprob] | None = [] if wants_logprobs else None
         finish = matched = error = None
         time_ns = 0
-        for token, step_finish, step_error, item_ns in items:
+        for token, step_finish, step_error, item_ns, logprob in items:
             time_ns = item_ns
             if step_finish == "error":
                 finish, error = "error", step_error
                 break
+            if token is None:  # a scored prompt without generation
+                finish = step_finish
+                break
             token_ids.append(token)
+            if wants_logprobs:
+                logprobs.append(logprob)
             self.first_token_ns = self.first_token_ns or item_ns
             if step_finish == "stop" and token in stop_ids:
                 finish, matched = "stop", token
@@ -177,6 +209,9 @@ class JobStream:
                 break
         if finish in ("stop", "length") and not isinstance(matched, str):
             parts.append(self._stops.flush())
+        prompt_logprobs = None
+        if job.prompt_logprobs is not None and self._num_generated == 0 and finish != "error":
+            prompt_logprobs, job.prompt_logprobs = job.prompt_logprobs, None
         self._num_generated += len(token_ids)
         if finish is not None:
             self.is_done = True
@@ -191,6 +226,8 @@ class JobStream:
             matched_stop=matched,
             error=error,
             time_ns=time_ns,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
@@ -259,9 +296,16 @@ class Scheduler:
                 f"all {self.num_slots} slots are busy and {self.queue_limit} requests are waiting",
                 self.retry_after_s(),
             )
+        if request.max_new_tokens == 0 and request.prompt_logprobs is None:
+            raise ValueError("max_new_tokens 0 generates nothing: ask for prompt_logprobs")
         room = self.context_length - num_prompt
         max_new = room if request.max_new_tokens is None else min(request.max_new_tokens, room)
-        job = _Job(request, StreamSampler(request.sampling), max_new)
+        sampler = StreamSampler(
+            request.sampling, num_logprobs=request.logprobs, prompt_ids=request.prompt_ids
+        )
+        job = _Job(request, sampler, max_new)
+        if request.prompt_logprobs is not None:
+            job.prompt_logprobs = [None] if request.prompt_logprobs_from == 0 else []
         stream = JobStream(
             self, job, self.engine.tokenizer.new_decoder(), StopMatcher(request.stop_strings)
         )
@@ -292,9 +336,9 @@ class Scheduler:
             self._cv.notify()
 
     def _deliver(self, outputs) -> None:
-        for job, token, finish, error, time_ns in outputs:
+        for job, token, finish, error, time_ns, logprob in outputs:
             if not job.stream.is_done:
-                job.stream._push(token, finish, error, time_ns)
+                job.stream._push(token, finish, error, time_ns, logprob)
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -335,7 +379,9 @@ class Scheduler:
         try:
             self._engine_loop(list(range(self.num_slots - 1, -1, -1)))
         finally:
-            outputs = [(j, -1, "error", "the server is shutting down", 0) for j in self._all_jobs()]
+            outputs = [
+                (j, -1, "error", "the server is shutting down", 0, None) for j in self._all_jobs()
+            ]
             if outputs:
                 self._post(self._deliver, outputs)
             self._close_engine()
@@ -396,11 +442,18 @@ class Scheduler:
 
     def _plan(
         self,
-    ) -> tuple[list[StreamWork], list[tuple[_Job, int]], list[_Job], list[StreamSampler]]:
+    ) -> tuple[
+        list[StreamWork],
+        list[tuple[_Job, int]],
+        list[_Job],
+        list[StreamSampler],
+        list[tuple[_Job, int, int]],
+    ]:
         work: list[StreamWork] = []
         fed: list[tuple[_Job, int]] = []  # (job, prompt tokens fed in this step)
-        rows: list[_Job] = []  # jobs that get a logits row, in order
+        rows: list[_Job] = []  # jobs that get a logits row to sample, in order
         samplers: list[StreamSampler] = []  # theirs
+        scored: list[tuple[_Job, int, int]] = []  # (job, chunk start, chunk length): all rows
         budget = self.chunk_size
         for job in self._running:
             prompt = job.request.prompt_ids
@@ -410,13 +463,21 @@ class Scheduler:
                 n = min(budget, len(prompt) - job.num_fed)
                 budget -= n
                 is_last = job.num_fed + n == len(prompt)
+                samples = is_last and job.max_new_tokens > 0
+                scores = job.prompt_logprobs is not None
                 work.append(
                     StreamWork(
-                        job.slot, prompt[job.num_fed : job.num_fed + n], job.num_fed, is_last
+                        job.slot,
+                        prompt[job.num_fed : job.num_fed + n],
+                        job.num_fed,
+                        samples,
+                        scores,
                     )
                 )
                 fed.append((job, n))
-                if is_last:
+                if scores:
+                    scored.append((job, job.num_fed, n))
+                if samples:
                     rows.append(job)
                     samplers.append(job.sampler)
             else:
@@ -424,14 +485,49 @@ class Scheduler:
                 work.append(StreamWork(job.slot, [job.last_token], pos, True))
                 rows.append(job)
                 samplers.append(job.sampler)
-        return work, fed, rows, samplers
+        return work, fed, rows, samplers, scored
+
+    def _score_prompts(
+        self, logits, work: list[StreamWork], scored: list[tuple[_Job, int, int]]
+    ) -> np.ndarray:
+        """Turn the step's all-position rows into the scored jobs' prompt logprobs; return
+        the rows to sample (each item's last row where it asked for one)."""
+        if isinstance(logits, torch.Tensor):
+            logits = logits.detach().float().cpu().numpy()
+        pick: list[int] = []
+        blocks: dict[int, int] = {}  # slot -> first row of its block
+        num_rows = 0
+        for w in work:
+            if w.all_logits:
+                blocks[w.slot] = num_rows
+                num_rows += len(w.token_ids)
+                if w.want_logits:
+                    pick.append(num_rows - 1)
+            elif w.want_logits:
+                pick.append(num_rows)
+                num_rows += 1
+        for job, start, n in scored:
+            prompt, req = job.request.prompt_ids, job.request
+            # row i predicts the prompt token at start + i + 1
+            first = max(start + 1, req.prompt_logprobs_from, 1)
+            last = min(start + n, len(prompt) - 1)  # the last predicted position
+            if first > last:
+                continue
+            offset = blocks[job.slot] + first - 1 - start
+            block = logits[offset : offset + last - first + 1]
+            job.prompt_logprobs.extend(
+                block_logprobs(block, prompt[first : last + 1], req.prompt_logprobs)
+            )
+        return logits[pick]
 
     def _run_step(self, free_slots: list[int]) -> None:
-        work, fed, rows, samplers = self._plan()
+        work, fed, rows, samplers, scored = self._plan()
         if not work:
             return
         try:
             logits = self.engine.step(work)
+            if scored:
+                logits = self._score_prompts(logits, work, scored)
             tokens = sample(logits, samplers)
         except Exception as exc:  # noqa: BLE001 - fail the streams concerned, keep serving
             # An EngineError naming slots left the other streams untouched: they run again next
@@ -445,16 +541,22 @@ class Scheduler:
             for job in failed:
                 self._running.remove(job)
                 self._release(job, free_slots)
-                outputs.append((job, -1, "error", f"engine error: {exc}", time.monotonic_ns()))
+                outputs.append(
+                    (job, -1, "error", f"engine error: {exc}", time.monotonic_ns(), None)
+                )
             self._post(self._deliver, outputs)
             return
         now_ns = time.monotonic_ns()
         counters = self.step_counters
         counters["steps"] += 1
+        outputs = []
         for job, n in fed:
             job.num_fed += n
             counters["prompt_tokens"] += n
-        outputs = []
+            if job.max_new_tokens == 0 and job.num_fed == len(job.request.prompt_ids):
+                self._running.remove(job)  # scored, nothing to generate
+                self._release(job, free_slots)
+                outputs.append((job, None, "length", None, now_ns, None))
         for job, token in zip(rows, tokens, strict=True):
             job.num_generated += 1
             job.last_token = token
@@ -466,8 +568,8 @@ class Scheduler:
             if finish is not None:
                 self._running.remove(job)
                 self._release(job, free_slots)
-            outputs.append((job, token, finish, None, now_ns))
-        counters["generated_tokens"] += len(outputs)
+            outputs.append((job, token, finish, None, now_ns, job.sampler.last_logprob))
+        counters["generated_tokens"] += len(rows)
         self._handoff.post(self._deliver, outputs)  # not through _post: one call less here
 
 
