@@ -80,7 +80,7 @@ def read_panel(path: str | Path) -> Panel:
 
 def write_panel(panel: Panel, path: str | Path) -> None:
     data = msgspec.json.encode(panel)
-    Path(path).write_bytes(msgspec.json.format(data, indent=None) + b"\n")
+    Path(path).write_bytes(data + b"\n")
 
 
 def top_k_kl(

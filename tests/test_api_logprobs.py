@@ -18,7 +18,9 @@ UNIFORM = -math.log(VOCAB_SIZE)
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    server = scripted_server(tmp_path_factory.mktemp("logprobs"), SCRIPT, "--max-batch", "2")
+    server = scripted_server(
+        tmp_path_factory.mktemp("logprobs"), SCRIPT, "--max-batch", "2", "--chunk-size", "16"
+    )
     yield server
     assert server.stop() == 0, server.log()
 
@@ -163,6 +165,25 @@ def test_generate_logprobs_in_sglang_meta_info(server):
         [UNIFORM] * (len(ids) - 1), abs=1e-6
     )
     assert all(top[0][1] == 0 for top in meta["input_top_logprobs"])
+
+
+def test_prompt_logprobs_span_prefill_chunks_and_keep_their_order(server):
+    text = "@count " + " ".join(f"word{i}" for i in range(40))
+    ids = tokenize(server, text)
+    assert len(ids) > 3 * 16  # several 16-token chunks
+    meta = httpx.post(
+        server.url + "/generate",
+        json={
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": 1},
+            "return_logprob": True,
+            "logprob_start_len": 20,
+        },
+    ).json()["meta_info"]
+    assert [row[1] for row in meta["input_token_logprobs"]] == ids[20:]
+    assert [row[0] for row in meta["input_token_logprobs"]] == pytest.approx(
+        [UNIFORM] * (len(ids) - 20), abs=1e-6
+    )
 
 
 def test_generate_without_logprob_start_len_returns_output_logprobs_only(server):

@@ -33,6 +33,7 @@ from glm53.api.schemas import (
 from glm53.api.state import ServerState
 from glm53.chat.parse import CompletionParser, Delta
 from glm53.chat.render import TemplateError, render
+from glm53.engine.grammar import GrammarError, GrammarSpec, json_schema_grammar, tool_call_grammar
 from glm53.engine.scheduler import GenerationRequest
 from glm53.engine.tokenizer import missing_template
 
@@ -115,11 +116,15 @@ def _plan(state: ServerState, body: bytes) -> _Plan:
         raise ApiError(
             400, "top_logprobs needs logprobs=true in the same request", param="top_logprobs"
         )
-    if req.response_format is not None and req.response_format.type != "text":
+    if (
+        req.response_format is not None
+        and req.response_format.type == "json_schema"
+        and not isinstance((req.response_format.json_schema or {}).get("schema"), dict)
+    ):
         raise ApiError(
             400,
-            f"response_format {req.response_format.type} needs constrained decoding, which glm53 does not do",
-            param="response_format.type",
+            "response_format json_schema needs json_schema.schema, a JSON schema object",
+            param="response_format.json_schema.schema",
         )
     messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
     tools = [msgspec.to_builtins(t) for t in req.tools] if req.tools else None
@@ -187,6 +192,33 @@ def _out_calls(calls: list[dict[str, Any]]) -> list[OutToolCall]:
     ]
 
 
+def _grammar(plan: _Plan, tokenizer, in_reasoning: bool) -> GrammarSpec | None:
+    """The grammar a chat request's output must follow: tool calls for tool_choice "required"
+    or a named function, else JSON for response_format json_object / json_schema; it starts
+    after </think> when the prompt opens the reasoning."""
+    req, choice, tools = plan.req, plan.tool_choice, plan.parse_tools or []
+    try:
+        if choice == "required" or isinstance(choice, NamedToolChoice):
+            indexed = list(enumerate(tools))
+            if isinstance(choice, NamedToolChoice):
+                indexed = [
+                    (i, t) for i, t in indexed if t["function"]["name"] == choice.function.name
+                ]
+            many = choice == "required" and req.parallel_tool_calls is not False
+            grammar = tool_call_grammar(indexed, tokenizer, many=many)
+        elif req.response_format is not None and req.response_format.type == "json_object":
+            grammar = json_schema_grammar({"type": "object"}, tokenizer, "response_format")
+        elif req.response_format is not None and req.response_format.type == "json_schema":
+            schema = req.response_format.json_schema["schema"]
+            grammar = json_schema_grammar(schema, tokenizer, "response_format.json_schema.schema")
+        else:
+            return None
+    except GrammarError as exc:
+        raise ApiError(400, str(exc), param=exc.path, code="invalid_grammar") from None
+    start_after = tokenizer.token_to_id("</think>") if in_reasoning else None
+    return GrammarSpec(grammar, start_after)
+
+
 class _Choice:
     """One choice's answer in the making: its parser, last event and logprob entries."""
 
@@ -212,6 +244,8 @@ async def chat_completions(state: ServerState, body: bytes, receive: Receive, se
         text, prompt_ids = _prompt(tokenizer.chat_template, plan, tokenizer)
     req = plan.req
     defaults = scheduler.engine.generation_defaults
+    in_reasoning = text.rstrip().endswith("<think>")
+    grammar = _grammar(plan, tokenizer, in_reasoning)
     request = GenerationRequest(
         prompt_ids=prompt_ids,
         sampling=gen.request_sampling(defaults, req, tokenizer.vocab_size),
@@ -219,10 +253,10 @@ async def chat_completions(state: ServerState, body: bytes, receive: Receive, se
         stop_token_ids=frozenset(tokenizer.eos_token_ids),
         stop_strings=gen.stop_strings(req.stop),
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        grammar=grammar,
     )
     streams = gen.submit_all(state, gen.choices(request, req.n), "messages")
     run = gen.Run(state, streams, receive)
-    in_reasoning = text.rstrip().endswith("<think>")
     picks = [
         _Choice(CompletionParser(plan.parse_tools, in_reasoning=in_reasoning)) for _ in streams
     ]

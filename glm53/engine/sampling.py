@@ -11,9 +11,10 @@ Each stream has its own seeded generator, one uniform draw per sampled token, so
 same tokens whatever else runs in the same step. A temperature of 0 (or top_k 1) means greedy:
 the argmax, no randomness.
 
-A stream with penalties, logit_bias or logprobs is "processed": its row is copied and changed
-before the draw (penalties in C, glm53._sample.penalize_row), its logprobs are taken from the
-changed row (glm53.engine.logprobs says which logits), and `accept` records the drawn token.
+A stream with penalties, logit_bias, logprobs or a grammar is "processed": its row is copied and
+changed before the draw (penalties in C, glm53._sample.penalize_row), its logprobs are taken from
+the changed row (glm53.engine.logprobs says which logits), a grammar (glm53.engine.grammar)
+masks it last, and `accept` records the drawn token.
 A step with no processed stream does none of this.
 """
 
@@ -22,12 +23,16 @@ from __future__ import annotations
 import secrets
 from collections.abc import Sequence
 from dataclasses import InitVar, dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from glm53._sample import FILTERED, GREEDY, PLAIN, penalize_row, sample_rows
 from glm53.engine.logprobs import TokenLogprob, log_softmax, token_logprob
+
+if TYPE_CHECKING:
+    from glm53.engine.grammar import Constraint
 
 GREEDY_BELOW = 1e-5
 
@@ -73,12 +78,14 @@ class StreamSampler:
     C, or FILTERED: top_k or top_p, `draw_filtered` in numpy) and the PLAIN draw's floats.
 
     `num_logprobs` None: no logprobs; k >= 0: each sampled token's logprob and the k most
-    likely tokens (in `last_logprob` after `accept`). `prompt_ids` seed the repetition penalty."""
+    likely tokens (in `last_logprob` after `accept`). `prompt_ids` seed the repetition penalty.
+    `constraint` (a glm53.engine.grammar.Constraint) masks the row after the logprobs."""
 
     params: SamplingParams
     seed: int = -1
     num_logprobs: int | None = None
     prompt_ids: InitVar[Sequence[int]] = ()
+    constraint: Constraint | None = None
     _rng: np.random.Generator | None = field(default=None, repr=False)
     mode: int = field(default=GREEDY, init=False)
     temperature: float = field(default=0.0, init=False)
@@ -105,7 +112,12 @@ class StreamSampler:
         else:
             self.mode = PLAIN
             self.temperature, self.min_p = float(p.temperature), float(p.min_p)
-        self.is_processed = bool(p.has_penalties or p.logit_bias or self.num_logprobs is not None)
+        self.is_processed = bool(
+            p.has_penalties
+            or p.logit_bias
+            or self.num_logprobs is not None
+            or self.constraint is not None
+        )
         if p.logit_bias:
             self._bias_ids = np.array([t for t, _ in p.logit_bias], dtype=np.int64)
             self._bias_values = np.array([b for _, b in p.logit_bias], dtype=np.float32)
@@ -160,6 +172,8 @@ class StreamSampler:
             row[self._bias_ids] += self._bias_values
         if self.num_logprobs is not None:
             self._logprobs = log_softmax(row)
+        if self.constraint is not None:
+            self.constraint.mask(row)
 
     def accept(self, token: int) -> None:
         """Record the token drawn from the row `process` changed."""
@@ -168,6 +182,8 @@ class StreamSampler:
             self._logprobs = None
         if self._seen_ids is not None:
             self._see(token, 1)
+        if self.constraint is not None:
+            self.constraint.accept(token)
 
 
 def _sample_row(row: np.ndarray, p: SamplingParams, u: float) -> int:

@@ -38,6 +38,7 @@ import torch
 
 from glm53._handoff import Handoff
 from glm53.engine.base import Engine, EngineError, StreamWork
+from glm53.engine.grammar import Constraint, GrammarSpec
 from glm53.engine.logprobs import TokenLogprob, block_logprobs
 from glm53.engine.sampling import SamplingParams, StreamSampler, sample
 from glm53.engine.stops import StopMatcher
@@ -70,7 +71,8 @@ class GenerationRequest:
 
     `logprobs` None: none; k: each generated token's logprob and top k (TokenEvent.logprobs).
     `prompt_logprobs` None: none; k: the prompt tokens' from position `prompt_logprobs_from`
-    on, each with its top k (TokenEvent.prompt_logprobs; position 0 has none: None)."""
+    on, each with its top k (TokenEvent.prompt_logprobs; position 0 has none: None).
+    `grammar`: structured output (glm53.engine.grammar), None for free text."""
 
     prompt_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -81,6 +83,7 @@ class GenerationRequest:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     prompt_logprobs_from: int = 0
+    grammar: GrammarSpec | None = None
 
 
 @dataclass(slots=True)
@@ -300,8 +303,14 @@ class Scheduler:
             raise ValueError("max_new_tokens 0 generates nothing: ask for prompt_logprobs")
         room = self.context_length - num_prompt
         max_new = room if request.max_new_tokens is None else min(request.max_new_tokens, room)
+        constraint = None
+        if request.grammar is not None:
+            constraint = Constraint(request.grammar, self.engine.tokenizer)
         sampler = StreamSampler(
-            request.sampling, num_logprobs=request.logprobs, prompt_ids=request.prompt_ids
+            request.sampling,
+            num_logprobs=request.logprobs,
+            prompt_ids=request.prompt_ids,
+            constraint=constraint,
         )
         job = _Job(request, sampler, max_new)
         if request.prompt_logprobs is not None:
