@@ -99,8 +99,7 @@ def _stock_logits(model_dir: str):
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
+    from glm53.engine.logprobs import log_softmax, top_k
     from glm53.engine.tokenizer import CheckpointTokenizer
     from glm53.reference import (
         FORMAT,
@@ -123,22 +122,17 @@ def run(args: argparse.Namespace) -> int:
     try:
         out = []
         for name, ids in prompts:
-            lp = torch.log_softmax(logits_of(ids).double(), dim=-1)[:-1]
-            values, top = torch.topk(lp, args.top_k, dim=-1)
-            out.append(
-                PanelPrompt(
-                    name,
-                    ids,
-                    [Position(t, v) for t, v in zip(top.tolist(), values.tolist(), strict=True)],
-                )
-            )
+            # the server's own log-softmax and top-k (glm53.engine.logprobs): equal logits
+            # then give equal logprobs, bit for bit, and a KL of exactly 0
+            lp = log_softmax(logits_of(ids).float().numpy())[:-1]
+            out.append(PanelPrompt(name, ids, [Position(*top_k(row, args.top_k)) for row in lp]))
     finally:
         close()
     panel = Panel(
         format=FORMAT,
         engine=args.engine,
         checkpoint_fingerprint=fingerprint(args.model),
-        checkpoint_name=Path(args.model).resolve().name,
+        checkpoint_name=Path(args.model).absolute().name,
         versions=versions(args.engine),
         top_k=args.top_k,
         prompts=out,

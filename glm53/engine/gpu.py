@@ -138,6 +138,12 @@ class GpuEngine:
                 if i in decode_idx:
                     continue
                 self._check(w)
+                if w.all_logits:
+                    raise EngineError(
+                        "prompt logprobs (echo with logprobs, logprob_start_len) are not in "
+                        "the GPU engine's step path; they come with its Generator loop",
+                        [w.slot],
+                    )
                 try:
                     state = self._state(w.slot, w.start_pos == 0)
                     # like exllamav3's Generator: a prompt's last token runs as a one-row
