@@ -4,7 +4,11 @@ glm53/engine/scripted.py): 0 on the scripted token and -inf elsewhere (so a gene
 logprob is 0 and every other token's -9999.0, OpenAI's stand-in for -inf), and a prompt position
 is uniform (logprob -log(vocab_size))."""
 
+import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import openai
@@ -14,6 +18,7 @@ from serving_kit import VOCAB_SIZE, scripted_server
 MODEL = "glm-5.3-flash"
 SCRIPT = {"default": "</think>Hello there.", "replies": [{"when": "@count", "text": "one two"}]}
 UNIFORM = -math.log(VOCAB_SIZE)
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -247,3 +252,16 @@ def test_max_tokens_0_without_echo_is_refused(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt="x", max_tokens=0)
     assert info.value.param == "max_tokens" and "echo" in info.value.message
+
+
+def test_logprobs_overhead_bench_prints_its_contract(server):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "logprobs_overhead.py"), "--json",
+         "--url", server.url, "--tokens", "4", "--rounds", "1"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["bench"] == "logprobs_overhead"
+    assert set(result["figures"]["runs"]) == {"plain", "logprobs"}
+    assert result["ratios"]["logprobs_over_plain"] > 0
