@@ -121,3 +121,23 @@ def test_block_logprobs_score_each_next_token():
     for i, e in enumerate(entries):
         assert e.logprob == pytest.approx(reference_log_softmax(block[i])[e.token_id])
         assert len(e.top_ids) == 2
+
+
+def test_the_checkpoints_penalties_are_the_defaults_and_a_request_overrides_them(tmp_path):
+    from glm53.api.generation import sampling_params
+    from glm53.engine.tokenizer import read_generation_defaults
+
+    (tmp_path / "generation_config.json").write_text(
+        '{"do_sample": true, "temperature": 0.7, "repetition_penalty": 1.1, "presence_penalty": 0.3}'
+    )
+    defaults = read_generation_defaults(tmp_path)
+    assert defaults == {"temperature": 0.7, "repetition_penalty": 1.1, "presence_penalty": 0.3}
+    base = dict(temperature=None, top_p=None, top_k=None, min_p=None, seed=None)
+    params = sampling_params(defaults, **base)
+    assert (params.repetition_penalty, params.presence_penalty, params.frequency_penalty) == (
+        1.1,
+        0.3,
+        0.0,
+    )
+    params = sampling_params(defaults, **base, repetition_penalty=1.0, presence_penalty=0.0)
+    assert not params.has_penalties

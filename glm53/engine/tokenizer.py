@@ -132,7 +132,15 @@ class CheckpointTokenizer:
         return _StreamDecoder(self._tokenizer)
 
 
-_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p")
+_SAMPLING_KEYS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 
 
 def read_generation_defaults(directory: str | Path) -> dict[str, float]:
