@@ -192,6 +192,15 @@ def _out_calls(calls: list[dict[str, Any]]) -> list[OutToolCall]:
     ]
 
 
+def _needs_grammar(plan: _Plan) -> bool:
+    choice, response_format = plan.tool_choice, plan.req.response_format
+    return (
+        choice == "required"
+        or isinstance(choice, NamedToolChoice)
+        or (response_format is not None and response_format.type != "text")
+    )
+
+
 def _grammar(plan: _Plan, tokenizer, in_reasoning: bool) -> GrammarSpec | None:
     """The grammar a chat request's output must follow: tool calls for tool_choice "required"
     or a named function, else JSON for response_format json_object / json_schema; it starts
@@ -245,7 +254,10 @@ async def chat_completions(state: ServerState, body: bytes, receive: Receive, se
     req = plan.req
     defaults = scheduler.engine.generation_defaults
     in_reasoning = text.rstrip().endswith("<think>")
-    grammar = _grammar(plan, tokenizer, in_reasoning)
+    grammar = None
+    if _needs_grammar(plan):
+        # compiling one takes from a millisecond to a second (llguidance drops the GIL)
+        grammar = await asyncio.to_thread(_grammar, plan, tokenizer, in_reasoning)
     request = GenerationRequest(
         prompt_ids=prompt_ids,
         sampling=gen.request_sampling(defaults, req, tokenizer.vocab_size),
