@@ -23,16 +23,13 @@ import argparse
 import json
 import os
 import platform
-import sys
 import time
 
 import numpy as np
 from benchlib import git_commit
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from glm53._clock import Clock  # noqa: E402
-from glm53.tiers.clock_ref import ClockRef  # noqa: E402
+from glm53._clock import Clock
+from glm53.tiers.clock_ref import ClockRef
 
 
 def gumbel(rng, shape) -> np.ndarray:

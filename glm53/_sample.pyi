@@ -17,3 +17,12 @@ class RowSampler(Protocol):
     def draw_filtered(self, row: npt.NDArray[np.float32]) -> int: ...
 
 def sample_rows(logits: npt.NDArray[np.floating], samplers: Sequence[RowSampler]) -> list[int]: ...
+def penalize_row(
+    row: npt.NDArray[np.float32],
+    ids: npt.NDArray[np.int64],
+    counts: npt.NDArray[np.int64],
+    n: int,
+    presence: float,
+    frequency: float,
+    repetition: float,
+) -> None: ...

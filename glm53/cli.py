@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, str] = {
     "doctor": "glm53.doctor.cli",
     "download": "glm53.download",
     "store": "glm53.store.cli",
+    "reference": "glm53.reference_cli",
 }
 
 

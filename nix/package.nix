@@ -24,6 +24,7 @@
 , rich
 , huggingface-hub
 , nvidia-ml-py
+, llguidance
 , exllamav3
 , cudaPackages
 , autoAddDriverRunpath
@@ -87,6 +88,7 @@ buildPython {
     rich
     huggingface-hub
     nvidia-ml-py
+    llguidance
   ] ++ lib.optionals cudaSupport [ exllamav3 ];
 
   # exllamav3 compiles its CUDA extension on first use: give `glm53` the toolchain for it.

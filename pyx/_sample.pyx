@@ -113,3 +113,18 @@ cdef list _sample(array, Py_buffer *view, samplers):
             if sampler.mode == _FILTERED:
                 tokens[r] = sampler.draw_filtered(array[r])
     return tokens
+
+
+def penalize_row(float[::1] row, const int64_t[::1] ids, const int64_t[::1] counts, int64_t n,
+                 double presence, double frequency, double repetition):
+    """Apply repetition, frequency and presence penalties to `row` (float32 [vocab], in place)
+    for the first n of `ids` (int64, distinct token ids the stream has seen) with `counts`
+    (int64, occurrences in its output; 0 = prompt only). Semantics in pyx/sample.h."""
+    if n < 0 or n > ids.shape[0] or n > counts.shape[0]:
+        raise ValueError(f"n ({n}) must be in 0..{min(ids.shape[0], counts.shape[0])}")
+    if n == 0:
+        return
+    cdef int rc = g53_penalize_row(&row[0], row.shape[0], &ids[0], &counts[0], n, presence,
+                                   frequency, repetition)
+    if rc != G53_SAMPLE_OK:
+        raise ValueError(f"a token id among the first {n} is outside [0, {row.shape[0]})")

@@ -62,3 +62,19 @@ int g53_sample_rows(const float *logits, int64_t rows, int64_t vocab, int64_t ro
     }
     return G53_SAMPLE_OK;
 }
+
+int g53_penalize_row(float *row, int64_t vocab, const int64_t *ids, const int64_t *counts,
+                     int64_t n, double presence, double frequency, double repetition) {
+    if (n < 0) return G53_SAMPLE_E_ARG;
+    if (n == 0) return G53_SAMPLE_OK;
+    if (!row || !ids || !counts) return G53_SAMPLE_E_ARG;
+    for (int64_t k = 0; k < n; k++) {
+        int64_t id = ids[k];
+        if (id < 0 || id >= vocab) return G53_SAMPLE_E_ARG;
+        double x = row[id];
+        if (repetition != 1.0) x = x > 0.0 ? x / repetition : x * repetition;
+        if (counts[k] > 0) x -= (double)counts[k] * frequency + presence;
+        row[id] = (float)x;
+    }
+    return G53_SAMPLE_OK;
+}

@@ -36,6 +36,16 @@ int g53_sample_rows(const float *logits, int64_t rows, int64_t vocab, int64_t ro
                     const double *temperature, const double *min_p, const double *u,
                     int64_t *out);
 
+// Penalties on one row of logits, in place, for the n distinct tokens ids[k] the stream has
+// seen: counts[k] is how often ids[k] occurs in its output, 0 for a token only in its prompt.
+// In order, as vLLM applies them: repetition (HF/vLLM: a logit > 0 is divided by `repetition`,
+// any other multiplied by it; prompt and output tokens; 1 = off), then frequency and presence
+// (OpenAI: logit -= counts[k] * frequency + presence, output tokens only; 0 = off).
+// Returns G53_SAMPLE_OK, or G53_SAMPLE_E_ARG for a NULL pointer, n < 0 or an id outside
+// [0, vocab) (the row is then left as far as it got).
+int g53_penalize_row(float *row, int64_t vocab, const int64_t *ids, const int64_t *counts,
+                     int64_t n, double presence, double frequency, double repetition);
+
 #ifdef __cplusplus
 }
 #endif

@@ -9,27 +9,13 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from serving_kit import Server
 
-import glm53
-
-CPU_ENGINE = Path(glm53.__file__).parent / "engine" / "cpu.py"
-pytestmark = pytest.mark.skipif(
-    not CPU_ENGINE.exists(), reason="the CPU engine (glm53/engine/cpu.py) has not landed yet"
-)
 MODEL = "glm-5.3-flash"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("cpu")
-    server = Server(
-        ["--demo", "--engine", "cpu", "--cache-dir", str(tmp / "cache"), "-cs", "2048"],
-        log_path=tmp / "log",
-    )
-    server.wait_ready(timeout_s=900)
-    yield server
-    assert server.stop() == 0, server.log()
+def server(demo_server):
+    return demo_server
 
 
 @pytest.fixture(scope="module")

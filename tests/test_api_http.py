@@ -200,7 +200,8 @@ def test_generate_and_tokenize(http):
     "body, param",
     [
         ({"input_ids": [1, VOCAB_SIZE]}, "input_ids[1]"),
-        ({"text": "x", "return_logprob": True}, "return_logprob"),
+        ({"text": "x", "return_logprob": True, "logprob_start_len": 5}, "logprob_start_len"),
+        ({"text": "x", "return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num"),
         ({}, "text"),
         ({"text": "x", "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
     ],

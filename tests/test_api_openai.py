@@ -267,7 +267,10 @@ def test_text_completions_stream_and_not(client):
         ({"messages": user("x"), "temperature": 5}, "temperature"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"content": "x"}]}, "messages[0].role"),
-        ({"messages": user("x"), "n": 2}, "n"),
+        ({"messages": user("x"), "n": 3}, "n"),
+        ({"messages": user("x"), "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"messages": user("x"), "top_logprobs": 2}, "top_logprobs"),
+        ({"messages": user("x"), "logit_bias": {"abc": 5}}, "logit_bias.abc"),
         ({"messages": user("x"), "stream_options": {"include_usage": True}}, "stream_options"),
         (
             {
@@ -277,8 +280,7 @@ def test_text_completions_stream_and_not(client):
             },
             "tool_choice",
         ),
-        ({"messages": user("x"), "logprobs": True}, "logprobs"),
-        ({"messages": user("x"), "presence_penalty": 0.5}, "presence_penalty"),
+        ({"messages": user("x"), "presence_penalty": 3}, "presence_penalty"),
         (
             {
                 "messages": [

@@ -48,7 +48,7 @@ class MockJobEngine:
     def load(self):
         pass
 
-    def start(self, key, req, max_new_tokens, want_logits):
+    def start(self, key, req, max_new_tokens, sampler):
         if req.prompt_ids[0] == 999:
             raise EngineError("mock refuses prompts starting with 999")
         self.jobs[key] = {"req": req, "max": max_new_tokens, "n": 0, "prefilled": False}

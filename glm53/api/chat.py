@@ -13,6 +13,7 @@ from msgspec import UNSET
 from glm53.api import generation as gen
 from glm53.api.errors import ApiError, from_decode_error
 from glm53.api.http import Receive, Send, send_bytes
+from glm53.api.logprobs import TokenNames, chat_logprobs
 from glm53.api.schemas import (
     ChatChoice,
     ChatChunk,
@@ -31,7 +32,9 @@ from glm53.api.schemas import (
 from glm53.api.state import ServerState
 from glm53.chat.parse import CompletionParser, Delta
 from glm53.chat.render import TemplateError, render
+from glm53.engine.grammar import GrammarError, GrammarSpec, json_schema_grammar, tool_call_grammar
 from glm53.engine.scheduler import GenerationRequest
+from glm53.engine.tokenizer import missing_template
 
 _decoder = msgspec.json.Decoder(ChatRequest)
 _encoder = msgspec.json.Encoder()
@@ -103,18 +106,24 @@ def _plan(state: ServerState, body: bytes) -> _Plan:
     except msgspec.DecodeError as exc:
         raise from_decode_error(exc) from None
     gen.check_model(state, req.model)
-    gen.reject_unsupported(req)
+    gen.check_choices(state, req)
     if req.stream_options is not None and not req.stream:
         raise ApiError(
             400, "stream_options is only allowed with stream=true", param="stream_options"
         )
-    if req.logprobs:
-        raise ApiError(400, "logprobs are not supported by glm53", param="logprobs")
-    if req.response_format is not None and req.response_format.type != "text":
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ApiError(
+            400, "top_logprobs needs logprobs=true in the same request", param="top_logprobs"
+        )
+    if (
+        req.response_format is not None
+        and req.response_format.type == "json_schema"
+        and not isinstance((req.response_format.json_schema or {}).get("schema"), dict)
+    ):
         raise ApiError(
             400,
-            f"response_format {req.response_format.type} needs constrained decoding, which glm53 does not do",
-            param="response_format.type",
+            "response_format json_schema needs json_schema.schema, a JSON schema object",
+            param="response_format.json_schema.schema",
         )
     messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
     tools = [msgspec.to_builtins(t) for t in req.tools] if req.tools else None
@@ -182,10 +191,59 @@ def _out_calls(calls: list[dict[str, Any]]) -> list[OutToolCall]:
     ]
 
 
+def _needs_grammar(plan: _Plan) -> bool:
+    choice, response_format = plan.tool_choice, plan.req.response_format
+    return (
+        choice == "required"
+        or isinstance(choice, NamedToolChoice)
+        or (response_format is not None and response_format.type != "text")
+    )
+
+
+def _grammar(plan: _Plan, tokenizer, in_reasoning: bool) -> GrammarSpec | None:
+    """The grammar a chat request's output must follow: tool calls for tool_choice "required"
+    or a named function, else JSON for response_format json_object / json_schema; it starts
+    after </think> when the prompt opens the reasoning."""
+    req, choice, tools = plan.req, plan.tool_choice, plan.parse_tools or []
+    try:
+        if choice == "required" or isinstance(choice, NamedToolChoice):
+            indexed = list(enumerate(tools))
+            if isinstance(choice, NamedToolChoice):
+                indexed = [
+                    (i, t) for i, t in indexed if t["function"]["name"] == choice.function.name
+                ]
+            many = choice == "required" and req.parallel_tool_calls is not False
+            grammar = tool_call_grammar(indexed, tokenizer, many=many)
+        elif req.response_format is not None and req.response_format.type == "json_object":
+            grammar = json_schema_grammar({"type": "object"}, tokenizer, "response_format")
+        elif req.response_format is not None and req.response_format.type == "json_schema":
+            schema = req.response_format.json_schema["schema"]
+            grammar = json_schema_grammar(schema, tokenizer, "response_format.json_schema.schema")
+        else:
+            return None
+    except GrammarError as exc:
+        raise ApiError(400, str(exc), param=exc.path, code="invalid_grammar") from None
+    start_after = tokenizer.token_to_id("</think>") if in_reasoning else None
+    return GrammarSpec(grammar, start_after)
+
+
+class _Choice:
+    """One choice's answer in the making: its parser, last event and logprob entries."""
+
+    def __init__(self, parser: CompletionParser):
+        self.parser = parser
+        self.last = None
+        self.logprobs: list = []
+
+
 async def chat_completions(state: ServerState, body: bytes, receive: Receive, send: Send) -> int:
     plan = _plan(state, body)
     scheduler = state.ready_scheduler()
     tokenizer = scheduler.engine.tokenizer
+    if not tokenizer.chat_template:
+        raise ApiError(
+            400, missing_template(state.checkpoint or "the checkpoint"), param="messages"
+        )
     if len(body) > _INLINE_RENDER_CHARS:
         text, prompt_ids = await asyncio.to_thread(
             _prompt, tokenizer.chat_template, plan, tokenizer
@@ -194,62 +252,84 @@ async def chat_completions(state: ServerState, body: bytes, receive: Receive, se
         text, prompt_ids = _prompt(tokenizer.chat_template, plan, tokenizer)
     req = plan.req
     defaults = scheduler.engine.generation_defaults
+    in_reasoning = text.rstrip().endswith("<think>")
+    grammar = None
+    if _needs_grammar(plan):
+        # compiling one takes from a millisecond to a second (llguidance drops the GIL)
+        grammar = await asyncio.to_thread(_grammar, plan, tokenizer, in_reasoning)
     request = GenerationRequest(
         prompt_ids=prompt_ids,
-        sampling=gen.sampling_params(
-            defaults,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            min_p=req.min_p,
-            seed=req.seed,
-        ),
+        sampling=gen.request_sampling(defaults, req, tokenizer.vocab_size),
         max_new_tokens=req.max_completion_tokens or req.max_tokens,
         stop_token_ids=frozenset(tokenizer.eos_token_ids),
         stop_strings=gen.stop_strings(req.stop),
+        logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        grammar=grammar,
     )
-    stream = gen.submit(state, request, "messages")
-    run = gen.Run(state, stream, receive)
-    parser = CompletionParser(plan.parse_tools, in_reasoning=text.rstrip().endswith("<think>"))
+    streams = gen.submit_all(state, gen.choices(request, req.n), "messages")
+    run = gen.Run(state, streams, receive)
+    picks = [
+        _Choice(CompletionParser(plan.parse_tools, in_reasoning=in_reasoning)) for _ in streams
+    ]
+    names = TokenNames(tokenizer, req.return_tokens_as_token_ids) if req.logprobs else None
     try:
         if req.stream:
-            await _stream(state, plan, run, parser, send)
+            await _stream(state, plan, run, picks, names, send)
             return 200
-        return await _answer(state, plan, run, parser, send)
+        return await _answer(state, plan, run, picks, names, send)
     finally:
         run.close()
 
 
-async def _answer(
-    state: ServerState, plan: _Plan, run: gen.Run, parser: CompletionParser, send: Send
-) -> int:
-    last = None
-    async for event in run.events():
-        parser.feed(event.text)
-        last = event
-    if run.is_gone or last is None:
-        return 499
+def _finish(plan: _Plan, pick: _Choice) -> str:
+    """The finish reason of a finished choice; raises when tool_choice is not satisfied."""
+    last = pick.last
     if last.finish_reason == "error":
         raise ApiError(500, f"generation failed: {last.error}", code="engine_error")
-    parser.finish()
-    calls = parser.tool_calls
+    calls = pick.parser.tool_calls
     if (problem := _tool_choice_error(plan.tool_choice, calls)) is not None:
         raise ApiError(500, problem, code="tool_choice_not_satisfied")
-    finish = "length" if last.finish_reason == "length" else ("tool_calls" if calls else "stop")
-    reasoning = parser.reasoning
-    message = OutMessage(
-        content=parser.content if parser.content or not calls else None,
-        reasoning_content=reasoning,
-        reasoning=reasoning if state.settings.reasoning_field else UNSET,
-        tool_calls=_out_calls(calls) if calls else UNSET,
-    )
-    usage = run.usage(last)
+    return "length" if last.finish_reason == "length" else ("tool_calls" if calls else "stop")
+
+
+async def _answer(
+    state: ServerState,
+    plan: _Plan,
+    run: gen.Run,
+    picks: list[_Choice],
+    names: TokenNames | None,
+    send: Send,
+) -> int:
+    async for index, event in run.choice_events():
+        pick = picks[index]
+        pick.parser.feed(event.text)
+        pick.last = event
+        if event.logprobs:
+            pick.logprobs.extend(event.logprobs)
+    if run.is_gone or any(p.last is None for p in picks):
+        return 499
+    choices = []
+    for index, pick in enumerate(picks):
+        parser = pick.parser
+        if pick.last.finish_reason != "error":
+            parser.finish()
+        finish = _finish(plan, pick)
+        calls = parser.tool_calls
+        reasoning = parser.reasoning
+        message = OutMessage(
+            content=parser.content if parser.content or not calls else None,
+            reasoning_content=reasoning,
+            reasoning=reasoning if state.settings.reasoning_field else UNSET,
+            tool_calls=_out_calls(calls) if calls else UNSET,
+        )
+        logprobs = chat_logprobs(pick.logprobs, names) if names is not None else None
+        choices.append(ChatChoice(index, message, finish, logprobs))
     body = ChatCompletion(
         id=gen.new_id("chatcmpl"),
         created=run.created,
         model=state.settings.served_name,
-        choices=[ChatChoice(0, message, finish)],
-        usage=usage,
+        choices=choices,
+        usage=run.usage([p.last for p in picks]),
     )
     await send_bytes(send, 200, _encoder.encode(body))
     return 200
@@ -282,44 +362,63 @@ def _delta(
 
 
 async def _stream(
-    state: ServerState, plan: _Plan, run: gen.Run, parser: CompletionParser, send: Send
+    state: ServerState,
+    plan: _Plan,
+    run: gen.Run,
+    picks: list[_Choice],
+    names: TokenNames | None,
+    send: Send,
 ) -> None:
+    """SSE chunks; a chunk carries the logprobs of the tokens that arrived with it (every
+    generated token, reasoning and markup included: a token with no text yet still gets a
+    chunk, with an empty delta, for its logprobs)."""
     req = plan.req
     want_usage = req.stream_options is not None and req.stream_options.include_usage
     usage_field = None if want_usage else UNSET
     rid, model, created = gen.new_id("chatcmpl"), state.settings.served_name, run.created
     with_reasoning_field = state.settings.reasoning_field
 
-    def chunk(delta: ChatDelta, finish: str | None = None) -> bytes:
-        return _encoder.encode(
-            ChatChunk(rid, created, model, [ChunkChoice(0, delta, finish)], usage=usage_field)
-        )
+    def chunk(index: int, delta: ChatDelta, finish: str | None = None, logprobs=None) -> bytes:
+        choice = ChunkChoice(index, delta, finish, logprobs)
+        return _encoder.encode(ChatChunk(rid, created, model, [choice], usage=usage_field))
 
     sse = run.sse(send)
     await sse.start()
-    await sse.event(chunk(ChatDelta(role="assistant", content="")))
-    last = None
-    async for event in run.events():
-        last = event
-        deltas = parser.feed(event.text)
+    for index in range(len(picks)):
+        await sse.event(chunk(index, ChatDelta(role="assistant", content="")))
+    num_open, failed = len(picks), None
+    async for index, event in run.choice_events():
+        pick = picks[index]
+        pick.last = event
+        if event.finish_reason == "error":
+            failed = event
+            break
+        deltas = pick.parser.feed(event.text)
         if event.finish_reason in ("stop", "length"):
-            deltas += parser.finish()
-        if (delta := _delta(deltas, parser, with_reasoning_field)) is not None:
-            await sse.event(chunk(delta))
-    if run.is_gone or last is None:
+            deltas += pick.parser.finish()
+        delta = _delta(deltas, pick.parser, with_reasoning_field)
+        logprobs = (
+            chat_logprobs(event.logprobs, names) if names is not None and event.logprobs else None
+        )
+        if delta is not None or logprobs is not None:
+            await sse.event(chunk(index, delta or ChatDelta(), None, logprobs))
+        if event.finish_reason is not None:
+            num_open -= 1
+            try:
+                finish = _finish(plan, pick)
+            except ApiError as error:
+                await sse.close(b"data: " + error.body() + b"\n\ndata: [DONE]\n\n")
+                return
+            await sse.event(chunk(index, ChatDelta(), finish))
+    if run.is_gone:
         return
-    if last.finish_reason == "error":
-        error = ApiError(500, f"generation failed: {last.error}", code="engine_error")
+    if failed is not None:
+        error = ApiError(500, f"generation failed: {failed.error}", code="engine_error")
         await sse.close(b"data: " + error.body() + b"\n\ndata: [DONE]\n\n")
         return
-    calls = parser.tool_calls
-    if (problem := _tool_choice_error(plan.tool_choice, calls)) is not None:
-        error = ApiError(500, problem, code="tool_choice_not_satisfied")
-        await sse.close(b"data: " + error.body() + b"\n\ndata: [DONE]\n\n")
+    if num_open:
         return
-    finish = "length" if last.finish_reason == "length" else ("tool_calls" if calls else "stop")
-    await sse.event(chunk(ChatDelta(), finish))
     if want_usage:
-        usage = run.usage(last)
+        usage = run.usage([p.last for p in picks])
         await sse.event(_encoder.encode(ChatChunk(rid, created, model, [], usage=usage)))
     await sse.close()

@@ -1,4 +1,7 @@
-"""POST /v1/completions: a raw prompt (text or token ids, no chat template), plain text out."""
+"""POST /v1/completions: a raw prompt (text or token ids, no chat template), plain text out.
+
+`echo` with `logprobs` scores the prompt too (its first token has no logprob: null), and
+`max_tokens: 0` with `echo` scores a prompt without generating, as evaluation harnesses do."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ from msgspec import UNSET
 from glm53.api import generation as gen
 from glm53.api.errors import ApiError, from_decode_error
 from glm53.api.http import Receive, Send, send_bytes
+from glm53.api.logprobs import CompletionLogprobBuilder, TokenNames
 from glm53.api.schemas import Completion, CompletionChoice, CompletionRequest
 from glm53.api.state import ServerState
 from glm53.engine.scheduler import GenerationRequest
@@ -16,19 +20,23 @@ _decoder = msgspec.json.Decoder(CompletionRequest)
 _encoder = msgspec.json.Encoder()
 
 
-def _validate(req: CompletionRequest) -> None:
-    gen.reject_unsupported(req)
+def _validate(state: ServerState, req: CompletionRequest) -> None:
+    gen.check_choices(state, req)
     if req.stream_options is not None and not req.stream:
         raise ApiError(
             400, "stream_options is only allowed with stream=true", param="stream_options"
         )
     if req.suffix:
         raise ApiError(400, "suffix (fill-in-the-middle) is not supported by glm53", param="suffix")
-    if req.logprobs is not None:
-        raise ApiError(400, "logprobs are not supported by glm53", param="logprobs")
     if req.best_of not in (None, 1):
         raise ApiError(
-            400, "best_of must be 1: glm53 returns one choice per request", param="best_of"
+            400, "best_of must be 1: glm53 does not rank candidates; use n", param="best_of"
+        )
+    if req.max_tokens == 0 and not req.echo:
+        raise ApiError(
+            400,
+            "max_tokens 0 generates nothing: add echo=true (with logprobs) to score the prompt",
+            param="max_tokens",
         )
 
 
@@ -50,53 +58,77 @@ async def _prompt_ids(tokenizer, prompt: str | list) -> tuple[str, list[int]]:
     )
 
 
+class _Choice:
+    """One choice: its text so far and, with logprobs, its logprobs builder."""
+
+    def __init__(self, echo: str, builder: CompletionLogprobBuilder | None):
+        self.parts = [echo]
+        self.builder = builder
+        self.logprobs = None
+        self.last = None
+
+
 async def completions(state: ServerState, body: bytes, receive: Receive, send: Send) -> int:
     try:
         req = _decoder.decode(body)
     except msgspec.DecodeError as exc:
         raise from_decode_error(exc) from None
     gen.check_model(state, req.model)
-    _validate(req)
+    _validate(state, req)
     scheduler = state.ready_scheduler()
     tokenizer = scheduler.engine.tokenizer
     prompt_text, prompt_ids = await _prompt_ids(tokenizer, req.prompt)
     if not prompt_ids:
         raise ApiError(400, "the prompt is empty", param="prompt")
+    scores_prompt = bool(req.echo) and (req.logprobs is not None or req.max_tokens == 0)
     request = GenerationRequest(
         prompt_ids=prompt_ids,
-        sampling=gen.sampling_params(
-            scheduler.engine.generation_defaults,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            min_p=req.min_p,
-            seed=req.seed,
+        sampling=gen.request_sampling(
+            scheduler.engine.generation_defaults, req, tokenizer.vocab_size
         ),
         max_new_tokens=req.max_tokens,
         stop_token_ids=frozenset(tokenizer.eos_token_ids),
         stop_strings=gen.stop_strings(req.stop),
+        logprobs=req.logprobs,
+        prompt_logprobs=(req.logprobs or 0) if scores_prompt else None,
     )
-    run = gen.Run(state, gen.submit(state, request, "prompt"), receive)
+    streams = gen.submit_all(state, gen.choices(request, req.n), "prompt")
+    run = gen.Run(state, streams, receive)
+    names = TokenNames(tokenizer, req.return_tokens_as_token_ids)
     echo = prompt_text if req.echo else ""
+    picks = [
+        _Choice(echo, CompletionLogprobBuilder(names) if req.logprobs is not None else None)
+        for _ in streams
+    ]
     try:
         if req.stream:
-            await _stream(state, req, run, echo, send)
+            await _stream(state, req, run, picks, prompt_ids, send)
             return 200
-        parts = [echo]
-        last = None
-        async for event in run.events():
-            parts.append(event.text)
-            last = event
-        if run.is_gone or last is None:
+        async for index, event in run.choice_events():
+            pick = picks[index]
+            pick.parts.append(event.text)
+            pick.last = event
+            if pick.builder is not None:
+                logprobs = _logprobs(pick, req, event, prompt_ids)
+                if pick.logprobs is None:
+                    pick.logprobs = logprobs
+                else:
+                    for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                        getattr(pick.logprobs, name).extend(getattr(logprobs, name))
+        if run.is_gone or any(p.last is None for p in picks):
             return 499
-        if last.finish_reason == "error":
-            raise ApiError(500, f"generation failed: {last.error}", code="engine_error")
+        for pick in picks:
+            if pick.last.finish_reason == "error":
+                raise ApiError(500, f"generation failed: {pick.last.error}", code="engine_error")
         answer = Completion(
             id=gen.new_id("cmpl"),
             created=run.created,
             model=state.settings.served_name,
-            choices=[CompletionChoice(0, "".join(parts), last.finish_reason)],
-            usage=run.usage(last),
+            choices=[
+                CompletionChoice(i, "".join(p.parts), p.last.finish_reason, p.logprobs)
+                for i, p in enumerate(picks)
+            ],
+            usage=run.usage([p.last for p in picks]),
         )
         await send_bytes(send, 200, _encoder.encode(answer))
         return 200
@@ -104,35 +136,56 @@ async def completions(state: ServerState, body: bytes, receive: Receive, send: S
         run.close()
 
 
+def _logprobs(pick: _Choice, req: CompletionRequest, event, prompt_ids: list[int]):
+    """The logprobs of what `event` adds to the choice's text: the echoed prompt's (from the
+    event that carries them) and the generated tokens'."""
+    token_ids, entries = list(event.token_ids), list(event.logprobs or ())
+    if event.prompt_logprobs is not None and req.echo:
+        token_ids = prompt_ids + token_ids
+        entries = list(event.prompt_logprobs) + entries
+    return pick.builder.build(token_ids, entries)
+
+
 async def _stream(
-    state: ServerState, req: CompletionRequest, run: gen.Run, echo: str, send: Send
+    state: ServerState,
+    req: CompletionRequest,
+    run: gen.Run,
+    picks: list[_Choice],
+    prompt_ids: list[int],
+    send: Send,
 ) -> None:
     want_usage = req.stream_options is not None and req.stream_options.include_usage
     usage_field = None if want_usage else UNSET
     rid, model = gen.new_id("cmpl"), state.settings.served_name
 
-    def chunk(text: str, finish: str | None) -> bytes:
-        choice = CompletionChoice(0, text, finish)
+    def chunk(index: int, text: str, finish: str | None, logprobs=None) -> bytes:
+        choice = CompletionChoice(index, text, finish, logprobs)
         return _encoder.encode(Completion(rid, run.created, model, [choice], usage=usage_field))
 
     sse = run.sse(send)
     await sse.start()
-    if echo:
-        await sse.event(chunk(echo, None))
-    last = None
-    async for event in run.events():
-        last = event
+    # the echo goes with the first event: that is where the prompt's logprobs arrive
+    echoing = [bool(req.echo)] * len(picks)
+    failed = None
+    async for index, event in run.choice_events():
+        pick = picks[index]
+        pick.last = event
         if event.finish_reason == "error":
+            failed = event
             break
-        if event.text or event.finish_reason:
-            await sse.event(chunk(event.text, event.finish_reason))
-    if run.is_gone or last is None:
+        text = event.text
+        if echoing[index]:
+            text, echoing[index] = pick.parts[0] + text, False
+        logprobs = _logprobs(pick, req, event, prompt_ids) if pick.builder is not None else None
+        if text or event.finish_reason or logprobs is not None:
+            await sse.event(chunk(index, text, event.finish_reason, logprobs))
+    if run.is_gone or any(p.last is None for p in picks):
         return
-    if last.finish_reason == "error":
-        error = ApiError(500, f"generation failed: {last.error}", code="engine_error")
+    if failed is not None:
+        error = ApiError(500, f"generation failed: {failed.error}", code="engine_error")
         await sse.close(b"data: " + error.body() + b"\n\ndata: [DONE]\n\n")
         return
     if want_usage:
-        usage = run.usage(last)
+        usage = run.usage([p.last for p in picks])
         await sse.event(_encoder.encode(Completion(rid, run.created, model, [], usage=usage)))
     await sse.close()

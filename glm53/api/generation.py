@@ -4,6 +4,7 @@ event loop, admission (429 / context errors), and one run of a job watched for d
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -32,20 +33,31 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def reject_unsupported(req: SamplingFields) -> None:
-    if req.n != 1:
-        raise ApiError(400, f"n={req.n}: glm53 returns one choice per request; send n=1", param="n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) not in (None, 0, 0.0):
-            raise ApiError(
-                400, f"{name} is not supported by glm53's sampler; leave it out or 0", param=name
-            )
-    if req.repetition_penalty not in (None, 1, 1.0):
+def check_choices(state: ServerState, req: SamplingFields) -> None:
+    """n parallel choices run as n streams at once, so n may not exceed --max-batch."""
+    if req.n > state.settings.max_batch:
         raise ApiError(
             400,
-            "repetition_penalty is not supported by glm53's sampler; leave it out or 1",
-            param="repetition_penalty",
+            f"n={req.n} is more than --max-batch {state.settings.max_batch}: the choices run "
+            f"as parallel streams; send n <= {state.settings.max_batch} or raise --max-batch",
+            param="n",
         )
+
+
+def logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias ({"token id": bias}) as (id, bias) pairs, each id checked."""
+    if not bias:
+        return ()
+    out = []
+    for key, value in bias.items():
+        if not key.isdigit() or int(key) >= vocab_size:
+            raise ApiError(
+                400,
+                f"logit_bias key {key!r} is not a token id in [0, {vocab_size})",
+                param=f"logit_bias.{key}",
+            )
+        out.append((int(key), float(value)))
+    return tuple(out)
 
 
 def sampling_params(
@@ -56,6 +68,10 @@ def sampling_params(
     top_k: int | None,
     min_p: float | None,
     seed: int | None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    repetition_penalty: float | None = None,
+    bias: tuple[tuple[int, float], ...] = (),
 ) -> SamplingParams:
     """Request values, else the checkpoint's generation_config, else OpenAI's defaults."""
 
@@ -68,7 +84,43 @@ def sampling_params(
         top_k=int(pick(top_k, "top_k", 0)),
         min_p=float(pick(min_p, "min_p", 0.0)),
         seed=seed,
+        presence_penalty=float(pick(presence_penalty, "presence_penalty", 0.0)),
+        frequency_penalty=float(pick(frequency_penalty, "frequency_penalty", 0.0)),
+        repetition_penalty=float(pick(repetition_penalty, "repetition_penalty", 1.0)),
+        logit_bias=bias,
     )
+
+
+def request_sampling(
+    defaults: dict[str, float], req: SamplingFields, vocab_size: int
+) -> SamplingParams:
+    """The SamplingParams of an OpenAI-shaped request (chat or completions)."""
+    return sampling_params(
+        defaults,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        min_p=req.min_p,
+        seed=req.seed,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty,
+        bias=logit_bias(req.logit_bias, vocab_size),
+    )
+
+
+def choices(request: GenerationRequest, n: int) -> list[GenerationRequest]:
+    """n copies of a request, one per choice; choice i of a seeded request has seed + i, so
+    a seed gives the same n choices every time."""
+    if n == 1:
+        return [request]
+    out = []
+    for i in range(n):
+        sampling = request.sampling
+        if sampling.seed is not None:
+            sampling = dataclasses.replace(sampling, seed=sampling.seed + i)
+        out.append(dataclasses.replace(request, sampling=sampling))
+    return out
 
 
 def stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
@@ -108,15 +160,40 @@ def submit(state: ServerState, request: GenerationRequest, prompt_param: str) ->
         raise ApiError(400, str(exc), param=prompt_param, code="context_length_exceeded") from None
 
 
-class Run:
-    """One job being answered: its events, cancellation when the client leaves, and metrics."""
+def submit_all(
+    state: ServerState, requests: Sequence[GenerationRequest], prompt_param: str
+) -> list[JobStream]:
+    """Submit every choice's request as one group (all or none; they reach the engine
+    together, in order, see Scheduler.submit_many)."""
+    scheduler = state.ready_scheduler()
+    try:
+        return scheduler.submit_many(list(requests))
+    except QueueFull as exc:
+        raise ApiError(
+            429,
+            f"server busy: {exc}; retry after {exc.retry_after_s} s",
+            code="queue_full",
+            headers=((b"retry-after", str(exc.retry_after_s).encode()),),
+        ) from None
+    except PromptTooLong as exc:
+        raise ApiError(400, str(exc), param=prompt_param, code="context_length_exceeded") from None
 
-    def __init__(self, state: ServerState, stream: JobStream, receive: Receive):
+
+class Run:
+    """One request being answered: its choices' events, cancellation when the client leaves,
+    and metrics. `streams[i]` is choice i."""
+
+    def __init__(self, state: ServerState, streams: JobStream | list[JobStream], receive: Receive):
         self.state = state
-        self.stream = stream
-        self.watcher = DisconnectWatcher(receive, stream.cancel)
+        self.streams = streams if isinstance(streams, list) else [streams]
+        self.stream = self.streams[0]
+        self.watcher = DisconnectWatcher(receive, self._cancel)
         self.created = int(time.time())
         self._sse: SseWriter | None = None
+
+    def _cancel(self) -> None:
+        for stream in self.streams:
+            stream.cancel()
 
     def sse(self, send: Send) -> SseWriter:
         """The SSE writer of this run's answer; `close` stops its keep-alive comments."""
@@ -131,40 +208,80 @@ class Run:
         async for event in self.stream:
             yield event
 
-    def usage(self, last: TokenEvent) -> Usage:
-        """The answer's `usage`, with the tier counts in `usage.glm53`."""
-        n_prompt, n_gen = last.num_prompt_tokens, last.num_generated_tokens
+    async def choice_events(self) -> AsyncIterator[tuple[int, TokenEvent]]:
+        """(choice index, event) as they come, over every choice."""
+        if len(self.streams) == 1:
+            async for event in self.stream:
+                yield 0, event
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, stream: JobStream) -> None:
+            try:
+                async for event in stream:
+                    queue.put_nowait((index, event))
+            finally:
+                queue.put_nowait((index, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(self.streams)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                index, event = await queue.get()
+                if event is None:
+                    remaining -= 1
+                else:
+                    yield index, event
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    def usage(self, lasts: Sequence[TokenEvent]) -> Usage:
+        """The answer's `usage` over its choices (their last events): the prompt once, every
+        choice's generated tokens, the prompt's cached tokens, and the tier counts summed in
+        `usage.glm53` (the longest prefill and decode seconds)."""
+        n_prompt = lasts[0].num_prompt_tokens
+        n_gen = sum(last.num_generated_tokens for last in lasts)
         return Usage(
             n_prompt,
             n_gen,
             n_prompt + n_gen,
-            PromptTokensDetails(last.num_cached_tokens),
+            PromptTokensDetails(lasts[0].num_cached_tokens),
             glm53=self.tier_usage(),
         )
 
     def tier_usage(self) -> TierUsage:
-        counts = self.stream.usage()
-        return TierUsage(**msgspec.structs.asdict(counts), tiers_counted=self.stream.is_counted)
+        total: dict = {}
+        for stream in self.streams:
+            for name, value in msgspec.structs.asdict(stream.usage()).items():
+                if name.endswith("_seconds"):
+                    total[name] = max(total.get(name, 0.0), value)
+                elif name == "prefix_cached_tokens":
+                    total[name] = max(total.get(name, 0), value)
+                else:
+                    total[name] = total.get(name, 0) + value
+        counted = all(stream.is_counted for stream in self.streams)
+        return TierUsage(**total, tiers_counted=counted)
 
     def close(self) -> None:
         self.watcher.close()
-        self.stream.cancel()
+        self._cancel()
         if self._sse is not None:
             self._sse.stop()
-        stream, metrics = self.stream, self.state.metrics
-        metrics.count_tokens(
-            stream.request.request_id,
-            stream.num_prompt_tokens,
-            stream.num_generated_tokens,
-            stream.num_cached_tokens,
-        )
-        if stream.first_token_ns:
-            metrics.time_to_first_token_s.observe(
-                (stream.first_token_ns - stream.submitted_ns) / 1e9
+        metrics = self.state.metrics
+        for stream in self.streams:
+            metrics.count_tokens(
+                stream.request.request_id,
+                stream.num_prompt_tokens,
+                stream.num_generated_tokens,
+                stream.num_cached_tokens,
             )
-        metrics.request_seconds.observe((time.monotonic_ns() - stream.submitted_ns) / 1e9)
-        if stream.first_token_ns:
-            metrics.count_tiers(self.state.settings.mode, stream.usage())
+            if stream.first_token_ns:
+                metrics.time_to_first_token_s.observe(
+                    (stream.first_token_ns - stream.submitted_ns) / 1e9
+                )
+                metrics.count_tiers(self.state.settings.mode, stream.usage())
+        metrics.request_seconds.observe((time.monotonic_ns() - self.stream.submitted_ns) / 1e9)
 
 
 def check_model(state: ServerState, model: str) -> None:

@@ -1,5 +1,10 @@
 """SGLang-shaped endpoints: POST /generate (text or token ids in, text and ids out; streamed
-events carry the cumulative text) and POST /tokenize."""
+events carry the cumulative text and logprobs) and POST /tokenize.
+
+`return_logprob` gives meta_info `output_token_logprobs` ([logprob, id, text] per token, text
+only with `return_text_in_logprobs`) and, from prompt position `logprob_start_len` on (-1, the
+default: none), `input_token_logprobs` (position 0's logprob is null); `top_logprobs_num` > 0
+adds `output_top_logprobs` / `input_top_logprobs`, as SGLang does."""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import msgspec
 from glm53.api import generation as gen
 from glm53.api.errors import ApiError, from_decode_error
 from glm53.api.http import Receive, Send, send_bytes
+from glm53.api.logprobs import TokenNames, sglang_lists
 from glm53.api.schemas import (
     FinishInfo,
     GenerateMeta,
@@ -52,12 +58,6 @@ def _finish(event: TokenEvent | None) -> FinishInfo | None:
 
 async def generate(state: ServerState, body: bytes, receive: Receive, send: Send) -> int:
     req = _decode(_generate_decoder, body)
-    if req.return_logprob:
-        raise ApiError(
-            400,
-            "return_logprob (teacher-forced scoring) is not supported by glm53",
-            param="return_logprob",
-        )
     if (req.text is None) == (req.input_ids is None):
         raise ApiError(400, "send exactly one of text and input_ids", param="text")
     scheduler = state.ready_scheduler()
@@ -72,6 +72,14 @@ async def generate(state: ServerState, body: bytes, receive: Receive, send: Send
             400, "the prompt is empty", param="text" if req.text is not None else "input_ids"
         )
     sp = req.sampling_params or GenerateSampling()
+    if req.return_logprob and req.logprob_start_len >= len(prompt_ids):
+        raise ApiError(
+            400,
+            f"logprob_start_len {req.logprob_start_len} is past the prompt's "
+            f"{len(prompt_ids)} tokens",
+            param="logprob_start_len",
+        )
+    scores_prompt = req.return_logprob and req.logprob_start_len >= 0
     stop_ids = set() if sp.ignore_eos else set(tokenizer.eos_token_ids)
     request = GenerationRequest(
         prompt_ids=prompt_ids,
@@ -82,11 +90,17 @@ async def generate(state: ServerState, body: bytes, receive: Receive, send: Send
             top_k=sp.top_k,
             min_p=sp.min_p,
             seed=sp.seed,
+            presence_penalty=sp.presence_penalty,
+            frequency_penalty=sp.frequency_penalty,
+            repetition_penalty=sp.repetition_penalty,
         ),
         max_new_tokens=sp.max_new_tokens,
         stop_token_ids=frozenset(stop_ids | set(sp.stop_token_ids or ())),
         stop_strings=gen.stop_strings(sp.stop),
         request_id=req.rid or "",
+        logprobs=req.top_logprobs_num if req.return_logprob else None,
+        prompt_logprobs=req.top_logprobs_num if scores_prompt else None,
+        prompt_logprobs_from=max(req.logprob_start_len, 0),
     )
     rid = req.rid or gen.new_id("gen")
     run = gen.Run(
@@ -97,6 +111,16 @@ async def generate(state: ServerState, body: bytes, receive: Receive, send: Send
     start = time.monotonic()
     texts: list[str] = []
     ids: list[int] = []
+    output_entries: list = []
+    input_entries: list = []
+    names = TokenNames(tokenizer) if req.return_text_in_logprobs else None
+    with_top = req.top_logprobs_num > 0
+
+    def collect(event: TokenEvent) -> None:
+        texts.append(event.text)
+        ids.extend(event.token_ids)
+        output_entries.extend(event.logprobs or ())
+        input_entries.extend(event.prompt_logprobs or ())
 
     def response(last: TokenEvent | None) -> GenerateResponse:
         n_gen = last.num_generated_tokens if last else 0
@@ -108,14 +132,26 @@ async def generate(state: ServerState, body: bytes, receive: Receive, send: Send
             round(time.monotonic() - start, 6),
             last.num_cached_tokens if last else 0,
         )
+        if req.return_logprob:
+            tokens, tops = sglang_lists(ids, output_entries, names, with_top)
+            meta.output_token_logprobs = tokens
+            if with_top:
+                meta.output_top_logprobs = tops
+            if scores_prompt:
+                scored_ids = prompt_ids[request.prompt_logprobs_from :]
+                tokens, tops = sglang_lists(
+                    scored_ids[: len(input_entries)], input_entries, names, with_top
+                )
+                meta.input_token_logprobs = tokens
+                if with_top:
+                    meta.input_top_logprobs = tops
         return GenerateResponse("".join(texts), list(ids), meta)
 
     try:
         last = None
         if not req.stream:
             async for event in run.events():
-                texts.append(event.text)
-                ids.extend(event.token_ids)
+                collect(event)
                 last = event
             if run.is_gone or last is None:
                 return 499
@@ -126,8 +162,7 @@ async def generate(state: ServerState, body: bytes, receive: Receive, send: Send
         sse = run.sse(send)
         await sse.start()
         async for event in run.events():
-            texts.append(event.text)
-            ids.extend(event.token_ids)
+            collect(event)
             last = event
             if event.finish_reason == "error":
                 break

@@ -20,6 +20,7 @@ TopP = Annotated[float, Meta(gt=0, le=1)]
 TopK = Annotated[int, Meta(ge=-1)]
 MinP = Annotated[float, Meta(ge=0, le=1)]
 Penalty = Annotated[float, Meta(ge=-2, le=2)]
+NumLogprobs = Annotated[int, Meta(ge=0, le=20)]
 
 
 # --- chat requests ------------------------------------------------------------------------------
@@ -96,10 +97,12 @@ class SamplingFields(Struct, kw_only=True):
     min_p: MinP | None = None
     seed: Seed | None = None
     stop: Stop | None = None
-    n: int = 1
+    n: PosInt = 1
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Meta(gt=0)] | None = None
+    logit_bias: dict[str, Annotated[float, Meta(ge=-100, le=100)]] | None = None
+    return_tokens_as_token_ids: bool = False
     user: str | None = None
 
 
@@ -117,7 +120,7 @@ class ChatRequest(SamplingFields, kw_only=True):
     reasoning_effort: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     logprobs: bool | None = None
-    top_logprobs: Annotated[int, Meta(ge=0)] | None = None
+    top_logprobs: NumLogprobs | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -125,10 +128,10 @@ class CompletionRequest(SamplingFields, kw_only=True):
     prompt: str | list[Any]
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: PosInt | None = None
+    max_tokens: Annotated[int, Meta(ge=0)] | None = None
     echo: bool | None = None
     suffix: str | None = None
-    logprobs: Annotated[int, Meta(ge=0)] | None = None
+    logprobs: NumLogprobs | None = None
     best_of: PosInt | None = None
 
 
@@ -181,11 +184,29 @@ class OutMessage(Struct):
     tool_calls: list[OutToolCall] | UnsetType = UNSET
 
 
+class TopLogprob(Struct):
+    token: str
+    bytes: list[int]
+    logprob: float
+
+
+class ChatTokenLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Struct):
+    content: list[ChatTokenLogprob]
+    refusal: None = None
+
+
 class ChatChoice(Struct):
     index: int
     message: OutMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(Struct):
@@ -216,7 +237,7 @@ class ChunkChoice(Struct):
     index: int
     delta: ChatDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatChunk(Struct):
@@ -228,11 +249,18 @@ class ChatChunk(Struct):
     usage: Usage | None | UnsetType = UNSET
 
 
+class CompletionLogprobs(Struct):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(Struct):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(Struct):
@@ -285,6 +313,9 @@ class GenerateSampling(Struct, kw_only=True):
     stop_token_ids: list[Annotated[int, Meta(ge=0)]] | None = None
     seed: Seed | None = None
     ignore_eos: bool = False
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0)] | None = None
 
 
 class GenerateRequest(Struct, kw_only=True):
@@ -293,6 +324,9 @@ class GenerateRequest(Struct, kw_only=True):
     sampling_params: GenerateSampling | None = None
     stream: bool = False
     return_logprob: bool = False
+    logprob_start_len: Annotated[int, Meta(ge=-1)] = -1
+    top_logprobs_num: NumLogprobs = 0
+    return_text_in_logprobs: bool = False
     rid: str | None = None
 
 
@@ -309,6 +343,10 @@ class GenerateMeta(Struct):
     finish_reason: FinishInfo | None
     e2e_latency: float
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache
+    input_token_logprobs: list[list] | UnsetType = UNSET
+    output_token_logprobs: list[list] | UnsetType = UNSET
+    input_top_logprobs: list[list[list] | None] | UnsetType = UNSET
+    output_top_logprobs: list[list[list] | None] | UnsetType = UNSET
 
 
 class GenerateResponse(Struct):

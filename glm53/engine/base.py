@@ -13,8 +13,9 @@ async and nothing here touches the event loop.
 A step runs up to `num_slots` streams. Each stream owns one slot (its KV and recurrent KDA state)
 from its first prefill chunk until `release`. A `StreamWork` with `start_pos == 0` starts a new
 stream in that slot: the engine resets the slot's state first. Prefill arrives in chunks; the last
-chunk of a prompt and every decode step ask for logits (`want_logits`).
-
+chunk of a prompt and every decode step ask for logits (`want_logits`: the row of the item's last
+position). A chunk whose prompt is scored (prompt logprobs) asks for `all_logits`: one row per
+position of the item, the last of which is the `want_logits` row when both are set.
 An engine may also implement `PrefixSnapshots` (the CPU engine does): the scheduler then copies
 a slot's state out after prefill chunks that end at a chunk boundary and restores it into a new
 stream's slot whose prompt starts with the same tokens; that stream's first `StreamWork` has
@@ -54,6 +55,7 @@ class StreamWork(msgspec.Struct):
     token_ids: list[int]
     start_pos: int
     want_logits: bool
+    all_logits: bool = False
 
 
 class StreamUsage(msgspec.Struct):
@@ -83,7 +85,8 @@ class StreamUsage(msgspec.Struct):
 
 @runtime_checkable
 class Tokenizer(Protocol):
-    """Text <-> token ids for one checkpoint; special tokens written in text are encoded as their ids."""
+    """Text <-> token ids for one checkpoint; special tokens written in text are encoded as their
+    ids. `chat_template` is "" for a checkpoint without one."""
 
     vocab_size: int
     eos_token_ids: tuple[int, ...]
@@ -94,6 +97,8 @@ class Tokenizer(Protocol):
     def decode(self, token_ids: Sequence[int]) -> str: ...
 
     def token_to_id(self, token: str) -> int | None: ...
+
+    def token_bytes(self, token_id: int) -> bytes: ...
 
     def new_decoder(self) -> IncrementalDecoder: ...
 
@@ -109,11 +114,13 @@ class JobOutput(msgspec.Struct):
     included, last), the logits they were sampled from [len(token_ids), vocab] when the job asked
     for them, and `finish` ("stop": a stop token; "length": max_new_tokens; "error") when the
     job ended. `cached_tokens` is set once, when the job started: prompt tokens reused from the
-    prefix cache."""
+    prefix cache. `logprobs`, when the request asked for them, is aligned with token_ids
+    (glm53.engine.logprobs.TokenLogprob entries)."""
 
     key: Any
     token_ids: list[int]
     logits: Any = None
+    logprobs: list[Any] | None = None
     finish: str | None = None
     error: str | None = None
     cached_tokens: int | None = None
@@ -141,9 +148,10 @@ class Engine(Protocol):
     def load(self) -> None: ...
 
     def step(self, work: Sequence[StreamWork]) -> torch.Tensor | np.ndarray:
-        """Run one step; return logits [number of items with want_logits, vocab_size], in the
-        order of `work`, as a torch tensor (any device) or a float32 numpy array. Raise
-        EngineError naming the slots that failed."""
+        """Run one step; return logits [rows, vocab_size], in the order of `work`: an item
+        with `all_logits` has len(token_ids) rows (position by position), else one row if it
+        has `want_logits`, else none. A torch tensor (any device) or a float32 numpy array.
+        Raise EngineError naming the slots that failed."""
         ...
 
     def release(self, slot: int) -> None: ...
@@ -182,8 +190,10 @@ class JobEngine(Protocol):
     """A backend that runs whole requests (`drives_jobs` is True). Threading as for Engine: the
     scheduler's engine thread makes every call but `stats`.
 
-    `start(key, request, max_new_tokens, want_logits)` enqueues a GenerationRequest under a
-    hashable key (the engine admits it when it has room, up to `num_slots` at once); `cancel(key)`
+    `start(key, request, max_new_tokens, sampler)` enqueues a GenerationRequest under a hashable
+    key (the engine admits it when it has room, up to `num_slots` at once); `sampler` is the
+    scheduler's glm53.engine.sampling.StreamSampler for it (its penalties, logit bias, grammar
+    and logprobs; an engine that samples otherwise must give the same result); `cancel(key)`
     drops it wherever it is; `iterate()` runs one step of everything admitted and returns a
     JobOutput per job that produced something. A job that finished or failed is forgotten by the
     engine; an exception out of `iterate` fails every job."""
@@ -199,7 +209,7 @@ class JobEngine(Protocol):
 
     def load(self) -> None: ...
 
-    def start(self, key: Any, request: Any, max_new_tokens: int, want_logits: bool) -> None: ...
+    def start(self, key: Any, request: Any, max_new_tokens: int, sampler: Any) -> None: ...
 
     def cancel(self, key: Any) -> None: ...
 

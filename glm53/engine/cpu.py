@@ -121,12 +121,17 @@ class CpuEngine:
         return DynamicCache(config=self.model.config)
 
     @torch.inference_mode()
-    def forward(self, token_ids: Sequence[int], cache) -> torch.Tensor:
-        """Run tokens through the model with `cache`; float32 logits of the last position."""
+    def forward(
+        self, token_ids: Sequence[int], cache, *, all_positions: bool = False
+    ) -> torch.Tensor:
+        """Run tokens through the model with `cache`; float32 logits of the last position
+        [vocab], or of every position [len(token_ids), vocab] with `all_positions`."""
         ids = torch.tensor([list(token_ids)], dtype=torch.long)
         hidden = self.model(
             input_ids=ids, cache=cache, use_cache=True, chunk_size=self.kda_chunk
         ).last_hidden_state
+        if all_positions:
+            return hidden[0].float() @ self.lm_head.T
         return hidden[0, -1].float() @ self.lm_head.T
 
     @torch.inference_mode()
@@ -163,13 +168,15 @@ class CpuEngine:
                 )
             self.tally_target.tally = self.usage[w.slot] if self.count_streams else None
             try:
-                row = self.forward(w.token_ids, cache)
+                rows = self.forward(w.token_ids, cache, all_positions=w.all_logits)
             except Exception as exc:
                 raise EngineError(f"slot {w.slot}: forward failed: {exc}", [w.slot]) from exc
             finally:
                 self.tally_target.tally = None
-            if w.want_logits:
-                logits.append(row)
+            if w.all_logits:
+                logits.extend(rows)
+            elif w.want_logits:
+                logits.append(rows)
             key = "decode_tokens" if w.start_pos > 0 and len(w.token_ids) == 1 else "prefill_tokens"
             self._stats[key] += len(w.token_ids)
         self._stats["steps"] += 1

@@ -65,39 +65,22 @@ def standard_region(num_prompt_tokens: int, chunk: int) -> int:
 
 
 def exllamav3_sampler(params):
-    """exllamav3's sampler for glm53's SamplingParams (greedy: ArgmaxSampler, the reference's).
-
-    The steps run in the order of glm53's CPU sampler: penalties first (exllamav3 requires them
-    first in the chain), then logit bias, temperature, top_k, min_p, top_p, and one draw.
-    """
+    """exllamav3's own sampler for a request that needs no host-side processing (no penalties,
+    logit bias, grammar or logprobs): greedy is ArgmaxSampler, the reference's; otherwise
+    temperature, top_k, min_p and top_p in the order of glm53's CPU sampler, and one draw."""
     from exllamav3.generator.sampler import (
         ArgmaxSampler,
         CustomSampler,
-        SS_Argmax,
-        SS_LogitBias,
         SS_MinP,
-        SS_PresFreqP,
-        SS_RepP,
         SS_Sample,
         SS_Temperature,
         SS_TopK,
         SS_TopP,
     )
 
-    steps = []
-    rep = getattr(params, "repetition_penalty", 1.0)
-    pres = getattr(params, "presence_penalty", 0.0)
-    freq = getattr(params, "frequency_penalty", 0.0)
-    bias = getattr(params, "logit_bias", None)
-    if rep != 1.0:
-        steps.append(SS_RepP(rep))
-    if pres or freq:
-        steps.append(SS_PresFreqP(pres, freq))
-    if bias:
-        steps.append(SS_LogitBias({int(k): float(v) for k, v in dict(bias).items()}))
     if params.is_greedy:
-        return CustomSampler([*steps, SS_Argmax()]) if steps else ArgmaxSampler()
-    steps.append(SS_Temperature(float(params.temperature)))
+        return ArgmaxSampler()
+    steps = [SS_Temperature(float(params.temperature))]
     if params.top_k > 0:
         steps.append(SS_TopK(int(params.top_k)))
     if params.min_p > 0:
@@ -106,6 +89,37 @@ def exllamav3_sampler(params):
         steps.append(SS_TopP(float(params.top_p)))
     steps.append(SS_Sample())
     return CustomSampler(steps)
+
+
+_HOST_SAMPLER = None
+
+
+def host_sampler(stream_sampler, vocab: int):
+    """An exllamav3 Sampler that draws on the host with glm53's own StreamSampler: penalties,
+    logit bias, the grammar (glm53.engine.grammar) and logprobs then mean exactly what they mean
+    on the CPU engine. It costs one device-to-host copy of the row per token, for the requests
+    that ask for these only; every other request samples on the device."""
+    global _HOST_SAMPLER
+    if _HOST_SAMPLER is None:
+        import torch
+        from exllamav3.generator.sampler import Sampler
+
+        from glm53.engine.sampling import sample
+
+        class HostSampler(Sampler):
+            def __init__(self, ss, vocab):
+                super().__init__()
+                self.ss, self.vocab = ss, vocab
+                self.logprobs: list = []  # one per drawn token, in order, until emitted
+
+            def forward(self, logits, *args, **kwargs):
+                row = logits.reshape(-1)[: self.vocab].float().cpu().numpy()[None]
+                token = sample(row, [self.ss])[0]
+                self.logprobs.append(self.ss.last_logprob)
+                return torch.tensor([token], dtype=torch.long).view(logits.shape[:-1])
+
+        _HOST_SAMPLER = HostSampler
+    return _HOST_SAMPLER(stream_sampler, vocab)
 
 
 def align_prefix_reuse(job, chunk: int, enabled: bool = True) -> None:
@@ -243,13 +257,24 @@ class GpuEngine:
         self.loaded = None
 
     # --- requests ------------------------------------------------------------------------------
-    def start(self, key, request, max_new_tokens: int, want_logits: bool = False) -> None:
-        """Enqueue `request` (a glm53 GenerationRequest) as an exllamav3 Job under `key`."""
+    def start(
+        self, key, request, max_new_tokens: int, sampler=None, *, return_logits: bool = False
+    ) -> None:
+        """Enqueue `request` (a glm53 GenerationRequest) as an exllamav3 Job under `key`.
+        `sampler` is the scheduler's StreamSampler: a request it must process (penalties, logit
+        bias, grammar, logprobs) samples through it on the host. `return_logits` hands back the
+        logits each token was sampled from (JobOutput.logits), as exllamav3 returns them."""
         import torch
         from exllamav3 import Job
 
         if key in self._jobs:
             raise EngineError(f"job {key!r} is already running")
+        if request.prompt_logprobs is not None or max_new_tokens < 1:
+            raise EngineError(
+                "prompt logprobs (echo with logprobs, logprob_start_len) are not in the GPU "
+                "engine yet: exllamav3's Generator returns no prompt logits; the CPU engine "
+                "serves them (--engine cpu)"
+            )
         n = len(request.prompt_ids)
         if n + max_new_tokens > self.context_length:
             raise EngineError(
@@ -257,13 +282,17 @@ class GpuEngine:
                 f"{self.context_length} tokens (--context)"
             )
         seed = request.sampling.seed
+        if sampler is not None and sampler.is_processed:
+            exl_sampler = host_sampler(sampler, self.tokenizer.vocab_size)
+        else:
+            exl_sampler = exllamav3_sampler(request.sampling)
         job = Job(
             input_ids=torch.tensor([request.prompt_ids], dtype=torch.long),
             max_new_tokens=max_new_tokens,
-            sampler=exllamav3_sampler(request.sampling),
+            sampler=exl_sampler,
             seed=None if seed is None else seed & 0x7FFFFFFF,
             stop_conditions=sorted(request.stop_token_ids),
-            return_logits=want_logits,
+            return_logits=return_logits,
             identifier=key,
         )
         self.generator.enqueue(job)
@@ -311,10 +340,16 @@ class GpuEngine:
             if stage != "streaming":
                 continue
             out = outs.setdefault(key, JobOutput(key, []))
+            job = self._jobs[key]
             for part in (r, r.get("held") if r.get("eos") else None):
                 if not part or "token_ids" not in part:
                     continue
-                out.token_ids.extend(part["token_ids"].view(-1).tolist())
+                ids = part["token_ids"].view(-1).tolist()
+                out.token_ids.extend(ids)
+                drawn = getattr(job.sampler, "logprobs", None)
+                if drawn is not None:  # a host sampler: its entries, in the order drawn
+                    out.logprobs = (out.logprobs or []) + drawn[: len(ids)]
+                    del drawn[: len(ids)]
                 if "logits" in part:
                     rows = part["logits"][0, :, :vocab].float()
                     out.logits = rows if out.logits is None else torch.cat((out.logits, rows))

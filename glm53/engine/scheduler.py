@@ -14,6 +14,10 @@ measures it), and it runs with caches cold after the wait for the step, so it is
 sampling is one native call (glm53.engine.sampling), the post is one eventfd write with the GIL
 held (glm53._handoff), and a step with no new or cancelled job takes no lock.
 
+Logprobs: a sampled token's come from its sampler (glm53.engine.sampling, which logits in
+glm53.engine.logprobs); a scored prompt's chunks ask the engine for every position's logits
+(StreamWork.all_logits) and are turned into entries here, only for the jobs that asked.
+
 A stream finishes on a stop token id (finish "stop"), a stop string (the text is cut before it;
 the engine slot is freed at the next step), its max_new_tokens or the end of the context
 ("length"), an engine error ("error"), or a cancel (the slot is freed at the next step).
@@ -38,9 +42,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import numpy as np
+import torch
 
 from glm53._handoff import Handoff
 from glm53.engine.base import Engine, EngineError, PrefixSnapshots, StreamUsage, StreamWork
+from glm53.engine.grammar import Constraint, GrammarSpec
+from glm53.engine.logprobs import TokenLogprob, block_logprobs
 from glm53.engine.prefix_cache import PrefixCache, Snapshot, chain_keys
 from glm53.engine.sampling import SamplingParams, StreamSampler, sample
 from glm53.engine.stops import StopMatcher
@@ -69,7 +77,12 @@ class PromptTooLong(ValueError):
 @dataclass(slots=True)
 class GenerationRequest:
     """One generation: a prompt, how to sample, and when to stop. max_new_tokens None = up to the
-    end of the context."""
+    end of the context; 0 only scores the prompt (needs prompt_logprobs).
+
+    `logprobs` None: none; k: each generated token's logprob and top k (TokenEvent.logprobs).
+    `prompt_logprobs` None: none; k: the prompt tokens' from position `prompt_logprobs_from`
+    on, each with its top k (TokenEvent.prompt_logprobs; position 0 has none: None).
+    `grammar`: structured output (glm53.engine.grammar), None for free text."""
 
     prompt_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -77,6 +90,10 @@ class GenerationRequest:
     stop_token_ids: frozenset[int] = frozenset()
     stop_strings: tuple[str, ...] = ()
     request_id: str = ""
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    prompt_logprobs_from: int = 0
+    grammar: GrammarSpec | None = None
 
 
 @dataclass(slots=True)
@@ -93,6 +110,8 @@ class TokenEvent:
     matched_stop: str | int | None = None
     error: str | None = None
     time_ns: int = 0
+    logprobs: list[TokenLogprob] | None = None  # aligned with token_ids, when asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # first event only, when asked
 
 
 @dataclass(slots=True, eq=False)
@@ -110,6 +129,7 @@ class _Job:
     is_cancelled: bool = False
     prefill_start_ns: int = 0  # start of the step that ran the first prompt chunk
     usage: StreamUsage | None = None  # the engine's live counters of this stream
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # filled during prefill
 
 
 class JobStream:
@@ -121,7 +141,7 @@ class JobStream:
         self._job = job
         self._decoder = decoder
         self._stops = stops
-        self._pending: list[tuple[int, str | None, str | None, int]] = []
+        self._pending: list[tuple[int | None, str | None, str | None, int, Any]] = []
         self._ready = asyncio.Event()
         self._num_generated = 0
         self.is_done = False
@@ -171,8 +191,15 @@ class JobStream:
             self._scheduler._cancel(self._job, counted=True)
             self._ready.set()
 
-    def _push(self, token: int, finish: str | None, error: str | None, time_ns: int) -> None:
-        self._pending.append((token, finish, error, time_ns))
+    def _push(
+        self,
+        token: int | None,
+        finish: str | None,
+        error: str | None,
+        time_ns: int,
+        logprob: TokenLogprob | None,
+    ) -> None:
+        self._pending.append((token, finish, error, time_ns, logprob))
         self._ready.set()
 
     def __aiter__(self):
@@ -193,14 +220,21 @@ class JobStream:
         job, stop_ids = self._job, self._job.request.stop_token_ids
         parts: list[str] = []
         token_ids: list[int] = []
+        wants_logprobs = job.request.logprobs is not None
+        logprobs: list[TokenLogprob] | None = [] if wants_logprobs else None
         finish = matched = error = None
         time_ns = 0
-        for token, step_finish, step_error, item_ns in items:
+        for token, step_finish, step_error, item_ns, logprob in items:
             time_ns = item_ns
             if step_finish == "error":
                 finish, error = "error", step_error
                 break
+            if token is None:  # a scored prompt without generation
+                finish = step_finish
+                break
             token_ids.append(token)
+            if wants_logprobs:
+                logprobs.append(logprob)
             self.first_token_ns = self.first_token_ns or item_ns
             self.last_token_ns = item_ns
             if step_finish == "stop" and token in stop_ids:
@@ -217,6 +251,9 @@ class JobStream:
                 break
         if finish in ("stop", "length") and not isinstance(matched, str):
             parts.append(self._stops.flush())
+        prompt_logprobs = None
+        if job.prompt_logprobs is not None and self._num_generated == 0 and finish != "error":
+            prompt_logprobs, job.prompt_logprobs = job.prompt_logprobs, None
         self._num_generated += len(token_ids)
         if finish is not None:
             self.is_done = True
@@ -232,6 +269,8 @@ class JobStream:
             matched_stop=matched,
             error=error,
             time_ns=time_ns,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
@@ -317,6 +356,8 @@ class Scheduler:
                 raise ValueError("the prompt is empty")
             if num_prompt >= self.context_length:
                 raise PromptTooLong(num_prompt, self.context_length)
+            if request.max_new_tokens == 0 and request.prompt_logprobs is None:
+                raise ValueError("max_new_tokens 0 generates nothing: ask for prompt_logprobs")
         if self._num_active + len(requests) > self.num_slots + self.queue_limit:
             self.counters["requests_rejected"] += len(requests)
             raise QueueFull(
@@ -327,7 +368,18 @@ class Scheduler:
         for request in requests:
             room = self.context_length - len(request.prompt_ids)
             max_new = room if request.max_new_tokens is None else min(request.max_new_tokens, room)
-            job = _Job(request, StreamSampler(request.sampling), max_new)
+            constraint = None
+            if request.grammar is not None:
+                constraint = Constraint(request.grammar, self.engine.tokenizer)
+            sampler = StreamSampler(
+                request.sampling,
+                num_logprobs=request.logprobs,
+                prompt_ids=request.prompt_ids,
+                constraint=constraint,
+            )
+            job = _Job(request, sampler, max_new)
+            if request.prompt_logprobs is not None:
+                job.prompt_logprobs = [None] if request.prompt_logprobs_from == 0 else []
             job.stream = JobStream(
                 self, job, self.engine.tokenizer.new_decoder(), StopMatcher(request.stop_strings)
             )
@@ -359,9 +411,9 @@ class Scheduler:
             self._cv.notify()
 
     def _deliver(self, outputs) -> None:
-        for job, token, finish, error, time_ns in outputs:
+        for job, token, finish, error, time_ns, logprob in outputs:
             if not job.stream.is_done:
-                job.stream._push(token, finish, error, time_ns)
+                job.stream._push(token, finish, error, time_ns, logprob)
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -408,7 +460,9 @@ class Scheduler:
             else:
                 self._engine_loop(list(range(self.num_slots - 1, -1, -1)))
         finally:
-            outputs = [(j, -1, "error", "the server is shutting down", 0) for j in self._all_jobs()]
+            outputs = [
+                (j, -1, "error", "the server is shutting down", 0, None) for j in self._all_jobs()
+            ]
             if outputs:
                 self._post(self._deliver, outputs)
             self._close_engine()
@@ -484,10 +538,10 @@ class Scheduler:
 
     def _start_in_engine(self, job: _Job) -> None:
         try:
-            self.engine.start(id(job), job.request, job.max_new_tokens, False)
+            self.engine.start(id(job), job.request, job.max_new_tokens, job.sampler)
         except Exception as exc:  # noqa: BLE001 - this request fails, the server goes on
             log.exception("starting a job in the engine failed")
-            self._post(self._deliver, [(job, -1, "error", f"engine error: {exc}", 0)])
+            self._post(self._deliver, [(job, -1, "error", f"engine error: {exc}", 0, None)])
             return
         job.slot = len(self._running)
         job.prefill_start_ns = time.monotonic_ns()  # job engines count no tiers per stream yet
@@ -511,7 +565,8 @@ class Scheduler:
             for job in failed:
                 self._cancel_in_engine(job)
             self._post(
-                self._deliver, [(j, -1, "error", f"engine error: {exc}", now_ns) for j in failed]
+                self._deliver,
+                [(j, -1, "error", f"engine error: {exc}", now_ns, None) for j in failed],
             )
             return
         now_ns = time.monotonic_ns()
@@ -533,10 +588,11 @@ class Scheduler:
                 job.num_generated += 1
                 job.last_token = token
                 finish = out.finish if i == last and out.finish != "error" else None
-                outputs.append((job, token, finish, None, now_ns))
+                logprob = out.logprobs[i] if out.logprobs is not None else None
+                outputs.append((job, token, finish, None, now_ns, logprob))
             counters["generated_tokens"] += len(out.token_ids)
             if out.finish == "error":
-                outputs.append((job, -1, "error", out.error, now_ns))
+                outputs.append((job, -1, "error", out.error, now_ns, None))
             if out.finish is not None:
                 self._running.remove(job)
         if outputs:
@@ -570,6 +626,8 @@ class Scheduler:
         """Restore the longest cached prefix of the job's prompt into its slot, if any."""
         prompt = job.request.prompt_ids
         job.prefix_keys = chain_keys(prompt, self.chunk_size)
+        if job.request.prompt_logprobs is not None:
+            return  # a scored prompt needs the logits of every position: compute them all
         snap = self.prefix_cache.lookup(job.prefix_keys, len(prompt))
         if snap is None:
             return
@@ -580,7 +638,7 @@ class Scheduler:
             self._running.remove(job)
             self._release(job, free_slots)
             message = f"engine error: restoring the cached prefix failed: {exc}"
-            self._post(self._deliver, [(job, -1, "error", message, time.monotonic_ns())])
+            self._post(self._deliver, [(job, -1, "error", message, time.monotonic_ns(), None)])
             return
         job.num_fed = job.num_cached = snap.num_tokens
         self.step_counters["cached_prompt_tokens"] += snap.num_tokens
@@ -601,11 +659,18 @@ class Scheduler:
 
     def _plan(
         self,
-    ) -> tuple[list[StreamWork], list[tuple[_Job, int]], list[_Job], list[StreamSampler]]:
+    ) -> tuple[
+        list[StreamWork],
+        list[tuple[_Job, int]],
+        list[_Job],
+        list[StreamSampler],
+        list[tuple[_Job, int, int]],
+    ]:
         work: list[StreamWork] = []
         fed: list[tuple[_Job, int]] = []  # (job, prompt tokens fed in this step)
-        rows: list[_Job] = []  # jobs that get a logits row, in order
+        rows: list[_Job] = []  # jobs that get a logits row to sample, in order
         samplers: list[StreamSampler] = []  # theirs
+        scored: list[tuple[_Job, int, int]] = []  # (job, chunk start, chunk length): all rows
         budget = self.chunk_size
         for job in self._running:
             prompt = job.request.prompt_ids
@@ -619,13 +684,21 @@ class Scheduler:
                     continue
                 budget -= n
                 is_last = job.num_fed + n == len(prompt)
+                samples = is_last and job.max_new_tokens > 0
+                scores = job.prompt_logprobs is not None
                 work.append(
                     StreamWork(
-                        job.slot, prompt[job.num_fed : job.num_fed + n], job.num_fed, is_last
+                        job.slot,
+                        prompt[job.num_fed : job.num_fed + n],
+                        job.num_fed,
+                        samples,
+                        scores,
                     )
                 )
                 fed.append((job, n))
-                if is_last:
+                if scores:
+                    scored.append((job, job.num_fed, n))
+                if samples:
                     rows.append(job)
                     samplers.append(job.sampler)
             else:
@@ -633,15 +706,50 @@ class Scheduler:
                 work.append(StreamWork(job.slot, [job.last_token], pos, True))
                 rows.append(job)
                 samplers.append(job.sampler)
-        return work, fed, rows, samplers
+        return work, fed, rows, samplers, scored
+
+    def _score_prompts(
+        self, logits, work: list[StreamWork], scored: list[tuple[_Job, int, int]]
+    ) -> np.ndarray:
+        """Turn the step's all-position rows into the scored jobs' prompt logprobs; return
+        the rows to sample (each item's last row where it asked for one)."""
+        if isinstance(logits, torch.Tensor):
+            logits = logits.detach().float().cpu().numpy()
+        pick: list[int] = []
+        blocks: dict[int, int] = {}  # slot -> first row of its block
+        num_rows = 0
+        for w in work:
+            if w.all_logits:
+                blocks[w.slot] = num_rows
+                num_rows += len(w.token_ids)
+                if w.want_logits:
+                    pick.append(num_rows - 1)
+            elif w.want_logits:
+                pick.append(num_rows)
+                num_rows += 1
+        for job, start, n in scored:
+            prompt, req = job.request.prompt_ids, job.request
+            # row i predicts the prompt token at start + i + 1
+            first = max(start + 1, req.prompt_logprobs_from, 1)
+            last = min(start + n, len(prompt) - 1)  # the last predicted position
+            if first > last:
+                continue
+            offset = blocks[job.slot] + first - 1 - start
+            block = logits[offset : offset + last - first + 1]
+            job.prompt_logprobs.extend(
+                block_logprobs(block, prompt[first : last + 1], req.prompt_logprobs)
+            )
+        return logits[pick]
 
     def _run_step(self, free_slots: list[int]) -> None:
-        work, fed, rows, samplers = self._plan()
+        work, fed, rows, samplers, scored = self._plan()
         if not work:
             return
         step_start_ns = time.monotonic_ns()
         try:
             logits = self.engine.step(work)
+            if scored:
+                logits = self._score_prompts(logits, work, scored)
             tokens = sample(logits, samplers)
         except Exception as exc:  # noqa: BLE001 - fail the streams concerned, keep serving
             # An EngineError naming slots left the other streams untouched: they run again next
@@ -655,12 +763,15 @@ class Scheduler:
             for job in failed:
                 self._running.remove(job)
                 self._release(job, free_slots)
-                outputs.append((job, -1, "error", f"engine error: {exc}", time.monotonic_ns()))
+                outputs.append(
+                    (job, -1, "error", f"engine error: {exc}", time.monotonic_ns(), None)
+                )
             self._post(self._deliver, outputs)
             return
         now_ns = time.monotonic_ns()
         counters = self.step_counters
         counters["steps"] += 1
+        outputs = []
         for job, n in fed:
             if job.num_fed == 0:  # the stream's first step: its counters exist from here on
                 job.prefill_start_ns = step_start_ns
@@ -670,7 +781,10 @@ class Scheduler:
             counters["prompt_tokens"] += n
             if self.prefix_cache is not None and job.num_fed % self.chunk_size == 0:
                 self._take_snapshot(job)
-        outputs = []
+            if job.max_new_tokens == 0 and job.num_fed == len(job.request.prompt_ids):
+                self._running.remove(job)  # scored, nothing to generate
+                self._release(job, free_slots)
+                outputs.append((job, None, "length", None, now_ns, None))
         for job, token in zip(rows, tokens, strict=True):
             job.num_generated += 1
             job.last_token = token
@@ -682,8 +796,8 @@ class Scheduler:
             if finish is not None:
                 self._running.remove(job)
                 self._release(job, free_slots)
-            outputs.append((job, token, finish, None, now_ns))
-        counters["generated_tokens"] += len(outputs)
+            outputs.append((job, token, finish, None, now_ns, job.sampler.last_logprob))
+        counters["generated_tokens"] += len(rows)
         self._handoff.post(self._deliver, outputs)  # not through _post: one call less here
 
 

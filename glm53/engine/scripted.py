@@ -11,6 +11,8 @@ For each stream the first reply whose `when` occurs in the decoded prompt is cho
 `default`); its text, repeated `repeat` times, is emitted token by token, then an eos token.
 `step_ms` is the wall time of one step (simulated compute, the largest of the step's streams);
 `fail_after` N makes the stream's step fail (EngineError for that slot) after N tokens.
+The logits put 0 on the scripted token and -inf on every other; a prompt position asked for
+with `all_logits` gets a row of zeros (every token equally likely: logprob -log(vocab_size)).
 """
 
 from __future__ import annotations
@@ -151,13 +153,32 @@ class ScriptedEngine:
             step_ms = max(step_ms, state.step_ms)
         for row, column in self._targets:
             self._logits[row, column] = 0.0
+        if any(w.all_logits for w in work):
+            logits = self._with_prompt_rows(work)
+        else:
+            logits = self._logits[: len(self._targets)]
         pause_s = step_ms / 1e3 + prefill_tokens * self.script.prefill_us_per_token / 1e6
         if pause_s > 0:
             time.sleep(pause_s)
         self._counters["steps"] += 1
         self._counters["tokens_emitted"] += len(self._targets)
         self._counters["prompt_tokens"] += prefill_tokens
-        return self._logits[: len(self._targets)]
+        return logits
+
+    def _with_prompt_rows(self, work: Sequence[StreamWork]) -> np.ndarray:
+        """The step's rows when some item wants all positions: zeros for its prompt positions,
+        its scripted row (if any) in its last position's place."""
+        blocks, target = [], 0
+        for w in work:
+            if w.all_logits:
+                block = np.zeros((len(w.token_ids), self.tokenizer.vocab_size), np.float32)
+                if w.want_logits:
+                    block[-1] = self._logits[target]
+                blocks.append(block)
+            elif w.want_logits:
+                blocks.append(self._logits[target : target + 1])
+            target += int(w.want_logits)
+        return np.concatenate(blocks) if blocks else self._logits[:0]
 
     def release(self, slot: int) -> None:
         self._slots[slot] = _SlotState()

@@ -12,6 +12,15 @@ from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers.decoders import DecodeStream
 
 
+def missing_template(directory: str | Path) -> str:
+    """Why a checkpoint without a chat template cannot serve chat, and what to add."""
+    return (
+        f"{directory} has no chat template (no chat_template.jinja, and no chat_template "
+        "string in tokenizer_config.json), so /v1/chat/completions cannot render messages; "
+        "add chat_template.jinja there, or use /v1/completions or /generate with a raw prompt"
+    )
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
@@ -40,14 +49,47 @@ class _StreamDecoder:
         return self._stream.step(self._tokenizer, token_id) or ""
 
 
+def _byte_level_table() -> dict[str, int]:
+    """The byte-level BPE alphabet (GPT-2's): the character that stands for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
 class CheckpointTokenizer:
-    """The Tokenizer of a checkpoint directory (implements glm53.engine.base.Tokenizer)."""
+    """The Tokenizer of a checkpoint directory (implements glm53.engine.base.Tokenizer).
+    `chat_template` is "" when the checkpoint has none (chat is refused, completions work)."""
 
     def __init__(self, tokenizer: _HFTokenizer, chat_template: str, eos_token_ids: Sequence[int]):
         self._tokenizer = tokenizer
         self.chat_template = chat_template
         self.eos_token_ids = tuple(dict.fromkeys(eos_token_ids))
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        decoder = json.loads(tokenizer.to_str()).get("decoder") or {}
+        self._byte_level = _byte_level_table() if decoder.get("type") == "ByteLevel" else None
+        self._added = {i: t.content for i, t in tokenizer.get_added_tokens_decoder().items()}
+
+    @property
+    def hf_tokenizer(self) -> _HFTokenizer:
+        return self._tokenizer
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a piece of a UTF-8 character for some byte-level
+        tokens); for a tokenizer that is not byte-level, the UTF-8 of its decoded text."""
+        if token_id in self._added:
+            return self._added[token_id].encode()
+        piece = self._tokenizer.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if self._byte_level is not None and all(c in self._byte_level for c in piece):
+            return bytes(self._byte_level[c] for c in piece)
+        return self._tokenizer.decode([token_id], skip_special_tokens=False).encode()
 
     @classmethod
     def from_dir(cls, directory: str | Path) -> CheckpointTokenizer:
@@ -63,10 +105,7 @@ class CheckpointTokenizer:
         elif isinstance(tok_config.get("chat_template"), str):
             template = tok_config["chat_template"]
         else:
-            raise FileNotFoundError(
-                f"{directory} has no chat template: expected chat_template.jinja or a "
-                "chat_template string in tokenizer_config.json"
-            )
+            template = ""  # /v1/chat/completions says what is missing (missing_template)
         config = _read_json(directory / "config.json")
         eos = _ids(_read_json(directory / "generation_config.json").get("eos_token_id"))
         eos += _ids(config.get("eos_token_id")) + _ids(
@@ -93,7 +132,15 @@ class CheckpointTokenizer:
         return _StreamDecoder(self._tokenizer)
 
 
-_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p")
+_SAMPLING_KEYS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 
 
 def read_generation_defaults(directory: str | Path) -> dict[str, float]:

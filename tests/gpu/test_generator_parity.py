@@ -143,7 +143,7 @@ def _run(engine, prompts):
     outs = {}
     for i, p in enumerate(prompts):
         req = GenerationRequest(prompt_ids=p, sampling=SamplingParams(temperature=0.0))
-        engine.start(i, req, N_NEW, want_logits=True)
+        engine.start(i, req, N_NEW, return_logits=True)
         outs[i] = {"tokens": [], "logits": [], "cached": None}
     while engine.has_work():
         for o in engine.iterate():

@@ -1,0 +1,211 @@
+"""Structured outputs: llguidance grammars over the checkpoint's tokenizer, applied to a
+stream's logits before each draw (the CPU and scripted engines' step path; the GPU engine
+hands the same grammar to exllamav3's filter).
+
+A request carries a `GrammarSpec`, which is engine-neutral: an llguidance grammar (the JSON
+text LLMatcher.grammar_from_* returns) and the token after which it applies. Reasoning stays
+free: with thinking on, the grammar starts after the `</think>` token; with thinking off, at
+the first generated token. `Constraint` is one stream's matcher: `mask` rules out, in a row of
+logits, every token the grammar does not allow next; `accept` advances it by the drawn token.
+A token the grammar refuses (possible only when every allowed token had a -inf logit) puts
+the matcher in its error state; from there only the end-of-sequence tokens are allowed, so the
+stream ends, and the error is logged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import msgspec
+import numpy as np
+from llguidance import LLMatcher, LLTokenizer
+from llguidance.numpy import (
+    allocate_token_bitmask,
+    apply_token_bitmask_inplace,
+    fill_next_token_bitmask,
+)
+
+from glm53.engine.base import Tokenizer
+
+log = logging.getLogger("glm53.grammar")
+
+# JSON is written as Python's json.dumps writes it ("a, b" and "k: v", no other whitespace), the
+# way models usually write it; llguidance's default (any whitespace anywhere) let the random demo
+# model fill its whole budget with blanks. A schema's own "x-guidance" options still win.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# GLM-5.3-Flash's tool-call markup (glm53/chat/chat_template.jinja, glm53/chat/parse.py).
+_MARKUP = ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
+
+
+class GrammarError(ValueError):
+    """A grammar llguidance cannot compile; `path` names the part of the request at fault."""
+
+    def __init__(self, message: str, path: str):
+        super().__init__(message)
+        self.path = path
+
+
+class GrammarSpec(msgspec.Struct, frozen=True):
+    """`grammar`: an llguidance grammar (JSON text); `start_after`: the token id after which
+    it applies (None: from the first generated token)."""
+
+    grammar: str
+    start_after: int | None = None
+
+
+_LL_TOKENIZERS: dict[int, tuple[Tokenizer, LLTokenizer]] = {}
+
+
+def ll_tokenizer(tokenizer: Tokenizer) -> LLTokenizer:
+    """llguidance's view of a checkpoint tokenizer (built from its tokenizer.json once, kept)."""
+    hit = _LL_TOKENIZERS.get(id(tokenizer))
+    if hit is None or hit[0] is not tokenizer:
+        ll = LLTokenizer(
+            tokenizer.hf_tokenizer.to_str(),
+            n_vocab=tokenizer.vocab_size,
+            eos_token=list(tokenizer.eos_token_ids),
+        )
+        hit = _LL_TOKENIZERS[id(tokenizer)] = (tokenizer, ll)
+    return hit[1]
+
+
+def _compile_error(grammar: str, tokenizer: Tokenizer) -> str | None:
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, ll_tokenizer(tokenizer))
+    return messages[0] if is_error else None
+
+
+def _children(schema: Any, path: str):
+    """(subschema, path) for the parts of a JSON schema that are schemas themselves."""
+    if not isinstance(schema, dict):
+        return
+    for key in ("properties", "$defs", "definitions", "patternProperties"):
+        if isinstance(schema.get(key), dict):
+            for name, sub in schema[key].items():
+                yield sub, f"{path}.{key}.{name}"
+    for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
+        if isinstance(schema.get(key), list):
+            for i, sub in enumerate(schema[key]):
+                yield sub, f"{path}.{key}[{i}]"
+    for key in ("items", "additionalProperties", "not", "contains"):
+        if isinstance(schema.get(key), dict):
+            yield schema[key], f"{path}.{key}"
+
+
+def json_schema_grammar(schema: dict[str, Any], tokenizer: Tokenizer, path: str) -> str:
+    """The grammar of JSON text valid under `schema`; GrammarError naming the deepest part of
+    the schema that fails to compile with the same message (`path` is the schema's own)."""
+    try:
+        grammar = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    except ValueError as exc:
+        raise GrammarError(f"the schema is not valid: {exc}", path) from None
+    message = _compile_error(grammar, tokenizer)
+    if message is None:
+        return grammar
+    where = path
+    node = schema
+    while True:
+        for sub, sub_path in _children(node, where):
+            if isinstance(sub, dict) and "$ref" not in json.dumps(sub):
+                sub_grammar = LLMatcher.grammar_from_json_schema(sub, defaults=JSON_OPTIONS)
+                sub_error = _compile_error(sub_grammar, tokenizer)
+                if sub_error == message:
+                    node, where = sub, sub_path
+                    break
+        else:
+            break
+    raise GrammarError(f"llguidance cannot compile the schema at {where}: {message}", where)
+
+
+def _lark_string(text: str) -> str:
+    return json.dumps(text)
+
+
+def _raw_string(schema: dict[str, Any]) -> str:
+    """The lark for a string parameter's raw (unquoted) value: one of its `enum`, or text
+    without '<' within minLength..maxLength (`pattern` and `format` are not enforced)."""
+    if isinstance(schema.get("enum"), list) and all(isinstance(v, str) for v in schema["enum"]):
+        return "(" + " | ".join(_lark_string(v) for v in schema["enum"]) + ")"
+    low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
+    return f"/[^<]{{{low},{'' if high is None else int(high)}}}/"
+
+
+def tool_call_grammar(
+    tools: list[tuple[int, dict[str, Any]]], tokenizer: Tokenizer, *, many: bool
+) -> str:
+    """The grammar of one (or, with `many`, one or more) GLM tool calls to one of `tools`
+    ((index in the request, OpenAI tool dict) pairs): `<tool_call>NAME` then each parameter in the schema's order as
+    `<arg_key>K</arg_key><arg_value>V</arg_value>` (required ones always, the others optional),
+    then `</tool_call>`. A string parameter's value is raw text (see _raw_string); any other is
+    JSON valid under its schema. Raises GrammarError naming the tool whose schema fails."""
+    ids = {}
+    for markup in _MARKUP:
+        token = tokenizer.token_to_id(markup)
+        if token is None:
+            raise GrammarError(f"the tokenizer has no {markup} token for tool calls", "tools")
+        ids[markup] = f"<[{token}]>"
+    rules, alternatives = [], []
+    for t, tool in tools:
+        function = tool["function"]
+        params = function.get("parameters") or {}
+        props = params.get("properties") or {}
+        required = set(params.get("required") or ())
+        parts = []
+        for p, (name, schema) in enumerate(props.items()):
+            value_rule = f"v{t}_{p}"
+            if isinstance(schema, dict) and schema.get("type") == "string":
+                rules.append(f"{value_rule}: {_raw_string(schema)}")
+            else:
+                path = f"tools[{t}].function.parameters.properties.{name}"
+                # compiled alone to name a failing part; the lark below inlines the schema
+                json_schema_grammar(schema if isinstance(schema, dict) else {}, tokenizer, path)
+                inline = {"x-guidance": JSON_OPTIONS, **schema} if isinstance(schema, dict) else {}
+                rules.append(f"{value_rule}: %json {json.dumps(inline)}")
+            arg = (
+                f"{ids['<arg_key>']} {_lark_string(name)} {ids['</arg_key>']} "
+                f"{ids['<arg_value>']} {value_rule} {ids['</arg_value>']}"
+            )
+            parts.append(arg if name in required else f"({arg})?")
+        rules.append(
+            f"call{t}: {ids['<tool_call>']} {_lark_string(function['name'])} "
+            f"{' '.join(parts)} {ids['</tool_call>']}"
+        )
+        alternatives.append(f"call{t}")
+    start = f"start: ({' | '.join(alternatives)})" + ("+" if many else "")
+    grammar = LLMatcher.grammar_from_lark("\n".join([start, *rules]))
+    message = _compile_error(grammar, tokenizer)
+    if message is not None:
+        raise GrammarError(f"llguidance cannot compile the tool-call grammar: {message}", "tools")
+    return grammar
+
+
+class Constraint:
+    """One stream's grammar state (engine thread only, after the scheduler made it)."""
+
+    def __init__(self, spec: GrammarSpec, tokenizer: Tokenizer):
+        ll = ll_tokenizer(tokenizer)
+        self._matcher = LLMatcher(ll, spec.grammar)
+        self._start_after = spec.start_after
+        self.is_active = spec.start_after is None
+        self._bitmask = allocate_token_bitmask(1, ll.vocab_size)
+        self._eos = list(tokenizer.eos_token_ids)
+
+    def mask(self, row: np.ndarray) -> None:
+        """Set to -inf, in a row of logits [vocab] (float32, in place), every token not allowed."""
+        if not self.is_active:
+            return
+        if self._matcher.is_error():
+            keep = row[self._eos].copy()
+            row[:] = -np.inf
+            row[self._eos] = keep
+            return
+        fill_next_token_bitmask(self._matcher, self._bitmask)
+        apply_token_bitmask_inplace(row[None, :], self._bitmask)
+
+    def accept(self, token: int) -> None:
+        if not self.is_active:
+            self.is_active = token == self._start_after
+            return
+        if not self._matcher.is_error() and not self._matcher.consume_token(token):
+            log.warning("the grammar refused token %d: %s", token, self._matcher.get_error())
