@@ -5,11 +5,12 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from glm53 import synth_cli
 from glm53.models.checkpoint import MUL1_MARKER, Checkpoint
-from glm53.models.synth import CHAT_TEMPLATE_PATH, write_checkpoint
-from glm53.models.synth_layout import DEMO, SLICE, plan, preset
 from glm53.models.tokenizer import MARKUP_TOKENS, SPECIAL_TOKENS
+from glm53.synth import cli as synth_cli
+from glm53.synth.layout import plan
+from glm53.synth.shapes import DEMO, SLICE, preset
+from glm53.synth.writer import CHAT_TEMPLATE_PATH, write_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -25,8 +25,8 @@ def checkpoint(request, tmp_path_factory):
         return request.param, path
     if request.param == "slice":
         pytest.skip("GLM53_TEST_SLICE does not name a synthetic slice checkpoint")
-    from glm53.models.synth import write_checkpoint
-    from glm53.models.synth_layout import preset
+    from glm53.synth.shapes import preset
+    from glm53.synth.writer import write_checkpoint
 
     out = tmp_path_factory.mktemp("synth") / "demo"
     write_checkpoint(preset("demo"), out, seed=0)

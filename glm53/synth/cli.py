@@ -1,4 +1,4 @@
-"""`glm53 synth`: write a synthetic GLM-5.3-Flash EXL3 checkpoint (demo or slice preset)."""
+"""`glm53 synth`: write a synthetic GLM-5.3-Flash EXL3 checkpoint (demo, slice or deep preset)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument(
         "--preset",
-        choices=("demo", "slice"),
+        choices=("demo", "slice", "deep"),
         default="demo",
-        help="demo: tiny, CPU-friendly; slice: real widths, fewer layers (default demo)",
+        help="demo: tiny, CPU-friendly; slice: real widths, 8 layers; deep: real widths and the "
+        "real 45 layers, 64 experts per layer unless --experts (default demo)",
     )
     p.add_argument("--out", required=True, help="output directory (created; must be empty)")
     p.add_argument(
@@ -47,8 +48,8 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from glm53.models.synth import write_checkpoint
-    from glm53.models.synth_layout import preset
+    from glm53.synth.shapes import preset
+    from glm53.synth.writer import write_checkpoint
 
     shape = preset(
         args.preset,
