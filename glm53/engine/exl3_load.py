@@ -203,6 +203,39 @@ def chunk_activation_bytes(text_config: dict, chunk_tokens: int) -> int:
     return chunk_tokens * (streams + qkv + mlp)
 
 
+def vram_plan_for(
+    model_dir: str,
+    geo: MoeGeometry,
+    vram_budget: int,
+    cache_tokens: int,
+    max_batch: int,
+    max_chunk: int,
+    ec_reserve_gb: float = 1.0,
+    ec_stage_gb: float | None = None,
+) -> VramPlan:
+    """plan_vram for a checkpoint (its config and safetensors geometry) and load()'s cache
+    and chunk sizes."""
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        text_config = json.load(f)["text_config"]
+    kv_per_token, state_per_sequence = cache_geometry(text_config)
+    return plan_vram(
+        VramInputs(
+            budget_bytes=vram_budget,
+            model_bytes=geo.vram_model_bytes,
+            record_bytes=sum(geo.part_bytes),
+            num_experts=geo.n_experts,
+            num_moe_layers=len(geo.moe_layers),
+            kv_bytes_per_token=kv_per_token,
+            context_tokens=cache_tokens,
+            state_bytes_per_sequence=state_per_sequence,
+            batch=max_batch,
+            activation_bytes=chunk_activation_bytes(text_config, max_chunk),
+            reserve_bytes=int(ec_reserve_gb * GIB),
+            stage_gb=ec_stage_gb,
+        )
+    )
+
+
 def load(
     model_dir: str,
     mode: str = "exact",
@@ -253,25 +286,10 @@ def load(
         )
     plan = None
     if vram_budget is not None and mode == "exact":
-        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
-            text_config = json.load(f)["text_config"]
-        kv_per_token, state_per_sequence = cache_geometry(text_config)
-        plan = plan_vram(
-            VramInputs(
-                budget_bytes=vram_budget,
-                model_bytes=geo.vram_model_bytes,
-                record_bytes=sum(geo.part_bytes),
-                num_experts=geo.n_experts,
-                num_moe_layers=len(geo.moe_layers),
-                kv_bytes_per_token=kv_per_token,
-                context_tokens=cache_tokens,
-                state_bytes_per_sequence=state_per_sequence,
-                batch=max_batch,
-                activation_bytes=chunk_activation_bytes(text_config, max_chunk),
-                reserve_bytes=int(ec_reserve_gb * GIB),
-                stage_gb=ec_stage_gb,
-            )
-        )
+        plan = vram_plan_for(
+            model_dir, geo, vram_budget, cache_tokens, max_batch, max_chunk, ec_reserve_gb,
+            ec_stage_gb,
+        )  # fmt: skip
     model = Model.from_config(config)
     cache = Cache(model, max_num_tokens=cache_tokens, max_batch_size=max_batch)
     home = None
