@@ -269,3 +269,24 @@ def test_deep_shaped_tiny_checkpoint_reads_back_with_its_42_moe_layers(tmp_path)
     dsa = "model.language_model.layers.43.self_attn.kv_b_proj.weight"
     assert ckpt.info(dsa).shape == (1024, 512)
     assert len(ckpt.experts(44)) == 8
+
+
+def test_shards_written_by_worker_processes_have_the_same_bytes(tmp_path):
+    shape = preset("demo", num_layers=3)
+    for jobs in (1, 2):
+        writer = SynthWriter(shape, 7, tmp_path / f"j{jobs}")
+        writer.out_dir.mkdir()
+        writer.overrides["model.language_model.layers.2.mlp.gate.e_score_correction_bias"] = (
+            np.arange(32, dtype=np.float32)
+        )
+        writer.write_metadata()
+        writer.write_shards(2 << 20, jobs)
+    names = sorted(p.name for p in (tmp_path / "j1").iterdir() if p.suffix == ".safetensors")
+    assert len(names) > 2 and names == sorted(p.name for p in (tmp_path / "j2").iterdir()
+                                              if p.suffix == ".safetensors")  # fmt: skip
+    for name in names:
+        assert (tmp_path / "j1" / name).read_bytes() == (tmp_path / "j2" / name).read_bytes()
+    bias = Checkpoint(tmp_path / "j2").read(
+        "model.language_model.layers.2.mlp.gate.e_score_correction_bias"
+    )
+    np.testing.assert_array_equal(bias, np.arange(32, dtype=np.float32))

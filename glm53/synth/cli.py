@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 
@@ -38,6 +39,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--head-bits", type=int, help="lm_head bits (default 6)")
     p.add_argument("--shard-mb", type=int, default=2048, help="shard size in MiB (default 2048)")
     p.add_argument(
+        "--jobs",
+        type=int,
+        help="shards written at a time, in worker processes (default: CPUs, at most 8); "
+        "the bytes do not depend on it",
+    )
+    p.add_argument(
         "--routing-source",
         choices=("auto", "decode", "stand-in"),
         default="auto",
@@ -68,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
         routing_mode=args.routing,
         shard_bytes=args.shard_mb << 20,
         routing_source=args.routing_source,
+        jobs=args.jobs or min(8, os.cpu_count() or 1),
     )
     print(f"wrote {shape.name} checkpoint to {args.out} in {time.monotonic() - start:.1f} s")
     for line in report.lines():

@@ -6,6 +6,8 @@ written in file order (synth/tensors.py), so at most one tensor is in memory at 
 
 from __future__ import annotations
 
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,6 +75,20 @@ def split_shards(groups: list[list[TensorSpec]], shard_bytes: int) -> list[list[
     return shards
 
 
+def write_shard(
+    path: Path, specs: list[TensorSpec], seed: int, overrides: dict[str, np.ndarray]
+) -> None:
+    """One shard: its header, then each tensor generated and written in file order."""
+    with open(path, "wb") as f:
+        f.write(header_bytes(specs))
+        for spec in specs:
+            values = overrides[spec.key] if spec.key in overrides else generate(spec, seed)
+            data = encode(spec, values)
+            if len(data) != spec.nbytes:
+                raise AssertionError(f"{spec.key}: {len(data)} bytes, planned {spec.nbytes}")
+            f.write(data)
+
+
 class SynthWriter:
     """Writes one synthetic checkpoint; `overrides` replaces planned values (router tensors)."""
 
@@ -82,27 +98,27 @@ class SynthWriter:
         self.out_dir = Path(out_dir)
         self.overrides: dict[str, np.ndarray] = {}
 
-    def values(self, spec: TensorSpec) -> np.ndarray:
-        if spec.key in self.overrides:
-            return self.overrides[spec.key]
-        return generate(spec, self.seed)
-
-    def write_shards(self, shard_bytes: int) -> None:
+    def write_shards(self, shard_bytes: int, jobs: int = 1) -> None:
+        """Write every shard and the index; with jobs > 1, that many shards at a time in
+        worker processes (each tensor's bytes depend only on the seed and its key, so the
+        files are the same either way)."""
         shards = split_shards(plan(self.shape), shard_bytes)
-        weight_map, total = {}, 0
-        for i, specs in enumerate(shards):
-            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            with open(self.out_dir / name, "wb") as f:
-                f.write(header_bytes(specs))
-                for spec in specs:
-                    data = encode(spec, self.values(spec))
-                    if len(data) != spec.nbytes:
-                        raise AssertionError(
-                            f"{spec.key}: {len(data)} bytes, planned {spec.nbytes}"
-                        )
-                    f.write(data)
-                    weight_map[spec.key] = name
-                    total += spec.nbytes
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        work = [
+            (self.out_dir / name, specs, self.seed,
+             {t.key: self.overrides[t.key] for t in specs if t.key in self.overrides})
+            for name, specs in zip(names, shards, strict=True)
+        ]  # fmt: skip
+        if jobs > 1 and len(shards) > 1:
+            # spawn, not fork: the parent has run torch, whose threads a fork would not carry
+            ctx = multiprocessing.get_context("spawn")
+            with ProcessPoolExecutor(min(jobs, len(shards)), mp_context=ctx) as pool:
+                list(pool.map(write_shard, *zip(*work, strict=True)))
+        else:
+            for args in work:
+                write_shard(*args)
+        weight_map = {t.key: name for name, specs in zip(names, shards, strict=True) for t in specs}
+        total = sum(t.nbytes for specs in shards for t in specs)
         write_json(
             self.out_dir / "model.safetensors.index.json",
             {"metadata": {"total_size": total}, "weight_map": weight_map},
@@ -200,12 +216,14 @@ def write_checkpoint(
     routing_mode: str = "glm53",
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     routing_source: str = "auto",
+    jobs: int = 1,
 ) -> RoutingReport:
     """Write the checkpoint into out_dir (created; must be empty) and return its routing report.
 
     routing_source: "stand-in" fits the router bias on stand-in inputs only; "decode" then
     refits and measures it on the checkpoint's own greedy decoding (the CPU runs the model, so
-    only for CPU-sized checkpoints); "auto" is "decode" for the demo preset, else "stand-in"."""
+    only for CPU-sized checkpoints); "auto" is "decode" for the demo preset, else "stand-in".
+    jobs: shards written at a time (worker processes); the bytes do not depend on it."""
     shape.check()
     routing.target_shares(routing_mode)
     out = Path(out_dir)
@@ -215,7 +233,7 @@ def write_checkpoint(
     writer = SynthWriter(shape, seed, out)
     writer.write_metadata()
     report = writer.calibrate_on_stand_in_inputs(routing_mode)
-    writer.write_shards(shard_bytes)
+    writer.write_shards(shard_bytes, jobs)
     if routing_source == "auto":
         routing_source = "decode" if shape.name == "demo" else "stand-in"
     if routing_source == "stand-in":
