@@ -290,3 +290,25 @@ def test_shards_written_by_worker_processes_have_the_same_bytes(tmp_path):
         "model.language_model.layers.2.mlp.gate.e_score_correction_bias"
     )
     np.testing.assert_array_equal(bias, np.arange(32, dtype=np.float32))
+
+
+def test_synth_imports_only_models_and_nothing_below_imports_synth():
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "glm53"
+
+    def glm53_imports(path):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                yield node.module
+            elif isinstance(node, ast.Import):
+                yield from (a.name for a in node.names)
+
+    for path in (root / "synth").glob("*.py"):
+        for name in glm53_imports(path):
+            if name.startswith("glm53"):
+                assert name.startswith(("glm53.models", "glm53.synth")), (path.name, name)
+    for below in ("models", "tiers"):
+        for path in (root / below).rglob("*.py"):
+            assert not any(n.startswith("glm53.synth") for n in glm53_imports(path)), path
