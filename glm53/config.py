@@ -130,6 +130,17 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
             group="scheduling",
         ),
     ] = 64
+    prefix_cache_gb: Annotated[
+        float,
+        Meta(ge=0),
+        _s(
+            "RAM (GiB) for prefix-cache snapshots on the CPU engine: a prompt that starts with an "
+            "earlier prompt's first chunks (multiples of --chunk-size) resumes from that state "
+            "instead of recomputing it, with the same output; least recently used evicted "
+            "first; 0 turns it off. The GPU engine reuses prefixes inside exllamav3's Generator.",
+            group="scheduling",
+        ),
+    ] = 2.0
     # --- tiers --------------------------------------------------------------------------------
     ram_cap: Annotated[
         NonNegInt | None,

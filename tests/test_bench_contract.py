@@ -151,3 +151,25 @@ def test_gpu_slice_combine_of_deep_rows_reports_the_issue_ratios_and_predictions
         real["decode_c1_tok_s"] * vs["decode_c1_tok_s"]
     )
     assert r["config"]["vram_budget"] == 24 << 30 and r["config"]["share"] is None
+
+
+def test_prefix_cache_contract(tmp_path):
+    from glm53.synth.shapes import preset
+    from glm53.synth.writer import write_checkpoint
+
+    # the server finds this as its demo checkpoint (quicker to write than --demo's routing)
+    write_checkpoint(
+        preset("demo"), tmp_path / "demo-checkpoint", seed=0, routing_source="stand-in"
+    )
+    r = run_bench(
+        "prefix_cache", "--demo", "--cache-dir", str(tmp_path), "--first-tokens", "140",
+        "--chunk-size", "64", "--answer-tokens", "4", "--turn-tokens", "8", "--turns", "3",
+    )  # fmt: skip
+    f, ratios, cfg = r["figures"], r["ratios"], r["config"]
+    # turns of 140, 152 and 164 tokens: the later two resume at 128 (snapshots at 64 and 128)
+    assert f["prompt_tokens_by_turn"] == [140, 152, 164]
+    assert f["cached_tokens_by_turn"] == [0, 128, 128]
+    assert f["prefilled_tokens_by_turn"] == [140, 24, 36]
+    assert len(f["ttft_s_by_turn"]) == 3 and len(f["cold_ttft_s_same_prefill"]) == 2
+    assert ratios["ttft_first_vs_later"] > 0 and ratios["later_vs_cold_same_prefill"] > 0
+    assert (cfg["engine"], cfg["chunk_size"]) == ("cpu", 64)

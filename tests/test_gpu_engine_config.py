@@ -37,11 +37,11 @@ def test_a_store_is_refused_in_exact_mode(tmp_path):
 def test_an_unloaded_gpu_engine_has_every_protocol_attribute_the_server_reads(tmp_path):
     """The API reads generation_defaults (and the rest) of whatever engine it serves; the GPU
     engine once lacked it, and every request through `glm53 serve --engine gpu` got a 500."""
-    from glm53.engine.base import Engine
+    from glm53.engine.base import JobEngine
 
     e = create(settings("--mode", "exact"), tmp_path)
     e.tokenizer = None  # set by load(); everything else must exist from the start
-    assert isinstance(e, Engine)
+    assert isinstance(e, JobEngine) and e.drives_jobs
     assert e.generation_defaults == {}
 
 
@@ -138,3 +138,27 @@ def test_load_takes_an_optional_vram_budget_that_defaults_to_none():
     from glm53.engine.exl3_load import load
 
     assert inspect.signature(load).parameters["vram_budget"].default is None
+
+
+def test_the_standard_region_ends_where_a_cold_prefill_first_cuts_short():
+    """exllamav3 prefills [0, n - 1), cutting a forward at the last page boundary; whole chunks
+    before that are the same for every prompt sharing their tokens."""
+    from glm53.engine.gpu import standard_region
+
+    c = 2048
+    assert standard_region(1, c) == 0
+    assert standard_region(2048, c) == 0  # last page boundary 1792: no whole chunk before it
+    assert standard_region(2049, c) == 2048  # boundary 2048 = one whole chunk
+    assert standard_region(4097, c) == 4096
+    assert standard_region(5000, c) == 4096  # boundary 4864
+    assert standard_region(6144, c) == 4096  # boundary 5888
+    assert standard_region(6145, c) == 6144
+    with pytest.raises(ValueError, match="multiple of the page size"):
+        standard_region(100, 1000)
+
+
+def test_chunk_size_must_be_whole_pages(tmp_path):
+    with pytest.raises(ConfigurationError, match="--chunk-size 1000: .* multiple of 256.* 768"):
+        create(settings("--chunk-size", "1000"), tmp_path)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        GpuEngine(str(tmp_path), "exact", chunk_size=1000)

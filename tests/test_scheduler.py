@@ -149,7 +149,7 @@ def test_steps_hold_at_most_max_batch_streams(checkpoint):
     asyncio.run(main())
 
 
-def test_prefill_is_fed_in_chunks_shared_by_the_streams(checkpoint):
+def test_prefill_is_fed_in_aligned_chunks_shared_by_the_streams(checkpoint):
     async def main():
         engine = TableEngine(checkpoint)
         scheduler = await started(engine, chunk_size=4)
@@ -172,6 +172,8 @@ def test_prefill_is_fed_in_chunks_shared_by_the_streams(checkpoint):
             pos = 0
             for _, n, start, wants in items:
                 assert start == pos
+                if start < total:  # a prefill chunk ends at a multiple of 4 or at the prompt's end
+                    assert start % 4 == 0 and ((start + n) % 4 == 0 or start + n == total)
                 pos += n
                 assert wants == (pos >= total)  # logits on the prompt's last chunk and decode
             prompt_len[slot] = pos
@@ -368,3 +370,64 @@ def test_events_carry_counts_and_monotonic_times(checkpoint):
 
 def engine_prompt(checkpoint, text):
     return CheckpointTokenizer.from_dir(checkpoint).encode(f"<|user|>{text}<|assistant|>")
+
+
+class SnapshotTableEngine(TableEngine):
+    """TableEngine with PrefixSnapshots (a test double): a snapshot is (slot, steps so far),
+    100 bytes; `restore` records what it was given, or raises when `fail_restore`."""
+
+    def __init__(self, checkpoint, *, fail_restore=False):
+        super().__init__(checkpoint)
+        self.fail_restore = fail_restore
+        self.restored: list = []
+
+    def snapshot(self, slot):
+        return (slot, len(self.steps)), 100
+
+    def restore(self, slot, state):
+        if self.fail_restore:
+            raise RuntimeError("restore boom")
+        self.restored.append((slot, state))
+
+
+def test_a_prefix_hit_restores_the_snapshot_and_starts_at_its_position(checkpoint):
+    async def main():
+        engine = SnapshotTableEngine(checkpoint)
+        scheduler = Scheduler(
+            engine, max_batch=4, chunk_size=4, queue_limit=4, prefix_cache_bytes=1000
+        )
+        await scheduler.start()
+        *_, first = await collect(scheduler.submit(request(range(1, 11), 2)))
+        engine.steps.clear()
+        *_, hit = await collect(scheduler.submit(request([*range(1, 10), 99], 2)))
+        stats = scheduler.stats()
+        await scheduler.close()
+        # snapshots after the chunks ending at 4 and 8 (steps 1 and 2 of slot 0)
+        assert engine.restored == [(0, (0, 2))]
+        assert (first.num_cached_tokens, hit.num_cached_tokens) == (0, 8)
+        assert engine.steps[0] == [(0, 2, 8, True)]  # tokens 8 and 9, then decode
+        assert stats["prefix_cache"]["snapshots"] == 2
+        assert (stats["cached_prompt_tokens"], stats["requests_prefix_hit"]) == (8, 1)
+        assert stats["prompt_tokens"] == 10 + 2
+
+    asyncio.run(main())
+
+
+def test_a_failed_restore_fails_that_request_only(checkpoint):
+    async def main():
+        engine = SnapshotTableEngine(checkpoint, fail_restore=True)
+        scheduler = Scheduler(
+            engine, max_batch=4, chunk_size=4, queue_limit=4, prefix_cache_bytes=1000
+        )
+        await scheduler.start()
+        await collect(scheduler.submit(request(range(1, 11), 2)))
+        *_, failed = await collect(scheduler.submit(request([*range(1, 10), 99], 2)))
+        *_, later = await collect(scheduler.submit(request([50, 51], 2)))
+        await scheduler.close()
+        assert (failed.finish_reason, failed.error) == (
+            "error",
+            "engine error: restoring the cached prefix failed: restore boom",
+        )
+        assert later.finish_reason == "length" and engine.released.count(0) == 3
+
+    asyncio.run(main())

@@ -61,11 +61,22 @@ cd "$WORK" || exit 2  # import the installed package, not the source tree
 
 if stage synth; then
   for preset in ${GLM53_SYNTH:-demo slice}; do
-    [ -d "$WORK/$preset" ] || run "synth-$preset" python3 -m glm53 synth --preset "$preset" --routing glm53 \
-      --out "$WORK/$preset"
+    [ -d "$WORK/$preset" ] && continue
+    if [ "$preset" = slice-resharded ]; then
+      # uniform routing, rewritten in other shards and tensor order by a separate tool; the
+      # source goes to RAM (/dev/shm) so that the disk never holds three slices
+      tmp=/dev/shm/glm53-slice-uniform
+      rm -rf "$tmp"
+      run synth-slice-uniform python3 -m glm53 synth --preset slice --routing uniform --out "$tmp" &&
+        run reshard python3 "$REPO/tools/reshard_checkpoint.py" "$tmp" "$WORK/$preset"
+      rm -rf "$tmp"
+      continue
+    fi
+    run "synth-$preset" python3 -m glm53 synth --preset "$preset" --routing glm53 --out "$WORK/$preset"
   done
 fi
 export GLM53_TEST_DEMO=$WORK/demo GLM53_TEST_SLICE=$WORK/slice GLM53_TEST_DEEP=$WORK/deep
+export GLM53_TEST_SLICE_RESHARDED=$WORK/slice-resharded
 if stage tests; then
   tests=()  # GLM53_GPU_TESTS paths are relative to the repository (this script runs from $WORK)
   for t in ${GLM53_GPU_TESTS:-tests/gpu}; do

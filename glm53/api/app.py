@@ -119,6 +119,7 @@ class App:
                 max_batch=settings.max_batch,
                 chunk_size=settings.chunk_size,
                 queue_limit=settings.queue_limit,
+                prefix_cache_bytes=int(settings.prefix_cache_gb * (1 << 30)),
             )
             state.scheduler = scheduler
             await scheduler.start()

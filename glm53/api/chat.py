@@ -27,7 +27,6 @@ from glm53.api.schemas import (
     OutFunction,
     OutMessage,
     OutToolCall,
-    Usage,
 )
 from glm53.api.state import ServerState
 from glm53.chat.parse import CompletionParser, Delta
@@ -244,11 +243,7 @@ async def _answer(
         reasoning=reasoning if state.settings.reasoning_field else UNSET,
         tool_calls=_out_calls(calls) if calls else UNSET,
     )
-    usage = Usage(
-        last.num_prompt_tokens,
-        last.num_generated_tokens,
-        last.num_prompt_tokens + last.num_generated_tokens,
-    )
+    usage = gen.usage(last)
     body = ChatCompletion(
         id=gen.new_id("chatcmpl"),
         created=run.created,
@@ -325,7 +320,6 @@ async def _stream(
     finish = "length" if last.finish_reason == "length" else ("tool_calls" if calls else "stop")
     await sse.event(chunk(ChatDelta(), finish))
     if want_usage:
-        n_prompt, n_gen = last.num_prompt_tokens, last.num_generated_tokens
-        usage = Usage(n_prompt, n_gen, n_prompt + n_gen)
+        usage = gen.usage(last)
         await sse.event(_encoder.encode(ChatChunk(rid, created, model, [], usage=usage)))
     await sse.close()

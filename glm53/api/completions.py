@@ -8,7 +8,7 @@ from msgspec import UNSET
 from glm53.api import generation as gen
 from glm53.api.errors import ApiError, from_decode_error
 from glm53.api.http import Receive, Send, send_bytes
-from glm53.api.schemas import Completion, CompletionChoice, CompletionRequest, Usage
+from glm53.api.schemas import Completion, CompletionChoice, CompletionRequest
 from glm53.api.state import ServerState
 from glm53.engine.scheduler import GenerationRequest
 
@@ -91,13 +91,12 @@ async def completions(state: ServerState, body: bytes, receive: Receive, send: S
             return 499
         if last.finish_reason == "error":
             raise ApiError(500, f"generation failed: {last.error}", code="engine_error")
-        n_prompt, n_gen = last.num_prompt_tokens, last.num_generated_tokens
         answer = Completion(
             id=gen.new_id("cmpl"),
             created=run.created,
             model=state.settings.served_name,
             choices=[CompletionChoice(0, "".join(parts), last.finish_reason)],
-            usage=Usage(n_prompt, n_gen, n_prompt + n_gen),
+            usage=gen.usage(last),
         )
         await send_bytes(send, 200, _encoder.encode(answer))
         return 200
@@ -134,7 +133,6 @@ async def _stream(
         await sse.close(b"data: " + error.body() + b"\n\ndata: [DONE]\n\n")
         return
     if want_usage:
-        n_prompt, n_gen = last.num_prompt_tokens, last.num_generated_tokens
-        usage = Usage(n_prompt, n_gen, n_prompt + n_gen)
+        usage = gen.usage(last)
         await sse.event(_encoder.encode(Completion(rid, run.created, model, [], usage=usage)))
     await sse.close()

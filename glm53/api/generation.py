@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from glm53.api.errors import ApiError
 from glm53.api.http import DisconnectWatcher, Receive, Send, SseWriter
-from glm53.api.schemas import SamplingFields
+from glm53.api.schemas import PromptTokensDetails, SamplingFields, Usage
 from glm53.api.state import ServerState
 from glm53.engine.base import Tokenizer
 from glm53.engine.sampling import SamplingParams
@@ -135,12 +135,23 @@ class Run:
         if self._sse is not None:
             self._sse.stop()
         stream, metrics = self.stream, self.state.metrics
-        metrics.count_tokens(stream.num_prompt_tokens, stream.num_generated_tokens)
+        metrics.count_tokens(
+            stream.request.request_id,
+            stream.num_prompt_tokens,
+            stream.num_generated_tokens,
+            stream.num_cached_tokens,
+        )
         if stream.first_token_ns:
             metrics.time_to_first_token_s.observe(
                 (stream.first_token_ns - stream.submitted_ns) / 1e9
             )
         metrics.request_seconds.observe((time.monotonic_ns() - stream.submitted_ns) / 1e9)
+
+
+def usage(event: TokenEvent) -> Usage:
+    """The usage of a finished run, from its last TokenEvent."""
+    n_prompt, n_gen = event.num_prompt_tokens, event.num_generated_tokens
+    return Usage(n_prompt, n_gen, n_prompt + n_gen, PromptTokensDetails(event.num_cached_tokens))
 
 
 def check_model(state: ServerState, model: str) -> None:

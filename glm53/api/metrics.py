@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from typing import Any
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_TOKEN_BUCKETS = (0, 256, 1024, 4096, 16384, 65536, 262144)
+_RECENT_REQUESTS = 32  # finished requests listed in /stats
 
 
 class Histogram:
@@ -46,15 +48,29 @@ class Metrics:
         self.requests: collections.Counter[tuple[str, int]] = collections.Counter()
         self.prompt_tokens = 0
         self.completion_tokens = 0
+        self.cached_tokens = 0
+        self.cached_tokens_per_request = Histogram(_TOKEN_BUCKETS)
+        self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=_RECENT_REQUESTS)
         self.time_to_first_token_s = Histogram()
         self.request_seconds = Histogram()
 
     def count_request(self, route: str, status: int) -> None:
         self.requests[(route, status)] += 1
 
-    def count_tokens(self, prompt: int, completion: int) -> None:
+    def count_tokens(self, request_id: str, prompt: int, completion: int, cached: int) -> None:
+        """One finished request: its prompt, generated and prefix-cached prompt tokens."""
         self.prompt_tokens += prompt
         self.completion_tokens += completion
+        self.cached_tokens += cached
+        self.cached_tokens_per_request.observe(cached)
+        self.recent.append(
+            {
+                "id": request_id,
+                "prompt_tokens": prompt,
+                "cached_tokens": cached,
+                "completion_tokens": completion,
+            }
+        )
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -62,6 +78,8 @@ class Metrics:
             "requests_by_route": _by_route(self.requests),
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
+            "recent_requests": list(self.recent),
         }
 
     def prometheus(self, scheduler: Mapping[str, Any], engine: Mapping[str, Any]) -> bytes:
@@ -76,6 +94,12 @@ class Metrics:
             f"glm53_prompt_tokens_total {self.prompt_tokens}",
             "# TYPE glm53_completion_tokens_total counter",
             f"glm53_completion_tokens_total {self.completion_tokens}",
+            "# HELP glm53_prompt_cached_tokens_total Prompt tokens restored from the prefix cache.",
+            "# TYPE glm53_prompt_cached_tokens_total counter",
+            f"glm53_prompt_cached_tokens_total {self.cached_tokens}",
+            "# HELP glm53_prompt_cached_tokens Prompt tokens restored from the prefix cache, per request.",
+            "# TYPE glm53_prompt_cached_tokens histogram",
+            *self.cached_tokens_per_request.lines("glm53_prompt_cached_tokens"),
             "# HELP glm53_time_to_first_token_seconds From admission to the first token.",
             "# TYPE glm53_time_to_first_token_seconds histogram",
             *self.time_to_first_token_s.lines("glm53_time_to_first_token_seconds"),

@@ -101,7 +101,12 @@ async def generate(state: ServerState, body: bytes, receive: Receive, send: Send
     def response(last: TokenEvent | None) -> GenerateResponse:
         n_gen = last.num_generated_tokens if last else 0
         meta = GenerateMeta(
-            rid, len(prompt_ids), n_gen, _finish(last), round(time.monotonic() - start, 6)
+            rid,
+            len(prompt_ids),
+            n_gen,
+            _finish(last),
+            round(time.monotonic() - start, 6),
+            last.num_cached_tokens if last else 0,
         )
         return GenerateResponse("".join(texts), list(ids), meta)
 

@@ -133,10 +133,15 @@ class CompletionRequest(SamplingFields, kw_only=True):
 
 
 # --- chat and completion responses --------------------------------------------------------------
+class PromptTokensDetails(Struct):
+    cached_tokens: int  # prompt tokens restored from the prefix cache, not recomputed
+
+
 class Usage(Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class OutFunction(Struct):
@@ -285,6 +290,7 @@ class GenerateMeta(Struct):
     completion_tokens: int
     finish_reason: FinishInfo | None
     e2e_latency: float
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache
 
 
 class GenerateResponse(Struct):

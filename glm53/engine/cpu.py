@@ -5,7 +5,12 @@ Implements glm53.engine.base.Engine.
 
 Each slot owns one transformers cache (its DSA latents, indexer keys, KDA conv and recurrent
 state, and the DSA keys/values already expanded from the latents, see glm53.models.hf_expand).
-A step runs its items one after the other.
+A step runs its items one after the other, so a stream's output never depends on the others.
+
+Prefix snapshots (glm53.engine.base.PrefixSnapshots): `snapshot` deep-copies a slot's cache,
+the expanded-KV memo trimmed to its filled positions; `restore` deep-copies it back, so the
+stored snapshot is never written by later steps. Kept with the memo, a restored stream expands
+only its new positions, exactly as the cold stream does at that point.
 
 KDA prefill runs transformers' chunked torch path (its `chunk_size` argument) with chunks of
 KDA_CHUNK tokens instead of its default 64: the intra-chunk decay tensor grows with the chunk,
@@ -16,6 +21,7 @@ chunk 16 are within 2.5e-6 of the largest logit, chunk 64's within 4.4e-6.
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from collections.abc import Sequence
@@ -165,6 +171,27 @@ class CpuEngine:
     def release(self, slot: int) -> None:
         self.caches[slot] = None
 
+    @torch.inference_mode()
+    def snapshot(self, slot: int) -> tuple[Any, int]:
+        cache = self.caches[slot]
+        if cache is None:
+            raise EngineError(f"slot {slot} holds no stream to snapshot", [slot])
+        # deepcopy takes these trimmed copies in place of the memo's grown buffers
+        substitutes: dict[int, Any] = {}
+        for layer in cache.layers:
+            memo = getattr(layer, "_glm53_expanded", None)
+            if memo is not None and memo.keys is not None:
+                substitutes[id(memo.keys)] = memo.keys[:, :, : memo.length].clone()
+                substitutes[id(memo.values)] = memo.values[:, :, : memo.length].clone()
+        state = copy.deepcopy(cache, substitutes)
+        return state, tensor_bytes(state)
+
+    @torch.inference_mode()
+    def restore(self, slot: int, state: Any) -> None:
+        if not 0 <= slot < self.num_slots:
+            raise EngineError(f"slot {slot} is outside 0..{self.num_slots - 1}", [slot])
+        self.caches[slot] = copy.deepcopy(state)
+
     def stats(self) -> dict[str, Any]:
         if self.model is None:
             return dict(self._stats)
@@ -194,6 +221,33 @@ class CpuEngine:
         if self.model is not None:
             self.tier.close()
             self.model = None
+
+
+def tensor_bytes(root: Any) -> int:
+    """Bytes of every distinct tensor storage reachable from `root` through attributes (also
+    __slots__), dicts, lists and tuples."""
+    seen_objects: set[int] = set()
+    seen_storages: set[int] = set()
+    total, todo = 0, [root]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen_objects:
+            continue
+        seen_objects.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            if storage.data_ptr() not in seen_storages:
+                seen_storages.add(storage.data_ptr())
+                total += storage.nbytes()
+        elif isinstance(obj, dict):
+            todo.extend(obj.values())
+        elif isinstance(obj, list | tuple):
+            todo.extend(obj)
+        elif hasattr(obj, "__dict__") or hasattr(type(obj), "__slots__"):
+            todo.extend(vars(obj).values() if hasattr(obj, "__dict__") else ())
+            for name in getattr(type(obj), "__slots__", ()):
+                todo.append(getattr(obj, name, None))
+    return total
 
 
 def create(settings, checkpoint_dir: Path) -> CpuEngine:

@@ -1,28 +1,147 @@
-"""The GPU engine: exllamav3 1.6.5 (unedited) runs the model; in exact mode its routed
-experts live in pinned host memory behind the device-side VRAM expert cache
-(glm53/tiers/exl3_hooks.py). Implements glm53.engine.base.Engine.
+"""The GPU engine: stock exllamav3 1.6.5 (unedited) runs the model through its own `Generator`
+(paging, batching, prefill chunking, sampling), so exact mode is exllamav3's generation by
+construction; in exact mode the routed experts live in pinned host memory behind the device-side
+VRAM expert cache (glm53/tiers/exl3_hooks.py), which only rewrites exllamav3's pointer tables.
+Implements glm53.engine.base.JobEngine: the scheduler starts and cancels requests, and each
+`iterate` runs one Generator iteration (a prefill chunk per prefilling job, then one batched
+decode step) and returns the new tokens.
 
-Each slot owns a fixed run of KV pages and one recurrent (KDA) state; a step runs every
-prefill item on its own and all single-token decode items as one batch.
+A step loop of glm53's own over the same model was measured to drift from the Generator (logits
+0.11 to 0.39 apart at the first generated token, different tokens within 10): the Generator cuts
+a prompt's last page into a forward of its own and runs its last token as a decode row, and those
+shapes change the rounding. Driving the Generator leaves no such gap to close.
+
+Determinism and prefix reuse. The Generator reuses cached KV pages and recurrent (KDA) state
+snapshots of a prompt's longest cached prefix. Restoring state at an arbitrary page boundary
+changes how the rest of the prompt is chunked, and with it the rounding (measured on the H200: a
+6,216-token follow-up reusing 5,888 tokens gave other tokens than on a cold cache). glm53 keeps
+every output independent of what the cache held:
+
+- every prompt is prefilled in chunks cut at multiples of the chunk size from position 0, also
+  while other jobs decode (`shared_chunk_size` = `max_chunk_size`, `prefill_cooldown` 0);
+- a job publishes page hashes (what later jobs match) only for pages inside its *standard
+  region*: the chunks [k*C, (k+1)*C) that a cold prefill of that prompt runs in full (C the chunk
+  size; the region ends at the last multiple of C at or before the prompt's last page boundary,
+  where exllamav3 cuts a forward of its own). Pages of the prompt's tail and every page written by
+  decode keep exllamav3's random unique hashes, so no later job can match them;
+- recurrent-state snapshots are stashed only at multiples of C inside that region, so a later
+  job restores state only where its own cold prefill would also have cut, and then runs the same
+  chunks a cold prefill runs from there.
+
+So a hit reuses floor(prefix / C) * C tokens, and a prompt costs at most C - 1 + its tail more
+than an ideal token-granular cache; on a small card each chunk costs about one pass of the
+experts over the link whatever its length, so coarse boundaries cost little (see README).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
 from typing import Any
 
-from glm53.engine.base import EngineError, StreamWork
+from glm53.engine.base import EngineError, JobOutput
+
+log = logging.getLogger("glm53.engine.gpu")
 
 PAGE = 256  # exllamav3's KV page size
+GIB = 1 << 30
+
+
+def standard_region(num_prompt_tokens: int, chunk: int) -> int:
+    """Tokens of a prompt that a cold prefill runs in whole chunks of `chunk` from position 0.
+
+    exllamav3 prefills positions [0, n - 1) (the last token runs as a decode row), cuts the chunk
+    that holds the last page boundary b = (n - 1) // PAGE * PAGE there, and runs [b, n - 1) as a
+    forward of its own. So the chunks [k*chunk, (k+1)*chunk) that end at or before b are the same
+    for every prompt that shares those tokens; the region ends at the last multiple of chunk <= b.
+    """
+    if chunk % PAGE:
+        raise ValueError(f"the chunk size ({chunk}) must be a multiple of the page size ({PAGE})")
+    last_page = (num_prompt_tokens - 1) // PAGE * PAGE
+    return last_page // chunk * chunk
+
+
+def exllamav3_sampler(params):
+    """exllamav3's sampler for glm53's SamplingParams (greedy: ArgmaxSampler, the reference's).
+
+    The steps run in the order of glm53's CPU sampler: penalties first (exllamav3 requires them
+    first in the chain), then logit bias, temperature, top_k, min_p, top_p, and one draw.
+    """
+    from exllamav3.generator.sampler import (
+        ArgmaxSampler,
+        CustomSampler,
+        SS_Argmax,
+        SS_LogitBias,
+        SS_MinP,
+        SS_PresFreqP,
+        SS_RepP,
+        SS_Sample,
+        SS_Temperature,
+        SS_TopK,
+        SS_TopP,
+    )
+
+    steps = []
+    rep = getattr(params, "repetition_penalty", 1.0)
+    pres = getattr(params, "presence_penalty", 0.0)
+    freq = getattr(params, "frequency_penalty", 0.0)
+    bias = getattr(params, "logit_bias", None)
+    if rep != 1.0:
+        steps.append(SS_RepP(rep))
+    if pres or freq:
+        steps.append(SS_PresFreqP(pres, freq))
+    if bias:
+        steps.append(SS_LogitBias({int(k): float(v) for k, v in dict(bias).items()}))
+    if params.is_greedy:
+        return CustomSampler([*steps, SS_Argmax()]) if steps else ArgmaxSampler()
+    steps.append(SS_Temperature(float(params.temperature)))
+    if params.top_k > 0:
+        steps.append(SS_TopK(int(params.top_k)))
+    if params.min_p > 0:
+        steps.append(SS_MinP(float(params.min_p)))
+    if params.top_p < 1.0:
+        steps.append(SS_TopP(float(params.top_p)))
+    steps.append(SS_Sample())
+    return CustomSampler(steps)
+
+
+def align_prefix_reuse(job, chunk: int, enabled: bool = True) -> None:
+    """Restrict an enqueued (not yet started) exllamav3 Job's prefix reuse to its standard region
+    (see the module docstring): it matches and publishes page hashes only there, and stashes
+    recurrent state only at multiples of `chunk` there (`enabled` False: nowhere). Instance
+    attributes only: exllamav3's classes are untouched."""
+    seq = job.sequences[0]
+    std_pages = standard_region(len(seq.sequence_ids), chunk) // PAGE if enabled else 0
+    dropped = len(seq.page_hashes) - std_pages
+    if dropped > 0:
+        # pages past the region are allocated as fresh pages under random hashes, as exllamav3
+        # does for generated tokens, and prefill's rehash of full prompt pages skips them
+        seq.page_hashes = seq.page_hashes[:std_pages]
+        seq.new_unique_pages += dropped
+        job.all_unique_hashes = list(set(seq.page_hashes))
+    hash_page = job.hash_completed_page
+    stash = job.maybe_stash_recurrent
+
+    def hash_completed_page(seq_, page_idx):
+        if page_idx < std_pages:  # pages past the region (decode's too) keep their random hash
+            hash_page(seq_, page_idx)
+
+    def maybe_stash_recurrent(cache, interval=None):
+        pos = job.sequences[0].kv_position
+        if 0 < pos <= std_pages * PAGE and pos % chunk == 0:
+            stash(cache, chunk)
+
+    job.hash_completed_page = hash_completed_page
+    job.maybe_stash_recurrent = maybe_stash_recurrent
 
 
 class GpuEngine:
     name = "gpu"
     is_model = True
+    drives_jobs = True  # the scheduler submits requests (glm53.engine.base.JobEngine)
 
     def __init__(
         self,
@@ -35,6 +154,9 @@ class GpuEngine:
         ec_reserve_gb: float = 1.0,
         ec_stage_gb: float | None = None,
         ec_freq_window: int | None = None,
+        prefix_cache: bool = True,
+        recurrent_cache_gb: float = 4.0,
+        cache_tokens: int | None = None,
         device: str = "cuda:0",
         allow_unsupported: bool = False,
         heat_file: str | None = None,
@@ -45,32 +167,50 @@ class GpuEngine:
                 f"'zerocopy'); mode {mode!r} needs the CPU lane or the NVMe store, which the GPU "
                 "engine does not drive yet"
             )
+        if chunk_size % PAGE:
+            raise ValueError(
+                f"--chunk-size {chunk_size}: the GPU engine needs a multiple of {PAGE} "
+                "(exllamav3's page size)"
+            )
         self.model_dir, self.mode, self.device = model_dir, mode, device
         self.context_length, self.num_slots, self.chunk_size = context, max_batch, chunk_size
         self.ec_max_slots, self.ec_reserve_gb = ec_max_slots, ec_reserve_gb
         self.ec_stage_gb, self.ec_freq_window = ec_stage_gb, ec_freq_window
+        self.prefix_cache, self.recurrent_cache_gb = prefix_cache, recurrent_cache_gb
+        pages = -(-context // PAGE)
+        self.cache_tokens = cache_tokens or max_batch * pages * PAGE
         self.allow_unsupported = allow_unsupported
         self.heat_file = heat_file
-        self.description = f"GPU engine (exllamav3 1.6.5, mode {mode}) on {model_dir}"
+        self.description = f"GPU engine (exllamav3 1.6.5 Generator, mode {mode}) on {model_dir}"
         self.generation_defaults: dict[str, float] = {}
         self.loaded = None
+        self.generator = None
+        self._jobs: dict[Any, Any] = {}  # key -> exllamav3 Job
+        self._keys: dict[int, Any] = {}  # id(exllamav3 Job) -> key
         self._lock = threading.Lock()
-        self._stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "step_s": 0.0}
+        self._stats = {
+            "iterations": 0,
+            "jobs_started": 0,
+            "prefill_tokens": 0,
+            "decode_tokens": 0,
+            "cached_tokens": 0,
+            "iterate_s": 0.0,
+        }
 
+    # --- life cycle ----------------------------------------------------------------------------
     def load(self) -> None:
-        import torch
+        from exllamav3 import Generator
 
         from glm53.engine import exl3_load
         from glm53.engine.tokenizer import CheckpointTokenizer, read_generation_defaults
 
-        pages = -(-self.context_length // PAGE)
         self.tokenizer = CheckpointTokenizer.from_dir(self.model_dir)
         self.generation_defaults = read_generation_defaults(self.model_dir)
         self.loaded = exl3_load.load(
             self.model_dir,
             self.mode,
             device=self.device,
-            cache_tokens=self.num_slots * pages * PAGE,
+            cache_tokens=self.cache_tokens,
             max_batch=self.num_slots,
             max_chunk=self.chunk_size,
             ec_max_slots=self.ec_max_slots,
@@ -79,121 +219,119 @@ class GpuEngine:
             ec_freq_window=self.ec_freq_window,
             allow_unsupported=self.allow_unsupported,
         )
-        self.block_table = torch.arange(self.num_slots * pages, dtype=torch.int32).view(
-            self.num_slots, pages
+        self.generator = Generator(
+            model=self.loaded.model,
+            cache=self.loaded.cache,
+            tokenizer=self.loaded.tokenizer,
+            **generator_settings(self.num_slots, self.chunk_size, self.recurrent_cache_gb),
         )
-        self.states: list = [None] * self.num_slots
-        self._arenas: dict = {}
         self.heat_file = self.heat_file or exl3_load.heat_path(self.model_dir)
         if self.loaded.ec is not None and os.path.isfile(self.heat_file):
             with open(self.heat_file) as f:
                 self.loaded.ec.seed(json.load(f)["keys"])
 
-    def _state(self, slot: int, fresh: bool):
-        if fresh and self.states[slot] is not None:
-            self.states[slot].free()
-            self.states[slot] = None
-        if self.states[slot] is None:
-            self.states[slot] = self.loaded.cache.get_new_state()
-        return self.states[slot]
+    def close(self) -> None:
+        if self.loaded is None:
+            return
+        self.save_heat()
+        for key in list(self._jobs):
+            self.cancel(key)
+        if self.generator is not None:
+            self.generator.close()
+            self.generator = None
+        self.loaded.close()
+        self.loaded = None
 
-    def _params(self, slots, starts, states):
-        """Forward params whose block table and seqlens live in a pinned host arena and a
-        device arena that keep their identity for a given row count, seeded into exllamav3's
-        per-forward device cache: its captured CUDA graphs bake those device addresses, so
-        they must not move from step to step (exllamav3's Generator does the same)."""
+    # --- requests ------------------------------------------------------------------------------
+    def start(self, key, request, max_new_tokens: int, want_logits: bool = False) -> None:
+        """Enqueue `request` (a glm53 GenerationRequest) as an exllamav3 Job under `key`."""
         import torch
+        from exllamav3 import Job
 
-        rows, width = len(slots), self.block_table.shape[1]
-        arena = self._arenas.get(rows)
-        if arena is None:
-            host = torch.zeros(rows * width + rows, dtype=torch.int32, pin_memory=True)
-            dev = torch.empty_like(host, device=self.device)
-            views = (host[: rows * width].view(rows, width), host[rows * width :])
-            dviews = (dev[: rows * width].view(rows, width), dev[rows * width :])
-            arena = self._arenas[rows] = (host, dev, views, dviews)
-        host, dev, (bt, sl), (dbt, dsl) = arena
-        bt.copy_(self.block_table[list(slots)])
-        sl.copy_(torch.tensor(starts, dtype=torch.int32))
-        dev.copy_(host, non_blocking=True)
-        device = torch.device(self.device)
-        return {
-            "attn_mode": "flash_attn",
-            "block_table": bt,
-            "cache": self.loaded.cache,
-            "cache_seqlens": sl,
-            "recurrent_states": states,
-            "dev_cache": {(id(bt), device): (bt, dbt), (id(sl), device): (sl, dsl)},
-        }
+        if key in self._jobs:
+            raise EngineError(f"job {key!r} is already running")
+        n = len(request.prompt_ids)
+        if n + max_new_tokens > self.context_length:
+            raise EngineError(
+                f"{n} prompt tokens + {max_new_tokens} new exceed the context of "
+                f"{self.context_length} tokens (--context)"
+            )
+        seed = request.sampling.seed
+        job = Job(
+            input_ids=torch.tensor([request.prompt_ids], dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            sampler=exllamav3_sampler(request.sampling),
+            seed=None if seed is None else seed & 0x7FFFFFFF,
+            stop_conditions=sorted(request.stop_token_ids),
+            return_logits=want_logits,
+            identifier=key,
+        )
+        self.generator.enqueue(job)
+        align_prefix_reuse(job, self.chunk_size, self.prefix_cache)
+        self._jobs[key] = job
+        self._stats["jobs_started"] += 1
 
-    def step(self, work: Sequence[StreamWork]):
+    def cancel(self, key) -> None:
+        job = self._jobs.pop(key, None)
+        if job is not None:
+            self.generator.cancel(job)
+
+    def has_work(self) -> bool:
+        return bool(self._jobs)
+
+    def iterate(self) -> list[JobOutput]:
+        """One Generator iteration; the new tokens of every job that produced some. An exception
+        out of exllamav3 fails every job (EngineError without keys); a job exllamav3 reaped (its
+        own per-job error) fails alone."""
         import torch
 
         t0 = time.perf_counter()
-        out: dict[int, torch.Tensor] = {}
-        decode = [(i, w) for i, w in enumerate(work) if len(w.token_ids) == 1 and w.start_pos > 0]
-        decode_idx = {i for i, _ in decode}
-        with torch.inference_mode():
-            for i, w in enumerate(work):
-                if i in decode_idx:
+        try:
+            results = self.generator.iterate()
+        except Exception as exc:
+            raise EngineError(f"exllamav3 Generator.iterate failed: {exc}") from exc
+        vocab = self.tokenizer.vocab_size
+        outs: dict[Any, JobOutput] = {}
+        for r in results:
+            key = r.get("identifier")
+            if key not in self._jobs:
+                continue
+            stage = r["stage"]
+            if stage == "error":
+                self._jobs.pop(key, None)
+                outs[key] = JobOutput(key, [], finish="error", error=f"engine error: {r['error']}")
+                continue
+            if stage == "started":
+                job = self._jobs[key]
+                cached = job.cached_pages * PAGE + job.cached_tokens
+                self._stats["cached_tokens"] += cached
+                self._stats["prefill_tokens"] += len(job.sequences[0].sequence_ids) - cached
+                outs.setdefault(key, JobOutput(key, [])).cached_tokens = cached
+                continue
+            if stage != "streaming":
+                continue
+            out = outs.setdefault(key, JobOutput(key, []))
+            for part in (r, r.get("held") if r.get("eos") else None):
+                if not part or "token_ids" not in part:
                     continue
-                self._check(w)
-                try:
-                    state = self._state(w.slot, w.start_pos == 0)
-                    # like exllamav3's Generator: a prompt's last token runs as a one-row
-                    # decode forward, so its K/V and state come from the decode kernels
-                    body = w.token_ids[:-1] if w.want_logits else w.token_ids
-                    if body:
-                        ids = torch.tensor([body], dtype=torch.long)
-                        self.loaded.model.prefill(
-                            ids, self._params([w.slot], [w.start_pos], [state])
-                        )
-                    if w.want_logits:
-                        ids = torch.tensor([w.token_ids[-1:]], dtype=torch.long)
-                        pos = w.start_pos + len(body)
-                        params = self._params([w.slot], [pos], [state])
-                        out[i] = self.loaded.model.forward(ids, params)[0, -1].float()
-                except Exception as exc:
-                    raise EngineError(f"prefill of slot {w.slot} failed: {exc}", [w.slot]) from exc
-                self._stats["prefill_tokens"] += len(w.token_ids)
-            if decode:
-                for _, w in decode:
-                    self._check(w)
-                slots = [w.slot for _, w in decode]
-                try:
-                    states = [self._state(s, False) for s in slots]
-                    ids = torch.tensor([w.token_ids for _, w in decode], dtype=torch.long)
-                    params = self._params(slots, [w.start_pos for _, w in decode], states)
-                    logits = self.loaded.model.forward(ids, params)[:, -1].float()
-                except Exception as exc:
-                    raise EngineError(f"decode of slots {slots} failed: {exc}", slots) from exc
-                for row, (i, _) in enumerate(decode):
-                    out[i] = logits[row]
-                self._stats["decode_tokens"] += len(decode)
-        wanted = [out[i] for i, w in enumerate(work) if w.want_logits]
-        self._stats["steps"] += 1
-        self._stats["step_s"] += time.perf_counter() - t0
-        if not wanted:
-            return torch.empty((0, self.tokenizer.vocab_size), dtype=torch.float32)
-        return torch.stack(wanted).cpu()
+                out.token_ids.extend(part["token_ids"].view(-1).tolist())
+                if "logits" in part:
+                    rows = part["logits"][0, :, :vocab].float()
+                    out.logits = rows if out.logits is None else torch.cat((out.logits, rows))
+            if r.get("eos"):
+                self._jobs.pop(key, None)
+                reason = r.get("eos_reason")
+                out.finish = "stop" if reason == "stop_token" else "length"
+        self._stats["iterations"] += 1
+        self._stats["decode_tokens"] += sum(len(o.token_ids) for o in outs.values())
+        self._stats["iterate_s"] += time.perf_counter() - t0
+        return list(outs.values())
 
-    def _check(self, w: StreamWork) -> None:
-        if not 0 <= w.slot < self.num_slots:
-            raise EngineError(f"slot {w.slot} is outside [0, {self.num_slots})", [w.slot])
-        if w.start_pos + len(w.token_ids) > self.context_length:
-            raise EngineError(
-                f"slot {w.slot}: position {w.start_pos + len(w.token_ids)} exceeds the context "
-                f"of {self.context_length} tokens (--context)",
-                [w.slot],
-            )
-
-    def release(self, slot: int) -> None:
-        if self.states[slot] is not None:
-            self.states[slot].free()
-            self.states[slot] = None
-
+    # --- introspection -------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         out = dict(self._stats)
+        out["chunk_size"] = self.chunk_size
+        out["prefix_cache"] = self.prefix_cache
         if self.loaded is not None and self.loaded.ec is not None:
             with self._lock:
                 out["tiers"] = {"vram_cache": self.loaded.ec.state()}
@@ -211,14 +349,20 @@ class GpuEngine:
         os.replace(tmp, self.heat_file)
         return self.heat_file
 
-    def close(self) -> None:
-        if self.loaded is None:
-            return
-        self.save_heat()
-        for slot in range(self.num_slots):
-            self.release(slot)
-        self.loaded.close()
-        self.loaded = None
+
+def generator_settings(max_batch: int, chunk: int, recurrent_cache_gb: float) -> dict:
+    """The Generator arguments glm53 uses, shared by the engine and by the GPU tests' reference
+    Generator (stock exllamav3 at these settings is what exact mode must equal)."""
+    return {
+        "max_batch_size": max_batch,
+        "max_chunk_size": chunk,
+        # full chunks cut at multiples of `chunk` also while other jobs decode (module docstring)
+        "shared_chunk_size": chunk,
+        "prefill_cooldown": 0,
+        "recurrent_cache_size": int(recurrent_cache_gb * GIB),
+        "recurrent_checkpoint_interval": chunk,
+        "recurrent_checkpoint_interval_pp": chunk,
+    }
 
 
 def create(settings, checkpoint_dir) -> GpuEngine:
@@ -236,6 +380,11 @@ def create(settings, checkpoint_dir) -> GpuEngine:
         raise ConfigurationError(
             f"--store {settings.store}: exact mode keeps every routed expert in pinned RAM and "
             "does not read a store; leave --store out"
+        )
+    if settings.chunk_size % PAGE:
+        raise ConfigurationError(
+            f"--chunk-size {settings.chunk_size}: the GPU engine needs a multiple of {PAGE} "
+            f"(exllamav3's page size), e.g. {max(PAGE, settings.chunk_size // PAGE * PAGE)}"
         )
     return GpuEngine(
         str(checkpoint_dir),

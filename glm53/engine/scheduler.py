@@ -3,7 +3,8 @@
 Threads: the engine thread owns the engine and the waiting/running lists; it loads the engine,
 then loops: take new and cancelled jobs, fill free slots from the queue, plan one step (every
 decoding stream gets its next token; prompts are fed in chunks of at most `chunk_size` tokens per
-step, over all prefilling streams), run it, sample each stream's token, and post the step's tokens
+step, over all prefilling streams, each stream's chunks cut at multiples of `chunk_size` from its
+position 0), run it, sample each stream's token, and post the step's tokens
 to the event loop in one `Handoff.post` (glm53._handoff). The event loop owns each job's
 `JobStream`: it decodes tokens to text and applies stop strings there, off the engine's critical
 path. Nothing here blocks the event loop.
@@ -16,6 +17,13 @@ held (glm53._handoff), and a step with no new or cancelled job takes no lock.
 A stream finishes on a stop token id (finish "stop"), a stop string (the text is cut before it;
 the engine slot is freed at the next step), its max_new_tokens or the end of the context
 ("length"), an engine error ("error"), or a cancel (the slot is freed at the next step).
+
+Prefix cache (glm53.engine.prefix_cache), with an engine that implements PrefixSnapshots and
+`prefix_cache_bytes` > 0: a new job whose prompt starts with the tokens of a snapshot is given
+that state in its slot and starts prefilling at the snapshot's length (its `num_cached`); every
+prefill chunk that ends at a multiple of `chunk_size` leaves a snapshot. Chunks are cut at the
+same multiples whether a job resumed or started cold, and whatever other streams prefill in the
+same steps, so neither a hit nor a neighbour changes a stream's tokens or logits.
 """
 
 from __future__ import annotations
@@ -30,7 +38,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from glm53._handoff import Handoff
-from glm53.engine.base import Engine, EngineError, StreamWork
+from glm53.engine.base import Engine, EngineError, PrefixSnapshots, StreamWork
+from glm53.engine.prefix_cache import PrefixCache, Snapshot, chain_keys
 from glm53.engine.sampling import SamplingParams, StreamSampler, sample
 from glm53.engine.stops import StopMatcher
 
@@ -78,6 +87,7 @@ class TokenEvent:
     num_prompt_tokens: int
     num_generated_tokens: int
     finish_reason: str | None = None  # "stop" | "length" | "error"
+    num_cached_tokens: int = 0  # prompt tokens reused from a prefix cache, not computed
     matched_stop: str | int | None = None
     error: str | None = None
     time_ns: int = 0
@@ -90,7 +100,9 @@ class _Job:
     max_new_tokens: int
     stream: JobStream | None = None
     slot: int = -1
-    num_fed: int = 0  # prompt tokens the engine has seen
+    num_fed: int = 0  # prompt tokens the engine has seen (restored ones included)
+    num_cached: int = 0  # prompt tokens reused from the scheduler's or the engine's prefix cache
+    prefix_keys: list[bytes] | None = None  # chain keys of the prompt's whole chunks
     num_generated: int = 0
     last_token: int = -1
     is_cancelled: bool = False
@@ -124,6 +136,11 @@ class JobStream:
     @property
     def num_generated_tokens(self) -> int:
         return self._num_generated
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens reused from a prefix cache (set before the first token is posted)."""
+        return self._job.num_cached
 
     def cancel(self) -> None:
         if not self.is_done:
@@ -188,6 +205,7 @@ class JobStream:
             num_prompt_tokens=len(job.request.prompt_ids),
             num_generated_tokens=self._num_generated,
             finish_reason=finish,
+            num_cached_tokens=job.num_cached,
             matched_stop=matched,
             error=error,
             time_ns=time_ns,
@@ -195,9 +213,18 @@ class JobStream:
 
 
 class Scheduler:
-    """Admits jobs (up to `max_batch` running, `queue_limit` waiting) and drives `engine`."""
+    """Admits jobs (up to `max_batch` running, `queue_limit` waiting) and drives `engine`;
+    keeps prefix snapshots in up to `prefix_cache_bytes` when the engine can take them."""
 
-    def __init__(self, engine: Engine, *, max_batch: int, chunk_size: int, queue_limit: int):
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        max_batch: int,
+        chunk_size: int,
+        queue_limit: int,
+        prefix_cache_bytes: int = 0,
+    ):
         if max_batch < 1 or chunk_size < 1 or queue_limit < 0:
             raise ValueError(
                 f"max_batch ({max_batch}) and chunk_size ({chunk_size}) must be >= 1, "
@@ -207,6 +234,8 @@ class Scheduler:
         self.max_batch = max_batch
         self.chunk_size = chunk_size
         self.queue_limit = queue_limit
+        self.prefix_cache_bytes = prefix_cache_bytes
+        self.prefix_cache: PrefixCache | None = None  # engine thread; set after load
         self.num_slots = 0
         self.context_length = 0
         self.is_ready = False
@@ -230,6 +259,9 @@ class Scheduler:
             "prompt_tokens": 0,
             "generated_tokens": 0,
             "step_errors": 0,
+            "cached_prompt_tokens": 0,
+            "requests_prefix_hit": 0,
+            "snapshot_errors": 0,
         }
 
     # --- event loop side ---------------------------------------------------------------------
@@ -246,32 +278,42 @@ class Scheduler:
         self.is_ready = True
 
     def submit(self, request: GenerationRequest) -> JobStream:
+        return self.submit_many([request])[0]
+
+    def submit_many(self, requests: list[GenerationRequest]) -> list[JobStream]:
+        """Submit requests as one group: all are admitted or none (QueueFull, PromptTooLong and
+        ValueError name the first bad one), and they reach the engine thread together, in order,
+        so a job engine starts them in the same iteration when it has the slots."""
         if not self.is_ready:
             raise RuntimeError("the scheduler is not started")
-        num_prompt = len(request.prompt_ids)
-        if num_prompt == 0:
-            raise ValueError("the prompt is empty")
-        if num_prompt >= self.context_length:
-            raise PromptTooLong(num_prompt, self.context_length)
-        if self._num_active >= self.num_slots + self.queue_limit:
-            self.counters["requests_rejected"] += 1
+        for request in requests:
+            num_prompt = len(request.prompt_ids)
+            if num_prompt == 0:
+                raise ValueError("the prompt is empty")
+            if num_prompt >= self.context_length:
+                raise PromptTooLong(num_prompt, self.context_length)
+        if self._num_active + len(requests) > self.num_slots + self.queue_limit:
+            self.counters["requests_rejected"] += len(requests)
             raise QueueFull(
                 f"all {self.num_slots} slots are busy and {self.queue_limit} requests are waiting",
                 self.retry_after_s(),
             )
-        room = self.context_length - num_prompt
-        max_new = room if request.max_new_tokens is None else min(request.max_new_tokens, room)
-        job = _Job(request, StreamSampler(request.sampling), max_new)
-        stream = JobStream(
-            self, job, self.engine.tokenizer.new_decoder(), StopMatcher(request.stop_strings)
-        )
-        job.stream = stream
-        self._num_active += 1
-        self.counters["requests_submitted"] += 1
+        jobs, streams = [], []
+        for request in requests:
+            room = self.context_length - len(request.prompt_ids)
+            max_new = room if request.max_new_tokens is None else min(request.max_new_tokens, room)
+            job = _Job(request, StreamSampler(request.sampling), max_new)
+            job.stream = JobStream(
+                self, job, self.engine.tokenizer.new_decoder(), StopMatcher(request.stop_strings)
+            )
+            jobs.append(job)
+            streams.append(job.stream)
+        self._num_active += len(jobs)
+        self.counters["requests_submitted"] += len(jobs)
         with self._cv:
-            self._inbox.append(job)
+            self._inbox.extend(jobs)
             self._cv.notify()
-        return stream
+        return streams
 
     def retry_after_s(self) -> int:
         waves = (self._num_active - self.num_slots + 1) / max(1, self.num_slots)
@@ -307,6 +349,7 @@ class Scheduler:
             "num_active": self._num_active,
             **self.step_counters,
             **self.counters,
+            "prefix_cache": self.prefix_cache.stats() if self.prefix_cache is not None else None,
         }
 
     async def close(self) -> None:
@@ -327,13 +370,18 @@ class Scheduler:
             self.engine.load()
             self.num_slots = min(self.max_batch, self.engine.num_slots)
             self.context_length = self.engine.context_length
+            if self.prefix_cache_bytes > 0 and isinstance(self.engine, PrefixSnapshots):
+                self.prefix_cache = PrefixCache(self.chunk_size, self.prefix_cache_bytes)
         except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
             self._close_engine()
             self._post(_set_exception, loaded, exc)
             return
         self._post(_set_result, loaded)
         try:
-            self._engine_loop(list(range(self.num_slots - 1, -1, -1)))
+            if getattr(self.engine, "drives_jobs", False):
+                self._job_loop()
+            else:
+                self._engine_loop(list(range(self.num_slots - 1, -1, -1)))
         finally:
             outputs = [(j, -1, "error", "the server is shutting down", 0) for j in self._all_jobs()]
             if outputs:
@@ -367,8 +415,106 @@ class Scheduler:
                     continue
                 job.slot = free_slots.pop()
                 self._running.append(job)
+                if self.prefix_cache is not None:
+                    self._resume_prefix(job, free_slots)
             if self._running:
                 self._run_step(free_slots)
+
+    def _take_inbox(self) -> tuple[list[_Job], bool]:
+        """Wait while idle; move new jobs to the waiting list; return the cancels and whether
+        the scheduler is stopping."""
+        with self._cv:
+            while not (
+                self._is_stopping or self._inbox or self._cancels or self._running or self._waiting
+            ):
+                self._cv.wait()
+            inbox, self._inbox = self._inbox, []
+            cancels, self._cancels = self._cancels, []
+        self._waiting.extend(inbox)
+        return cancels, self._is_stopping
+
+    # --- job engines (glm53.engine.base.JobEngine: the GPU engine over exllamav3's Generator) ----
+    def _job_loop(self) -> None:
+        """The loop for an engine that runs whole requests: admit up to num_slots jobs, start
+        them in the engine, iterate it, and post each job's new tokens. Admission is FIFO, so
+        jobs submitted together start together, in submission order."""
+        while True:
+            if self._inbox or self._cancels or self._is_stopping or not self._running:
+                cancels, stopping = self._take_inbox()
+                if stopping:
+                    return
+                for job in cancels:
+                    if job in self._running:
+                        self._running.remove(job)
+                        self._cancel_in_engine(job)
+                    elif job in self._waiting:
+                        self._waiting.remove(job)
+            while self._waiting and len(self._running) < self.num_slots:
+                job = self._waiting.popleft()
+                if job.is_cancelled:
+                    continue
+                self._start_in_engine(job)
+            if self._running:
+                self._run_iteration()
+
+    def _start_in_engine(self, job: _Job) -> None:
+        try:
+            self.engine.start(id(job), job.request, job.max_new_tokens, False)
+        except Exception as exc:  # noqa: BLE001 - this request fails, the server goes on
+            log.exception("starting a job in the engine failed")
+            self._post(self._deliver, [(job, -1, "error", f"engine error: {exc}", 0)])
+            return
+        job.slot = len(self._running)
+        self._running.append(job)
+
+    def _cancel_in_engine(self, job: _Job) -> None:
+        try:
+            self.engine.cancel(id(job))
+        except Exception:  # noqa: BLE001 - a failed cancel must not stop the other streams
+            log.exception("engine.cancel failed")
+
+    def _run_iteration(self) -> None:
+        counters = self.step_counters
+        try:
+            outs = self.engine.iterate()
+        except Exception as exc:  # noqa: BLE001 - fail the jobs, keep serving
+            counters["step_errors"] += 1
+            log.exception("engine iteration failed for %d jobs", len(self._running))
+            failed, self._running = self._running, []
+            now_ns = time.monotonic_ns()
+            for job in failed:
+                self._cancel_in_engine(job)
+            self._post(
+                self._deliver, [(j, -1, "error", f"engine error: {exc}", now_ns) for j in failed]
+            )
+            return
+        now_ns = time.monotonic_ns()
+        counters["steps"] += 1
+        by_key = {id(job): job for job in self._running}
+        outputs = []
+        for out in outs:
+            job = by_key.get(out.key)
+            if job is None:
+                continue
+            if out.cached_tokens is not None:
+                job.num_cached = out.cached_tokens
+                job.num_fed = len(job.request.prompt_ids)
+                counters["prompt_tokens"] += job.num_fed - out.cached_tokens
+                counters["cached_prompt_tokens"] += out.cached_tokens
+                counters["requests_prefix_hit"] += int(out.cached_tokens > 0)
+            last = len(out.token_ids) - 1
+            for i, token in enumerate(out.token_ids):
+                job.num_generated += 1
+                job.last_token = token
+                finish = out.finish if i == last and out.finish != "error" else None
+                outputs.append((job, token, finish, None, now_ns))
+            counters["generated_tokens"] += len(out.token_ids)
+            if out.finish == "error":
+                outputs.append((job, -1, "error", out.error, now_ns))
+            if out.finish is not None:
+                self._running.remove(job)
+        if outputs:
+            self._handoff.post(self._deliver, outputs)
 
     def _close_engine(self) -> None:
         try:
@@ -394,6 +540,39 @@ class Scheduler:
         free_slots.append(job.slot)
         job.slot = -1
 
+    def _resume_prefix(self, job: _Job, free_slots: list[int]) -> None:
+        """Restore the longest cached prefix of the job's prompt into its slot, if any."""
+        prompt = job.request.prompt_ids
+        job.prefix_keys = chain_keys(prompt, self.chunk_size)
+        snap = self.prefix_cache.lookup(job.prefix_keys, len(prompt))
+        if snap is None:
+            return
+        try:
+            self.engine.restore(job.slot, snap.state)
+        except Exception as exc:  # noqa: BLE001 - this stream fails, the others keep serving
+            log.exception("engine.restore(%d) failed", job.slot)
+            self._running.remove(job)
+            self._release(job, free_slots)
+            message = f"engine error: restoring the cached prefix failed: {exc}"
+            self._post(self._deliver, [(job, -1, "error", message, time.monotonic_ns())])
+            return
+        job.num_fed = job.num_cached = snap.num_tokens
+        self.step_counters["cached_prompt_tokens"] += snap.num_tokens
+        self.step_counters["requests_prefix_hit"] += 1
+
+    def _take_snapshot(self, job: _Job) -> None:
+        """Keep the state of a job whose prefill just reached a chunk boundary, unless held."""
+        key = job.prefix_keys[job.num_fed // self.chunk_size - 1]
+        if self.prefix_cache.has(key):
+            return
+        try:
+            state, num_bytes = self.engine.snapshot(job.slot)
+        except Exception:  # noqa: BLE001 - a missing snapshot costs a later prefill, not output
+            self.step_counters["snapshot_errors"] += 1
+            log.exception("engine.snapshot(%d) failed", job.slot)
+            return
+        self.prefix_cache.store(key, Snapshot(state, job.num_fed, num_bytes))
+
     def _plan(
         self,
     ) -> tuple[list[StreamWork], list[tuple[_Job, int]], list[_Job], list[StreamSampler]]:
@@ -405,9 +584,13 @@ class Scheduler:
         for job in self._running:
             prompt = job.request.prompt_ids
             if job.num_fed < len(prompt):
-                if budget <= 0:
+                # the chunk ends at the next multiple of chunk_size (or the prompt's end); when the
+                # step has less room left, the stream waits for the next step rather than being
+                # cut elsewhere. The first prefilling stream always fits: it starts the budget.
+                to_boundary = self.chunk_size - job.num_fed % self.chunk_size
+                n = min(to_boundary, len(prompt) - job.num_fed)
+                if n > budget:
                     continue
-                n = min(budget, len(prompt) - job.num_fed)
                 budget -= n
                 is_last = job.num_fed + n == len(prompt)
                 work.append(
@@ -454,6 +637,8 @@ class Scheduler:
         for job, n in fed:
             job.num_fed += n
             counters["prompt_tokens"] += n
+            if self.prefix_cache is not None and job.num_fed % self.chunk_size == 0:
+                self._take_snapshot(job)
         outputs = []
         for job, token in zip(rows, tokens, strict=True):
             job.num_generated += 1
