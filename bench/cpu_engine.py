@@ -131,8 +131,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = Path(args.checkpoint) if args.checkpoint else Path(tmp) / "demo"
         if not args.checkpoint:
-            from glm53.models.synth import write_checkpoint
-            from glm53.models.synth_layout import preset
+            from glm53.synth.shapes import preset
+            from glm53.synth.writer import write_checkpoint
 
             write_checkpoint(preset("demo"), checkpoint, seed=0)
         from glm53.engine.tokenizer import CheckpointTokenizer

@@ -1,5 +1,5 @@
-"""GPU benchmark on the slice checkpoint (real GLM-5.3-Flash widths): glm53 exact mode
-against stock exllamav3 1.6.5 in the same run.
+"""GPU benchmark on the slice or deep checkpoint (real GLM-5.3-Flash widths): glm53 exact mode
+against stock exllamav3 1.6.5 in the same run, with glm53 doctor's prediction beside each row.
 
 Rows: stock with every expert in VRAM (the ceiling); stock with every routed expert read
 zero-copy from pinned RAM (the floor); glm53 exact with a VRAM expert cache of --share of
@@ -10,8 +10,16 @@ same VRAM budget, without and with its pinned arena. Decode tok/s at concurrency
 chunks and as one chunk), hit rate per MoE layer, and the roofline of exact mode at its
 measured hit rate.
 
+--vram-budget SIZE plans exact mode within SIZE as on a card that size (exl3_load.plan_vram);
+the expert cache is then as large as the budget allows unless --share caps it, and the stock
+offload rows keep as many experts per layer in VRAM as exact's cache and staging take. Every
+row the cost model covers (stock: all slots, zerocopy: none, exact: its slots) gets doctor's
+prediction for this checkpoint's geometry (glm53.doctor.costmodel.exact_rows) and the ratio
+measured / predicted; exact's ratio then scales doctor's full GLM-5.3-Flash prediction at the
+same budget ("full_model").
+
     python bench/gpu_slice.py --model DIR [--json] [--plot out.png] [--modes stock,exact]
-                              [--rows-dir DIR]      # one row per file, as measured
+                              [--vram-budget 24G] [--rows-dir DIR]  # one row per file
     python bench/gpu_slice.py --combine DIR --json   # figures of rows measured earlier
 """
 
@@ -23,7 +31,19 @@ import os
 import sys
 import time
 
+import msgspec
 import torch
+
+from glm53.config import parse_size
+from glm53.doctor import costmodel
+from glm53.doctor.geometry import GLM53_FLASH, Geometry, geometry_of
+
+REAL_24GB_SHARE = 1376 / 12096  # the 24 GB RTX 3090's slots of GLM-5.3-Flash's experts (seed)
+# doctor's inputs for the H200 this bench runs on: the UVA read rate into the EXL3 kernels
+# (exllamav3.md App. A, 49.3-50.6 GB/s) and the spec sheet's HBM3e bandwidth and fp16 rate
+H200_PCIE_GBPS = 50.0
+H200_VRAM_GBPS = 4800.0
+H200_FP16_TFLOPS = 989.0
 
 
 def decode_run(loaded, vocab, batch, prompt_len=512, n_new=128, seed=0):
@@ -107,8 +127,41 @@ def measure(loaded, vocab, quick=False):
 ALL_MODES = ("stock", "zerocopy", "exact", "exact_clock", "stock_offload", "stock_offload_arena")
 
 
+def cache_share(args) -> float | None:
+    """The share of the experts exact mode may cache: --share, else the 24 GB card's 11.4 %
+    without a budget; with --vram-budget and no --share, none (the budget decides)."""
+    if args.share is not None:
+        return args.share
+    return None if args.vram_budget is not None else REAL_24GB_SHARE
+
+
+def offload_split(args, n_experts: int, n_moe: int, plan, record_bytes: int) -> int:
+    """Experts per layer that stock offload runs on the CPU: the rest stay in VRAM, as many as
+    exact mode caches (by --share), or with a budget as many as its cache and staging bytes."""
+    share = cache_share(args)
+    if share is not None:
+        return n_experts - max(1, round(share * n_experts))
+    on_gpu = (plan.cache_bytes + plan.stage_bytes) // record_bytes
+    return n_experts - max(1, min(n_experts, on_gpu // n_moe))
+
+
+def exact_kwargs(args, mode: str, n_experts: int, n_moe: int) -> dict:
+    """exl3_load.load arguments of an exact row."""
+    kw = {"ec_freq_window": 0 if mode == "exact_clock" else None}
+    share = cache_share(args)
+    if share is not None:
+        kw["ec_max_slots"] = max(1, int(round(share * n_moe * n_experts)))
+    if args.vram_budget is not None:
+        kw["vram_budget"] = args.vram_budget
+    return kw
+
+
+CACHE_TOKENS, MAX_BATCH, MAX_CHUNK = 16384, 4, 2048
+
+
 def measure_mode(args, mode) -> dict:
-    """One row: load the slice in `mode`, measure it, unload. Offload rows run in a subprocess."""
+    """One row: load the checkpoint in `mode`, measure it, unload. Offload rows run in a
+    subprocess."""
     from exllamav3 import Config
 
     from glm53.engine import exl3_load
@@ -120,11 +173,18 @@ def measure_mode(args, mode) -> dict:
         "experts": geo.n_experts,
         "record_bytes": sum(geo.part_bytes),
         "device": torch.cuda.get_device_name(),
+        "geometry": msgspec.to_builtins(geometry_of(args.model)),
     }
+    plan = None
+    if args.vram_budget is not None:
+        plan = exl3_load.vram_plan_for(
+            args.model, geo, args.vram_budget, CACHE_TOKENS, MAX_BATCH, MAX_CHUNK
+        )
+        info["vram_plan"] = msgspec.to_builtins(plan)
     if mode.startswith("stock_offload"):
         import subprocess
 
-        split = geo.n_experts - max(1, round(args.share * geo.n_experts))
+        split = offload_split(args, geo.n_experts, len(geo.moe_layers), plan, sum(geo.part_bytes))
         cmd = [sys.executable, os.path.join(os.path.dirname(__file__), "exl3_offload.py"),
                "--model", args.model, "--split", str(split), "--json",
                "--timeout", str(args.offload_timeout)]  # fmt: skip
@@ -137,23 +197,88 @@ def measure_mode(args, mode) -> dict:
         return {"mode": mode, "info": info, "row": res}
     kw = {}
     if mode.startswith("exact"):
-        kw["ec_max_slots"] = max(1, int(round(args.share * len(geo.moe_layers) * geo.n_experts)))
-        kw["ec_freq_window"] = 0 if mode == "exact_clock" else None
+        kw = exact_kwargs(args, mode, geo.n_experts, len(geo.moe_layers))
     with torch.inference_mode():
         t0 = time.perf_counter()
         loaded = exl3_load.load(
-            args.model, mode.split("_")[0], cache_tokens=16384, max_batch=4, **kw
-        )
+            args.model, mode.split("_")[0], cache_tokens=CACHE_TOKENS, max_batch=MAX_BATCH,
+            max_chunk=MAX_CHUNK, **kw,
+        )  # fmt: skip
         load_s = time.perf_counter() - t0
         row = measure(loaded, loaded.config.vocab_size, args.quick)
         row["load_s"] = load_s
+        row["resident_bytes"] = loaded.resident_bytes
         if loaded.ec is not None:
             row["slots"] = loaded.ec.n_slots
             row["freq_window"] = loaded.ec.freq_window
+            row["stage_slots"] = loaded.stager.buf_slots if loaded.stager is not None else 0
         loaded.close()
         del loaded
         torch.cuda.empty_cache()
     return {"mode": mode, "info": info, "row": row}
+
+
+def prediction_inputs(args, slots: int) -> costmodel.CostInputs:
+    return costmodel.CostInputs(
+        vram_slots=slots,
+        pcie_gbps=args.predict_pcie_gbps,
+        vram_gbps=args.predict_vram_gbps,
+        gpu_fp16_tflops=args.predict_fp16_tflops,
+    )
+
+
+def predicted_slots(mode: str, row: dict, geo: Geometry) -> int | None:
+    """The VRAM slots the cost model gives a row: every expert for stock, none for zerocopy,
+    the cache's for exact; None for rows it does not model (stock exllamav3's CPU offload)."""
+    if mode == "stock":
+        return geo.total_experts
+    if mode == "zerocopy":
+        return 0
+    return row.get("slots") if mode.startswith("exact") else None
+
+
+MEASURED = {  # prediction name -> how to read the measured row
+    "decode_c1_tok_s": lambda r: r["decode"]["c1"]["per_stream_tok_s"],
+    "decode_c2_per_stream_tok_s": lambda r: r["decode"]["c2"]["per_stream_tok_s"],
+    "decode_c4_per_stream_tok_s": lambda r: r["decode"]["c4"]["per_stream_tok_s"],
+    "decode_c4_aggregate_tok_s": lambda r: r["decode"]["c4"]["aggregate_tok_s"],
+    "prefill_512_tok_s": lambda r: r["prefill"].get("p512"),
+    "prefill_8192_tok_s": lambda r: r["prefill"].get("p8192"),
+    "prefill_8192_chunk8192_tok_s": lambda r: r["prefill"].get("p8192_c8192"),
+    "hit_rate": lambda r: r.get("decode_hit_rate"),
+}
+
+
+def predictions(rows: dict, geo: Geometry, args) -> tuple[dict, dict]:
+    """doctor's prediction of each modelled row, and measured / predicted per figure."""
+    predicted, vs = {}, {}
+    for mode, row in rows.items():
+        slots = predicted_slots(mode, row, geo)
+        if slots is None:
+            continue
+        pred = costmodel.exact_rows(prediction_inputs(args, slots), geo)
+        predicted[mode] = pred
+        vs[mode] = {}
+        for name, value in pred.items():
+            got = MEASURED[name](row)
+            vs[mode][name] = got / value if got and value else None
+    return predicted, vs
+
+
+def full_model(args, vs_exact: dict | None) -> dict | None:
+    """doctor's GLM-5.3-Flash figures at the same budget (or share), and those figures times
+    exact's measured / predicted on this checkpoint: the measured per-layer costs carried to the
+    real model's 288 experts per layer."""
+    if not vs_exact:
+        return None
+    share = cache_share(args)
+    if share is not None:
+        slots = round(share * GLM53_FLASH.total_experts)
+    else:
+        slots = costmodel.vram_slots(args.vram_budget // 2**20, costmodel.Mode.EXACT)
+    pred = costmodel.exact_rows(prediction_inputs(args, slots), GLM53_FLASH)
+    scaled = {k: pred[k] * vs_exact[k] for k in pred if vs_exact.get(k)}
+    return {"slots": slots, "predicted": pred, "scaled_by_measured": scaled}
 
 
 def combine(results: list[dict], args) -> dict:
@@ -227,6 +352,13 @@ def combine(results: list[dict], args) -> dict:
         "prefill8k_per_chunk_stream_bound_tok_s": chunk_bound,
     }
     offload = [c1(m) for m in ("stock_offload", "stock_offload_arena") if c1(m)]
+    predicted = vs_predicted = {}
+    if "geometry" in info:  # rows measured before predictions were recorded have none
+        geo = msgspec.convert(info["geometry"], Geometry)
+        predicted, vs_predicted = predictions(rows, geo, args)
+    figures["predicted"] = predicted
+    figures["full_model"] = full_model(args, vs_predicted.get("exact"))
+    c4_agg = rows["exact"]["decode"]["c4"]["aggregate_tok_s"] if "exact" in rows else None
     ratios = {
         "exact_vs_roofline": ratio(ex, roof),
         "exact_vs_zerocopy": ratio(ex, c1("zerocopy")),
@@ -234,6 +366,9 @@ def combine(results: list[dict], args) -> dict:
         "exact_vs_stock_offload": ratio(ex, c1("stock_offload")),
         "exact_vs_best_stock_offload": ratio(ex, max(offload)) if offload else None,
         "exact_vs_exact_clock": ratio(ex, c1("exact_clock")),
+        "exact_c4_aggregate_vs_c1": ratio(c4_agg, ex),
+        "exact_c1_measured_vs_predicted": (vs_predicted.get("exact") or {}).get("decode_c1_tok_s"),
+        "measured_vs_predicted": vs_predicted,
         "prefill8k_vs_target_ref": ratio(best8k("exact"), prefill_ref),
         "prefill8k_chunk2048_vs_target_ref": ratio(
             rows["exact"]["prefill"]["p8192"] if "exact" in rows else None, prefill_ref
@@ -241,10 +376,18 @@ def combine(results: list[dict], args) -> dict:
     }
     config = {
         "model": args.model,
+        "geometry": info["geometry"],
         "moe_layers": n_moe,
         "experts": info["experts"],
         "record_bytes": rec,
-        "share": args.share,
+        "share": cache_share(args),
+        "vram_budget": args.vram_budget,
+        "vram_plan": info.get("vram_plan"),
+        "prediction_inputs": {
+            "pcie_gbps": args.predict_pcie_gbps,
+            "vram_gbps": args.predict_vram_gbps,
+            "fp16_tflops": args.predict_fp16_tflops,
+        },
         "slots": rows["exact"]["slots"] if "exact" in rows else None,
         "freq_window": rows["exact"].get("freq_window") if "exact" in rows else None,
         "prefill": "8k prompts at 2,048-token chunks (exllamav3's default) and as one 8,192-token "
@@ -288,10 +431,18 @@ def plot(rows: dict, path: str) -> None:
     fig.savefig(path)
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=os.environ.get("GLM53_TEST_SLICE"))
-    ap.add_argument("--share", type=float, default=1376 / 12096)
+    ap.add_argument("--model", default=os.environ.get("GLM53_TEST_SLICE"),
+                    help="checkpoint directory (default $GLM53_TEST_SLICE)")  # fmt: skip
+    ap.add_argument("--share", type=float, default=None,
+                    help="share of the experts exact mode caches (default: 1376/12096, the 24 GB "
+                    "card's, without --vram-budget; with it, as many as the budget holds)")  # fmt: skip
+    ap.add_argument("--vram-budget", type=parse_size, default=None, metavar="SIZE",
+                    help="plan exact mode within SIZE (e.g. 24G) as on a card that size")  # fmt: skip
+    ap.add_argument("--predict-pcie-gbps", type=float, default=H200_PCIE_GBPS)
+    ap.add_argument("--predict-vram-gbps", type=float, default=H200_VRAM_GBPS)
+    ap.add_argument("--predict-fp16-tflops", type=float, default=H200_FP16_TFLOPS)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--quick", action="store_true", help="32 decode tokens instead of 128")
     ap.add_argument("--plot", default=None)
@@ -304,19 +455,26 @@ def main(argv=None):
     ap.add_argument("--offload-timeout", type=int, default=600,
                     help="seconds for each stock-offload subprocess")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.combine is not None:
+        if not any(f.startswith("row-") for f in os.listdir(args.combine)):
+            ap.error(f"--combine {args.combine}: no row-*.json files there")
+    else:
+        if not args.model:
+            ap.error("--model (or GLM53_TEST_SLICE) must name a checkpoint directory")
+        bad = [m for m in args.modes.split(",") if m and m not in ALL_MODES]
+        if bad:
+            ap.error(f"--modes: unknown {bad}; choose from {', '.join(ALL_MODES)}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     if args.combine:
         files = sorted(f for f in os.listdir(args.combine) if f.startswith("row-"))
-        if not files:
-            ap.error(f"--combine {args.combine}: no row-*.json files there")
         results = [json.load(open(os.path.join(args.combine, f))) for f in files]
         results.sort(key=lambda r: ALL_MODES.index(r["mode"]))
     else:
-        if not args.model:
-            ap.error("--model (or GLM53_TEST_SLICE) must name a slice checkpoint")
         modes = [m for m in args.modes.split(",") if m]
-        bad = [m for m in modes if m not in ALL_MODES]
-        if bad:
-            ap.error(f"--modes: unknown {bad}; choose from {', '.join(ALL_MODES)}")
         results = []
         for mode in modes:
             r = measure_mode(args, mode)

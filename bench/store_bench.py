@@ -38,11 +38,11 @@ import numpy as np
 from benchlib import git_commit
 
 from glm53._odirect import SHA256_LANES, filesystem_of, probe, sha256_many
-from glm53.models.synth import SynthWriter
-from glm53.models.synth_layout import preset
 from glm53.store.compare import compare
 from glm53.store.pack import pack
 from glm53.store.verify import verify
+from glm53.synth.shapes import preset
+from glm53.synth.writer import SynthWriter
 
 TARGETS = {"pack_vs_fio_write": 0.7, "verify_vs_fio_read": 0.9}
 RECORD_BYTES = 9_474_048  # a slice record: real widths at 3 bpw

@@ -1,3 +1,4 @@
 from glm53.cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # a spawned worker (synth --jobs) imports this module too
+    raise SystemExit(main())

@@ -12,7 +12,7 @@ from glm53 import __version__
 # name -> module that defines add_parser(subparsers) and sets `func` on its parser
 SUBCOMMANDS: dict[str, str] = {
     "serve": "glm53.serve",
-    "synth": "glm53.synth_cli",
+    "synth": "glm53.synth.cli",
     "doctor": "glm53.doctor.cli",
     "download": "glm53.download",
     "store": "glm53.store.cli",

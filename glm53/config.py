@@ -203,6 +203,17 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
             env="GLM53_CT_SWZ",
         ),
     ] = True
+    vram_budget: Annotated[
+        NonNegInt | None,
+        _s(
+            "VRAM glm53 may use, in bytes (accepts 24G, 23.5GiB): the expert cache, staging "
+            "buffers and KV cache are planned within it as on a card with that much free (a "
+            "desktop sharing the GPU, or a small card emulated on a large one); default: the "
+            "free VRAM.",
+            group="tiers",
+            kind="size",
+        ),
+    ] = None
     ec_max_slots: Annotated[
         NonNegInt | None,
         _s("Most VRAM expert slots; default: as many as the VRAM budget allows.", group="tiers"),

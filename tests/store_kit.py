@@ -15,8 +15,8 @@ from safetensors.numpy import save_file
 
 from glm53._odirect import Completion, ODirectError, Writer, probe
 from glm53.models.checkpoint import Checkpoint
-from glm53.models.synth import SynthWriter
-from glm53.models.synth_layout import preset
+from glm53.synth.shapes import preset
+from glm53.synth.writer import SynthWriter
 
 LAYERS, EXPERTS = 4, 8  # demo widths, MoE layers 2 and 3: 16 records of 77,824 bytes
 

@@ -9,8 +9,8 @@ import openai
 import pytest
 from serving_kit import Server
 
-from glm53.models.synth import write_checkpoint
-from glm53.models.synth_layout import preset
+from glm53.synth.shapes import preset
+from glm53.synth.writer import write_checkpoint
 
 MODEL = "glm-5.3-flash"
 C = 64

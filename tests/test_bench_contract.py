@@ -47,9 +47,118 @@ def test_micro_gemv_contract():
     assert f["cost_model"] is None
 
 
+def _gpu_slice():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_slice", ROOT / "bench" / "gpu_slice.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_slice_deep_budget_arguments_plan_exact_and_stock_offload_alike():
+    from glm53.engine.exl3_load import VramInputs, plan_vram
+
+    gs = _gpu_slice()
+    args = gs.parse_args(["--model", "/x/deep", "--vram-budget", "24G",
+                          "--modes", "exact,stock_offload,stock_offload_arena"])  # fmt: skip
+    assert (args.vram_budget, gs.cache_share(args)) == (24 << 30, None)
+    assert gs.exact_kwargs(args, "exact", 64, 42) == {
+        "ec_freq_window": None,
+        "vram_budget": 24 << 30,
+    }
+    rb = 9_437_184
+    plan = plan_vram(
+        VramInputs(
+            budget_bytes=24 << 30, model_bytes=3 << 30, record_bytes=rb, num_experts=64,
+            num_moe_layers=42, kv_bytes_per_token=14080, context_tokens=16384,
+            state_bytes_per_sequence=147_619_840, batch=4, activation_bytes=335_544_320,
+            reserve_bytes=1 << 30,
+        )
+    )  # fmt: skip
+    # stock offload keeps in VRAM what exact's cache and staging take, per layer
+    on_gpu = (plan.cache_slots + 2 * plan.stage_slots) // 42
+    assert gs.offload_split(args, 64, 42, plan, rb) == 64 - on_gpu
+    capped = gs.parse_args(["--model", "/x/deep", "--vram-budget", "24G", "--share", "0.1138"])
+    assert gs.exact_kwargs(capped, "exact_clock", 64, 42) == {
+        "ec_freq_window": 0,
+        "ec_max_slots": 306,
+        "vram_budget": 24 << 30,
+    }
+    assert gs.offload_split(capped, 64, 42, plan, rb) == 64 - 7
+    plain = gs.parse_args(["--model", "/x/slice"])  # no budget: the 24 GB card's share
+    assert gs.exact_kwargs(plain, "exact", 288, 6) == {"ec_freq_window": None, "ec_max_slots": 197}
+
+
+def test_gpu_slice_refuses_unknown_modes_and_a_missing_model(capsys):
+    gs = _gpu_slice()
+    with pytest.raises(SystemExit):
+        gs.parse_args(["--model", "/x", "--modes", "exact,fast"])
+    assert "--modes: unknown ['fast']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        gs.parse_args(["--model", "", "--vram-budget", "24G"])
+    assert "--model (or GLM53_TEST_SLICE) must name a checkpoint directory" in (
+        capsys.readouterr().err
+    )
+
+
+def _mock_row(c1, c2, c4, c4_agg, p512, p8k, p8k_c8k, **extra):
+    return {
+        "decode": {
+            "c1": {"per_stream_tok_s": c1, "aggregate_tok_s": c1},
+            "c2": {"per_stream_tok_s": c2, "aggregate_tok_s": 2 * c2},
+            "c4": {"per_stream_tok_s": c4, "aggregate_tok_s": c4_agg},
+        },
+        "prefill": {"p512": p512, "p8192": p8k, "p8192_c8192": p8k_c8k},
+        **extra,
+    }
+
+
+def test_gpu_slice_combine_of_deep_rows_reports_the_issue_ratios_and_predictions(tmp_path):
+    """--combine measures nothing: MOCK rows (made-up figures, as no GPU runs here) in, the JSON
+    contract out: the two ratios issue 14 asks for, and doctor's prediction beside each row."""
+    import msgspec
+
+    from glm53.doctor import costmodel
+    from glm53.doctor.geometry import GLM53_FLASH, Geometry
+
+    geo = Geometry("deep", 45, 42, 64, 8, 9_437_184, 3_529_850_884, 3)
+    info = {"moe_layers": 42, "experts": 64, "record_bytes": 9_437_184, "device": "MOCK",
+            "geometry": {f: getattr(geo, f) for f in geo.__struct_fields__}}  # fmt: skip
+    rows = {
+        "exact": _mock_row(40.0, 30.0, 20.0, 80.0, 900.0, 3000.0, 6000.0, decode_hit_rate=0.9,
+                           cache={"layer_hit_rate": [0.9] * 42}, slots=1900, freq_window=0),
+        "stock_offload": _mock_row(10.0, 8.0, 6.0, 24.0, 300.0, 1500.0, 3000.0),
+        "stock_offload_arena": _mock_row(16.0, 12.0, 8.0, 32.0, 400.0, 2000.0, 4000.0),
+    }  # fmt: skip
+    for mode, row in rows.items():
+        r = {"mode": mode, "info": dict(info, split=40), "row": row}
+        (tmp_path / f"row-{mode}.json").write_text(json.dumps(r))
+    r = run_bench("gpu_slice", "--combine", str(tmp_path), "--vram-budget", "24G")
+    ratios, figures = r["ratios"], r["figures"]
+    assert ratios["exact_vs_best_stock_offload"] == 40.0 / 16.0
+    assert ratios["exact_c4_aggregate_vs_c1"] == 80.0 / 40.0
+    assert set(figures["predicted"]) == {"exact"}  # the offload rows are not modelled
+    x = costmodel.CostInputs(vram_slots=1900, pcie_gbps=50.0, vram_gbps=4800.0,
+                             gpu_fp16_tflops=989.0)  # fmt: skip
+    want = costmodel.exact_rows(x, geo)
+    assert figures["predicted"]["exact"] == pytest.approx(want)
+    vs = ratios["measured_vs_predicted"]["exact"]
+    assert vs["decode_c1_tok_s"] == pytest.approx(40.0 / want["decode_c1_tok_s"])
+    assert vs["prefill_8192_tok_s"] == pytest.approx(3000.0 / want["prefill_8192_tok_s"])
+    assert ratios["exact_c1_measured_vs_predicted"] == vs["decode_c1_tok_s"]
+    full = figures["full_model"]
+    assert full["slots"] == costmodel.vram_slots(24 * 1024, costmodel.Mode.EXACT)
+    real = costmodel.exact_rows(msgspec.structs.replace(x, vram_slots=full["slots"]), GLM53_FLASH)
+    assert full["scaled_by_measured"]["decode_c1_tok_s"] == pytest.approx(
+        real["decode_c1_tok_s"] * vs["decode_c1_tok_s"]
+    )
+    assert r["config"]["vram_budget"] == 24 << 30 and r["config"]["share"] is None
+
+
 def test_prefix_cache_contract(tmp_path):
-    from glm53.models.synth import write_checkpoint
-    from glm53.models.synth_layout import preset
+    from glm53.synth.shapes import preset
+    from glm53.synth.writer import write_checkpoint
 
     # the server finds this as its demo checkpoint (quicker to write than --demo's routing)
     write_checkpoint(

@@ -7,8 +7,8 @@ import torch
 from safetensors.torch import load_file
 
 from glm53.models.checkpoint import MUL1_MARKER, Checkpoint, read_safetensors_header
-from glm53.models.synth import write_checkpoint
-from glm53.models.synth_layout import preset
+from glm53.synth.shapes import preset
+from glm53.synth.writer import write_checkpoint
 
 
 @pytest.fixture(scope="module")

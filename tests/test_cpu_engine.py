@@ -23,8 +23,8 @@ from glm53.engine.base import EngineError, StreamWork
 from glm53.engine.cpu import CpuEngine
 from glm53.models import hf_expand, hf_text
 from glm53.models.checkpoint import Checkpoint
-from glm53.models.synth import write_checkpoint
-from glm53.models.synth_layout import preset
+from glm53.synth.shapes import preset
+from glm53.synth.writer import write_checkpoint
 
 PROMPT = (
     "[gMASK]<sop><|system|>Reasoning Effort: Max<|user|>How far away is the moon, and why does "

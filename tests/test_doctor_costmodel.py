@@ -126,3 +126,84 @@ def _fields(x: CostInputs) -> dict:
     import msgspec
 
     return msgspec.structs.asdict(x)
+
+
+def _plan_geometry(shape):
+    """A synthetic preset's geometry computed from its tensor plan (what geometry_of reads
+    back from the written files)."""
+    from glm53.doctor.geometry import EXPERT_TENSOR, Geometry
+    from glm53.synth.layout import plan
+
+    specs = [t for g in plan(shape) for t in g]
+    non_expert = sum(
+        t.nbytes
+        for t in specs
+        if not EXPERT_TENSOR.search(t.key) and not t.key.endswith("embed_tokens.weight")
+    )
+    bits, h, inner = shape.bits, shape.hidden_size, shape.moe_intermediate_size
+    return Geometry(shape.name, shape.num_layers, len(shape.moe_layers), shape.num_experts,
+                    shape.num_experts_per_tok, 3 * h * inner * bits // 8, non_expert, bits)  # fmt: skip
+
+
+def test_geometry_of_a_written_checkpoint_is_its_own(tmp_path):
+    from dataclasses import replace
+
+    from glm53.doctor.geometry import geometry_of
+    from glm53.synth.shapes import DEMO
+    from glm53.synth.writer import SynthWriter
+
+    shape = replace(DEMO, num_layers=5, num_dense_layers=1, num_experts=8)
+    writer = SynthWriter(shape, 0, tmp_path)
+    writer.write_metadata()
+    writer.write_shards(1 << 20)
+    geo = geometry_of(tmp_path)
+    assert geo == replace_name(_plan_geometry(shape), tmp_path.name)
+    assert (geo.num_layers, geo.num_moe_layers, geo.experts_per_layer, geo.top_k) == (5, 4, 8, 4)
+    assert geo.expert_bytes == 3 * 256 * 256 * 3 // 8 and geo.expert_bits == 3
+
+
+def replace_name(geo, name):
+    import msgspec
+
+    return msgspec.structs.replace(geo, name=name)
+
+
+# bench/results/h200-gpu_slice-*.json, exact rows (197 slots of the slice's 1,728 experts)
+H200_SLICE_EXACT_C1 = {"2026-11-30": 156.54543675462855, "2026-11-30-s4": 137.4036379091086}
+
+
+def test_exact_decode_on_the_slice_is_predicted_within_15_percent_of_the_h200_runs():
+    """The prediction uses facts only (exllamav3.md App. A: 50 GB/s UVA reads, 114 us for a
+    layer's 8 VRAM experts; the H200's spec bandwidth and fp16 rate), not these runs."""
+    from glm53.doctor.costmodel import exact_rows
+    from glm53.synth.shapes import SLICE
+
+    x = CostInputs(vram_slots=197, pcie_gbps=50.0, vram_gbps=4800.0, gpu_fp16_tflops=989.0)
+    predicted = exact_rows(x, _plan_geometry(SLICE))["decode_c1_tok_s"]
+    for run, measured in H200_SLICE_EXACT_C1.items():
+        assert 0.85 <= measured / predicted <= 1.15, (run, measured, predicted)
+
+
+def test_the_slice_is_no_longer_planned_as_the_full_model():
+    """The issue's case: the slice with 197 slots was predicted at 16.3 tok/s, as if it had
+    42 MoE layers of 288 experts; its own geometry puts it near the 137-157 tok/s measured."""
+    from glm53.synth.shapes import SLICE
+
+    x = CostInputs(vram_slots=197, pcie_gbps=50.0, vram_gbps=4800.0, gpu_fp16_tflops=989.0)
+    full = predict(Mode.EXACT, x)
+    own = predict(Mode.EXACT, x, _plan_geometry(SLICE))
+    assert full.decode_tok_s < 20 < 120 < own.decode_tok_s
+    assert own.vram_share == pytest.approx(hit_fraction(197 / 1728), abs=1e-4)
+
+
+def test_exact_decode_at_batch_one_matches_the_c1_prediction():
+    from glm53.doctor.costmodel import exact_decode_ms
+    from glm53.synth.shapes import preset
+
+    geo = _plan_geometry(preset("deep"))
+    x = CostInputs(vram_slots=306, pcie_gbps=50.0, vram_gbps=4800.0, gpu_fp16_tflops=989.0)
+    assert exact_decode_ms(x, geo, 1) == pytest.approx(
+        predict(Mode.EXACT, x, geo).ms_per_token, rel=2e-3
+    )
+    # a batch of 4 shares its experts: more tokens per step, each step slower
+    assert exact_decode_ms(x, geo, 1) < exact_decode_ms(x, geo, 4) < 4 * exact_decode_ms(x, geo, 1)

@@ -191,3 +191,24 @@ def test_report_json_holds_probes_checks_and_plan():
     assert doc["plan"]["mode"] == "nvme"
     assert doc["host"]["gpus"][0]["processes"][0]["name"] == "/usr/lib/xorg/Xorg"
     assert {"name", "verdict", "detail", "fix"} <= set(doc["checks"][0])
+
+
+def test_doctor_with_a_checkpoint_plans_for_its_geometry(tmp_path):
+    from dataclasses import replace
+
+    from glm53.doctor.geometry import GLM53_FLASH, geometry_of
+    from glm53.synth.shapes import DEMO
+    from glm53.synth.writer import SynthWriter
+
+    shape = replace(DEMO, name="cut", num_layers=4, num_dense_layers=1, num_experts=8)
+    writer = SynthWriter(shape, 0, tmp_path)
+    writer.write_metadata()
+    writer.write_shards(1 << 20)
+    _, full, _ = doctor("reference-3090-epyc-raid0")
+    _, own, _ = doctor("reference-3090-epyc-raid0", PlanRequest(model_dir=str(tmp_path)))
+    assert full.geometry == GLM53_FLASH and own.geometry == geometry_of(tmp_path)
+    assert own.headline.endswith(f"for {tmp_path.name}: 4 layers, 3 MoE x 8 experts")
+    # 24 experts fit in VRAM whole: every pick is a hit, far faster than the full model
+    exact = option(own, Mode.EXACT)
+    assert exact.prediction.vram_share == 1.0
+    assert exact.prediction.decode_tok_s > 5 * option(full, Mode.EXACT).prediction.decode_tok_s

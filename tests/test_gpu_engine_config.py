@@ -63,6 +63,83 @@ def test_default_staging_takes_whole_layers_when_they_fit_a_quarter_else_the_qua
     assert staging_slots(130 * GIB, GIB, 288, rb, 0.0) == 0
 
 
+MIB = 1 << 20
+
+
+def _inputs(**over):
+    from glm53.engine.exl3_load import VramInputs
+
+    # fixed part 3 GiB model + 224 MiB KV + 4 x 136 MiB state + 256 MiB activations = 4 GiB
+    base = dict(
+        budget_bytes=24 << 30, model_bytes=3 << 30, record_bytes=9 * MIB, num_experts=64,
+        num_moe_layers=42, kv_bytes_per_token=14 << 10, context_tokens=16384,
+        state_bytes_per_sequence=136 * MIB, batch=4, activation_bytes=256 * MIB,
+        reserve_bytes=1 << 30,
+    )  # fmt: skip
+    return VramInputs(**(base | over))
+
+
+def test_vram_plan_splits_a_24_gib_budget_as_on_a_card_that_size():
+    from glm53.engine.exl3_load import plan_vram
+
+    p = plan_vram(_inputs())
+    # 20 GiB left; staging: a quarter of 19 GiB holds 270 record pairs, capped at the 64 experts
+    # of a layer (1,152 MiB); then (20,480 - 1,152 - 1,024) MiB // 9 MiB = 2,033 slots
+    assert (p.kv_bytes, p.state_bytes) == (224 * MIB, 544 * MIB)
+    assert (p.stage_slots, p.stage_bytes, p.cache_slots) == (64, 1152 * MIB, 2033)
+    assert p.free_bytes == 7 * MIB
+    parts = p.model_bytes + p.kv_bytes + p.state_bytes + p.activation_bytes + p.stage_bytes
+    assert parts + p.cache_bytes + p.reserve_bytes + p.free_bytes == 24 << 30
+
+
+def test_vram_plan_caps_slots_at_max_slots_and_at_the_checkpoints_experts():
+    from glm53.engine.exl3_load import plan_vram
+
+    assert plan_vram(_inputs(max_slots=197)).cache_slots == 197
+    assert plan_vram(_inputs(budget_bytes=140 << 30)).cache_slots == 42 * 64
+    assert plan_vram(_inputs(stage_gb=0.0)).stage_slots == 0
+
+
+def test_vram_plan_names_the_shortfall_when_no_slot_fits():
+    from glm53.engine.exl3_load import plan_vram
+
+    with pytest.raises(ValueError) as err:
+        plan_vram(_inputs(budget_bytes=5 << 30))
+    assert str(err.value) == (
+        "a VRAM budget of 5.00 GiB holds no expert slot: model 3.00 + KV 0.22 + recurrent "
+        "state 0.53 + activations 0.25 + staging 0.00 + reserve 1.00 GiB leave less than one "
+        "9.0 MiB expert; raise --vram-budget or lower --context / --max-batch"
+    )
+
+
+def test_cache_geometry_of_the_deep_preset_matches_the_architecture_facts():
+    from glm53.engine.exl3_load import cache_geometry
+    from glm53.models.tokenizer import token_ids
+    from glm53.synth.layout import text_config
+    from glm53.synth.shapes import preset
+
+    kv, state = cache_geometry(text_config(preset("deep"), token_ids()))
+    # glm53-architecture.md §1.3: 11 DSA layers of a 512-wide fp16 latent (1,024 B) plus the
+    # 128-wide indexer key; 34 KDA layers of a 64 x 128 x 128 fp32 state (4 MiB) plus the
+    # last 3 conv inputs of q, k and v (3 x 3 x 8,192 fp16)
+    assert kv == 11 * (1024 + 256)
+    assert state == 34 * (4 * MIB + 3 * 3 * 8192 * 2)
+
+
+def test_vram_budget_is_a_size_flag_with_an_environment_twin():
+    assert settings("--vram-budget", "24G").vram_budget == 24 << 30
+    s, sources = resolve({}, environ={"GLM53_VRAM_BUDGET": "23.5GiB"})
+    assert (s.vram_budget, sources["vram_budget"]) == (int(23.5 * (1 << 30)), "env")
+
+
+def test_load_takes_an_optional_vram_budget_that_defaults_to_none():
+    import inspect
+
+    from glm53.engine.exl3_load import load
+
+    assert inspect.signature(load).parameters["vram_budget"].default is None
+
+
 def test_the_standard_region_ends_where_a_cold_prefill_first_cuts_short():
     """exllamav3 prefills [0, n - 1), cutting a forward at the last page boundary; whole chunks
     before that are the same for every prompt sharing their tokens."""

@@ -19,8 +19,8 @@ from glm53.engine.cpu import CpuEngine
 from glm53.engine.prefix_cache import PrefixCache, Snapshot, chain_keys
 from glm53.engine.sampling import SamplingParams
 from glm53.engine.scheduler import GenerationRequest, Scheduler
-from glm53.models.synth import write_checkpoint
-from glm53.models.synth_layout import preset
+from glm53.synth.shapes import preset
+from glm53.synth.writer import write_checkpoint
 
 C = 64
 NEW_TOKENS = 6

@@ -269,9 +269,9 @@ def test_batches_stay_full_while_the_writes_hold_the_buffers(tmp_path, monkeypat
     # hasher in full batches, not one by one (x16 costs as much for one record as for 16)
     import glm53.store.pack as pack_module
     import glm53.store.verify as verify_module
-    from glm53.models.synth import SynthWriter
-    from glm53.models.synth_layout import preset
     from glm53.store.hashing import RecordHasher
+    from glm53.synth.shapes import preset
+    from glm53.synth.writer import SynthWriter
 
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()

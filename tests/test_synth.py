@@ -5,11 +5,12 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from glm53 import synth_cli
 from glm53.models.checkpoint import MUL1_MARKER, Checkpoint
-from glm53.models.synth import CHAT_TEMPLATE_PATH, write_checkpoint
-from glm53.models.synth_layout import DEMO, SLICE, plan, preset
-from glm53.models.tokenizer import MARKUP_TOKENS, SPECIAL_TOKENS
+from glm53.models.tokenizer import MARKUP_TOKENS, SPECIAL_TOKENS, token_ids
+from glm53.synth import cli as synth_cli
+from glm53.synth.layout import plan, text_config
+from glm53.synth.shapes import DEMO, SLICE, preset
+from glm53.synth.writer import CHAT_TEMPLATE_PATH, SynthWriter, write_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -218,3 +219,96 @@ def test_uniform_routing_is_flat_on_stand_in_inputs(tmp_path):
         assert curve.shares[0] < 0.45 and curve.shares[1] < 0.72 and curve.shares[2] < 0.9, str(
             curve
         )
+
+
+def test_deep_plan_is_the_real_layer_cycle_at_the_fact_sheet_block_sizes():
+    # facts/exllamav3-glm5next-checkpoint.md §4 "Sizes at K = 3" (vocab 4096, lm_head K=3): the
+    # block sizes of the layouts that loaded on the H200, composed for 45 layers
+    deep = replace(preset("deep"), vocab_size=4096, head_bits=3)
+    kda, dsa, dense, router_shared, expert, norms_hc, ends = (
+        57_459_464, 76_136_980, 56_721_420, 11_834_508, 9_474_060, 3_162_328, 39_870_468,
+    )  # fmt: skip
+    # the router row of each of the 288 -> 64 experts goes too: fp16 [E, H] + fp32 bias [E]
+    router_shared -= (288 - 64) * (2 * 4096 + 4)
+    want = 34 * kda + 11 * dsa + 3 * dense + 42 * (router_shared + 64 * expert)
+    want += 45 * norms_hc + ends
+    assert sum(t.nbytes for t in _all(plan(deep))) == want
+    text = text_config(deep, token_ids())
+    assert [i for i, t in enumerate(text["layer_types"]) if t != "linear_attention"] == list(
+        range(3, 45, 4)
+    )
+    assert text["mlp_layer_types"] == ["dense"] * 3 + ["sparse"] * 42
+    assert (text["n_routed_experts"], text["num_experts_per_tok"]) == (64, 8)
+
+
+def test_deep_preset_on_disk_at_64_and_96_experts():
+    # what `glm53 synth --preset deep [--experts N]` writes: data bytes of every tensor
+    sizes = {n: sum(t.nbytes for t in _all(plan(preset("deep", num_experts=n)))) for n in (64, 96)}
+    assert sizes == {64: 29_012_901_380, 96: 41_757_053_444}
+
+
+def test_cli_deep_preset_takes_an_expert_count(tmp_path):
+    parser = argparse.ArgumentParser(prog="glm53")
+    synth_cli.add_parser(parser.add_subparsers())
+    args = parser.parse_args(
+        ["synth", "--preset", "deep", "--out", str(tmp_path), "--experts", "96"]
+    )
+    shape = preset(args.preset, num_experts=args.experts)
+    assert (shape.num_layers, len(shape.moe_layers), shape.num_experts) == (45, 42, 96)
+
+
+def test_deep_shaped_tiny_checkpoint_reads_back_with_its_42_moe_layers(tmp_path):
+    # the deep cycle at the demo's widths, router left uncalibrated (the layout is under test)
+    shape = replace(DEMO, name="deep-tiny", num_layers=45, num_dense_layers=3, num_experts=8)
+    (tmp_path / "d").mkdir()
+    writer = SynthWriter(shape, 0, tmp_path / "d")
+    writer.write_metadata()
+    writer.write_shards(64 << 20)
+    ckpt = Checkpoint(tmp_path / "d")
+    assert ckpt.moe_layers == list(range(3, 45))
+    dsa = "model.language_model.layers.43.self_attn.kv_b_proj.weight"
+    assert ckpt.info(dsa).shape == (1024, 512)
+    assert len(ckpt.experts(44)) == 8
+
+
+def test_shards_written_by_worker_processes_have_the_same_bytes(tmp_path):
+    shape = preset("demo", num_layers=3)
+    for jobs in (1, 2):
+        writer = SynthWriter(shape, 7, tmp_path / f"j{jobs}")
+        writer.out_dir.mkdir()
+        writer.overrides["model.language_model.layers.2.mlp.gate.e_score_correction_bias"] = (
+            np.arange(32, dtype=np.float32)
+        )
+        writer.write_metadata()
+        writer.write_shards(2 << 20, jobs)
+    names = sorted(p.name for p in (tmp_path / "j1").iterdir() if p.suffix == ".safetensors")
+    assert len(names) > 2 and names == sorted(p.name for p in (tmp_path / "j2").iterdir()
+                                              if p.suffix == ".safetensors")  # fmt: skip
+    for name in names:
+        assert (tmp_path / "j1" / name).read_bytes() == (tmp_path / "j2" / name).read_bytes()
+    bias = Checkpoint(tmp_path / "j2").read(
+        "model.language_model.layers.2.mlp.gate.e_score_correction_bias"
+    )
+    np.testing.assert_array_equal(bias, np.arange(32, dtype=np.float32))
+
+
+def test_synth_imports_only_models_and_nothing_below_imports_synth():
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "glm53"
+
+    def glm53_imports(path):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                yield node.module
+            elif isinstance(node, ast.Import):
+                yield from (a.name for a in node.names)
+
+    for path in (root / "synth").glob("*.py"):
+        for name in glm53_imports(path):
+            if name.startswith("glm53"):
+                assert name.startswith(("glm53.models", "glm53.synth")), (path.name, name)
+    for below in ("models", "tiers"):
+        for path in (root / below).rglob("*.py"):
+            assert not any(n.startswith("glm53.synth") for n in glm53_imports(path)), path

@@ -6,7 +6,8 @@
 # JSON. STAGES (default "build synth tests bench") picks what runs. A Triton cache found at
 # DEVICE_DIR/triton-cache.tar.gz is restored (and saved to OUT_DIR when GLM53_SAVE_TRITON is set).
 # GLM53_SYNTH picks the checkpoints (default "demo slice"), GLM53_GPU_TESTS narrows the tests (paths or node ids), GLM53_BENCH the benchmarks,
-# GLM53_BENCH_MODES the gpu_slice rows, GLM53_OFFLOAD_TIMEOUT its stock-offload subprocesses.
+# GLM53_BENCH_MODES the gpu_slice rows, GLM53_OFFLOAD_TIMEOUT its stock-offload subprocesses,
+# GLM53_GPU_SLICE_ARGS further gpu_slice arguments (e.g. "--model $GLM53_TEST_DEEP --vram-budget 24G").
 set -uo pipefail
 DEV=$(realpath "${1:?usage: tools/gpu-check.sh DEVICE_DIR OUT_DIR [STAGES]}")
 OUT=$(realpath -m "${2:?usage: tools/gpu-check.sh DEVICE_DIR OUT_DIR [STAGES]}")
@@ -74,7 +75,8 @@ if stage synth; then
     run "synth-$preset" python3 -m glm53 synth --preset "$preset" --routing glm53 --out "$WORK/$preset"
   done
 fi
-export GLM53_TEST_DEMO=$WORK/demo GLM53_TEST_SLICE=$WORK/slice GLM53_TEST_SLICE_RESHARDED=$WORK/slice-resharded
+export GLM53_TEST_DEMO=$WORK/demo GLM53_TEST_SLICE=$WORK/slice GLM53_TEST_DEEP=$WORK/deep
+export GLM53_TEST_SLICE_RESHARDED=$WORK/slice-resharded
 if stage tests; then
   tests=()  # GLM53_GPU_TESTS paths are relative to the repository (this script runs from $WORK)
   for t in ${GLM53_GPU_TESTS:-tests/gpu}; do
@@ -93,6 +95,8 @@ if stage bench; then
       extra=(--plot "$OUT/gpu_slice.png" --rows-dir "$OUT/rows")
       [ -n "${GLM53_BENCH_MODES:-}" ] && extra+=(--modes "$GLM53_BENCH_MODES")
       [ -n "${GLM53_OFFLOAD_TIMEOUT:-}" ] && extra+=(--offload-timeout "$GLM53_OFFLOAD_TIMEOUT")
+      # shellcheck disable=SC2206  # word splitting intended: a list of arguments
+      [ -n "${GLM53_GPU_SLICE_ARGS:-}" ] && extra+=(${GLM53_GPU_SLICE_ARGS})
     fi
     run "bench-$b" python3 "$REPO/bench/$b.py" --json "${extra[@]}" \
       && tail -1 "$OUT/bench-$b.log" >"$OUT/$b.json"

@@ -118,7 +118,7 @@ def _link_check(gpu: Gpu, plan: Plan) -> list[Check]:
     if option is not None:
         values = {v.name: v.value for v in option.inputs}
         values["pcie_gbps"] = hi.link_gbps(4, 16, hi.PCIE_PRACTICAL)
-        ref = predict(option.mode, CostInputs(**values)).decode_tok_s
+        ref = predict(option.mode, CostInputs(**values), plan.geometry).decode_tok_s
         here = option.prediction.decode_tok_s
         cost = (
             f"; expected cost: {here:.1f} instead of {ref:.1f} tok/s decode "

@@ -41,7 +41,12 @@ def add_parser(sub) -> None:
         "root (a RAID0, mkfs) are printed as proposals.",
     )
     p.add_argument("--json", action="store_true", help="print everything as one JSON document")
-    p.add_argument("--model", metavar="DIR", help="the checkpoint directory, to check it")
+    p.add_argument(
+        "--model",
+        metavar="DIR",
+        help="the checkpoint directory, to check it and to plan for its own geometry (layers, "
+        "MoE layers, experts per layer, widths, bits); default: plan for GLM-5.3-Flash",
+    )
     p.add_argument(
         "--store",
         metavar="DIR",

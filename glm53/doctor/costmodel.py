@@ -1,7 +1,10 @@
 """The planner's cost model: predicted decode time per token (concurrency 1) and prefill rate
 for each mode, from the model's geometry and a few host figures.
 
-Decode. A token runs the non-MoE work, then 42 MoE layers one after another. In each layer the
+Every prediction is for a model geometry (doctor/geometry.py): GLM-5.3-Flash by default, or the
+checkpoint given to `glm53 doctor --model DIR` (its layers, MoE layers, experts and widths).
+
+Decode. A token runs the non-MoE work, then the MoE layers one after another. In each layer the
 router picks 8 experts; each pick is VRAM-resident, in RAM, or (nvme modes) only on the store,
 with probabilities from the published popularity curve at the capacity of each tier. The picks
 go to lanes that run in parallel: the GPU (resident experts at t_hit, RAM experts copied over
@@ -9,7 +12,9 @@ PCIe at bytes/PCIe + t_hit), the CPU lane (a + b x experts), and the store (a fi
 latency, then bytes/read rate), and the planner chooses the CPU share that minimises the
 slowest lane, as the seed's planner does (seed-project.md §3.5, §3.6). A layer costs the
 controller's fixed overhead plus its slowest lane; the expectation over the multinomial of the
-8 picks is exact, not sampled.
+8 picks is exact, not sampled. The non-MoE work is the bytes of the non-expert weights at the
+GPU's bandwidth plus a fixed cost per layer (launches and small kernels, which bandwidth does not
+shorten); exact mode's cache runs on the device (cuda/ec.cu), so it pays no host controller.
 
 Prefill (exact in every mode) streams every expert not in VRAM once per chunk, overlapped with
 the GPU's compute (the staging of DESIGN §4); store reads for experts not in RAM add on top.
@@ -23,6 +28,8 @@ import math
 from enum import StrEnum
 
 import msgspec
+
+from glm53.doctor.geometry import GLM53_FLASH, Geometry
 
 GIB = 1 << 30
 
@@ -69,6 +76,15 @@ REF_VRAM_GBPS = 936.0  # RTX 3090 memory bandwidth (spec)
 REF_FP16_TFLOPS = 71.0  # RTX 3090 dense FP16 tensor, FP32 accumulate (spec)
 REF_NON_MOE_MS = 11.2  # §6.5 C1 breakdown: non-MoE GPU work per token
 REF_HIT_MS = 0.023  # §3.5 GLM53_CT_THIT: one VRAM-resident expert
+# REF_NON_MOE_MS split: the full model's non-expert bytes at the 3090's bandwidth (4.36 ms), and
+# the rest as a fixed cost per layer (0.152 ms of the 45) that a faster memory does not shorten
+REF_LAYER_FIXED_MS = (
+    REF_NON_MOE_MS - GLM53_FLASH.non_expert_bytes / (REF_VRAM_GBPS * 1e6)
+) / GLM53_FLASH.num_layers
+# exllamav3.md App. A (H200): 8 experts of one layer from VRAM at bsz 1 took 38.9 + 38.9 + 36.5 us
+# for gate, up and down, latency-bound (647-690 GB/s of 4.8 TB/s): no GPU reads a VRAM expert
+# faster than that per expert, whatever its bandwidth
+HIT_FLOOR_MS = (0.0389 + 0.0389 + 0.0365) / 8
 CONTROLLER_MS_PER_LAYER = 4.7 / NUM_MOE_LAYERS  # §6.5: host plan / bubbles, 4.7 ms per token
 REF_PREFILL_TOK_S = 700.0  # §6.5: exact 697, fast 709.7 at 8k (GPU-bound, 99 % busy)
 PREFILL_CHUNK_TOKENS = 8192
@@ -109,9 +125,19 @@ def reserve_bytes(mode: Mode) -> int:
     return int((1.5 if mode in LANE_MODES else 1.0) * GIB)
 
 
-def vram_slots(free_mib: int, mode: Mode, bits: int = 3, max_slots: int | None = None) -> int:
-    room = free_mib * 2**20 - VRAM_NON_EXPERT_BYTES - reserve_bytes(mode)
-    slots = max(0, room // expert_trellis_bytes(bits))
+def vram_slots(
+    free_mib: int,
+    mode: Mode,
+    bits: int = 3,
+    max_slots: int | None = None,
+    geo: Geometry = GLM53_FLASH,
+) -> int:
+    """VRAM expert slots: the free VRAM less the model and its cache (the seed's measured 10.6
+    GiB, with geo's non-expert weights in place of the full model's) and the reserve, at most
+    every expert of geo."""
+    resident = VRAM_NON_EXPERT_BYTES - GLM53_FLASH.non_expert_bytes + geo.non_expert_bytes
+    room = free_mib * 2**20 - resident - reserve_bytes(mode)
+    slots = min(max(0, room // expert_trellis_bytes(bits)), geo.total_experts)
     return min(slots, max_slots) if max_slots is not None else slots
 
 
@@ -214,43 +240,62 @@ def _layer(
     return best
 
 
-def predict(mode: Mode, x: CostInputs) -> Prediction:
+def _expert_ms(x: CostInputs, geo: Geometry) -> tuple[int, float, float]:
+    """(expert bytes at x's bits, ms per VRAM-resident expert, ms per expert read over PCIe)."""
+    eb = geo.expert_bytes * x.expert_bits // geo.expert_bits
+    t_hit = max(REF_HIT_MS * REF_VRAM_GBPS / x.vram_gbps, HIT_FLOOR_MS)
+    return eb, t_hit, eb / (x.pcie_gbps * 1e6) + t_hit
+
+
+def non_moe_ms(x: CostInputs, geo: Geometry = GLM53_FLASH) -> float:
+    """Non-MoE GPU work of one decode step: the non-expert weights read at the GPU's bandwidth,
+    plus the fixed cost of each layer."""
+    return geo.non_expert_bytes / (x.vram_gbps * 1e6) + geo.num_layers * REF_LAYER_FIXED_MS
+
+
+def _chunk_compute_s(x: CostInputs, geo: Geometry, tokens: int) -> float:
+    """GPU time of a prefill chunk: the seed's 700 tok/s (full model, 3090) scaled by the
+    GPU's fp16 rate and by the share of the full model's layers the geometry has."""
+    rate = REF_PREFILL_TOK_S * x.gpu_fp16_tflops / REF_FP16_TFLOPS
+    return tokens / rate * geo.num_layers / GLM53_FLASH.num_layers
+
+
+def predict(mode: Mode, x: CostInputs, geo: Geometry = GLM53_FLASH) -> Prediction:
     """Decode (concurrency 1) and prefill prediction for one mode; raises ValueError naming
     the missing input when the mode needs one that x lacks."""
-    eb = expert_trellis_bytes(x.expert_bits)
+    eb, t_hit, t_copy = _expert_ms(x, geo)
+    total_experts = geo.total_experts
     lane = None
     if mode in LANE_MODES:
         if x.lane_a_ms is None or x.lane_b_ms is None:
             raise ValueError(f"mode {mode}: needs the CPU lane's lane_a_ms and lane_b_ms")
         lane = (x.lane_a_ms, x.lane_b_ms)
-    cap_vram = x.vram_slots / TOTAL_EXPERTS
+    cap_vram = x.vram_slots / total_experts
     pv = hit_fraction(cap_vram)
     stored_slots = 0
     t_read = t_first = 0.0
     if mode in STORE_MODES:
         if x.ram_tier_slots is None or x.store_gbps is None or x.store_latency_ms is None:
             raise ValueError(f"mode {mode}: needs ram_tier_slots, store_gbps and store_latency_ms")
-        near = hit_fraction((x.vram_slots + x.ram_tier_slots) / TOTAL_EXPERTS)
+        near = hit_fraction((x.vram_slots + x.ram_tier_slots) / total_experts)
         pr, pn = max(0.0, near - pv), 1.0 - near
-        stored_slots = max(0, TOTAL_EXPERTS - x.vram_slots - x.ram_tier_slots)
+        stored_slots = max(0, total_experts - x.vram_slots - x.ram_tier_slots)
         t_read = eb / (x.store_gbps * 1e6)
         t_first = x.store_latency_ms
     else:
         pr, pn = 1.0 - pv, 0.0
-    scale = REF_VRAM_GBPS / x.vram_gbps
-    t_hit = REF_HIT_MS * scale
-    t_copy = eb / (x.pcie_gbps * 1e6) + t_hit
     layer_ms = cpu_per_layer = 0.0
-    for p, nv, nr, nn in _multinomial(TOP_K, pv, pr, pn):
+    for p, nv, nr, nn in _multinomial(geo.top_k, pv, pr, pn):
         ms, on_cpu = _layer(nv, nr, nn, t_hit, t_copy, lane, t_read, t_first)
         layer_ms += p * ms
         cpu_per_layer += p * on_cpu
-    non_moe = REF_NON_MOE_MS * scale
-    moe = NUM_MOE_LAYERS * (CONTROLLER_MS_PER_LAYER + layer_ms)
+    non_moe = non_moe_ms(x, geo)
+    controller = 0.0 if mode == Mode.EXACT else CONTROLLER_MS_PER_LAYER
+    moe = geo.num_moe_layers * (controller + layer_ms)
     total = non_moe + moe
     # prefill: per chunk, max(GPU compute, PCIe streaming of non-VRAM experts) + store reads
-    compute_s = PREFILL_CHUNK_TOKENS / (REF_PREFILL_TOK_S * x.gpu_fp16_tflops / REF_FP16_TFLOPS)
-    stream_s = (TOTAL_EXPERTS - x.vram_slots) * eb / (x.pcie_gbps * 1e9)
+    compute_s = _chunk_compute_s(x, geo, PREFILL_CHUNK_TOKENS)
+    stream_s = (total_experts - x.vram_slots) * eb / (x.pcie_gbps * 1e9)
     store_s = stored_slots * eb / (x.store_gbps * 1e9) if stored_slots else 0.0
     prefill = PREFILL_CHUNK_TOKENS / (max(compute_s, stream_s) + store_s)
     return Prediction(
@@ -265,3 +310,64 @@ def predict(mode: Mode, x: CostInputs) -> Prediction:
         cpu_experts_per_layer=round(cpu_per_layer, 2),
         prefill_tok_s=round(prefill, 1),
     )
+
+
+def _pick_rates(geo: Geometry) -> list[float]:
+    """Per-token pick probability of each expert of a layer, hottest first, on the popularity
+    curve (its slope at each rank); they sum to top_k."""
+    n = geo.experts_per_layer
+    return [geo.top_k * (hit_fraction((i + 1) / n) - hit_fraction(i / n)) for i in range(n)]
+
+
+def exact_decode_ms(x: CostInputs, geo: Geometry = GLM53_FLASH, batch: int = 1) -> float:
+    """Exact mode's decode step at `batch` streams: the non-MoE work (the same at these few
+    rows: bandwidth and launch bound) plus, per MoE layer, every distinct expert the batch picks
+    once: the hottest x.vram_slots / total of each layer from VRAM, the rest over PCIe. At batch
+    1 this is predict(EXACT, ...)'s ms_per_token."""
+    _, t_hit, t_copy = _expert_ms(x, geo)
+    cached = x.vram_slots / geo.num_moe_layers  # the hottest experts of each layer
+    layer_ms = 0.0
+    for rank, rate in enumerate(_pick_rates(geo)):
+        picked = 1.0 - (1.0 - min(1.0, rate)) ** batch  # picked by at least one stream
+        resident = min(1.0, max(0.0, cached - rank))  # a part of a slot: an average layer's
+        layer_ms += picked * (resident * t_hit + (1.0 - resident) * t_copy)
+    return non_moe_ms(x, geo) + geo.num_moe_layers * layer_ms
+
+
+def exact_prefill_tok_s(
+    x: CostInputs, geo: Geometry, prompt_tokens: int, chunk_tokens: int
+) -> float:
+    """Exact mode's prefill rate: each chunk costs the slower of its GPU compute and streaming
+    every expert not in VRAM over PCIe once (a chunk of hundreds of tokens touches them all)."""
+    eb, _, _ = _expert_ms(x, geo)
+    stream_s = max(0, geo.total_experts - x.vram_slots) * eb / (x.pcie_gbps * 1e9)
+    seconds = 0.0
+    for start in range(0, prompt_tokens, chunk_tokens):
+        tokens = min(chunk_tokens, prompt_tokens - start)
+        seconds += max(_chunk_compute_s(x, geo, tokens), stream_s)
+    return prompt_tokens / seconds
+
+
+# the figures bench/gpu_slice.py measures per row, with the prompt and chunk of each prefill
+PREFILL_ROWS = (
+    ("prefill_512_tok_s", 512, 2048),
+    ("prefill_8192_tok_s", 8192, 2048),
+    ("prefill_8192_chunk8192_tok_s", 8192, 8192),
+)
+
+
+def exact_rows(x: CostInputs, geo: Geometry = GLM53_FLASH) -> dict[str, float]:
+    """Exact mode's predicted figures under bench/gpu_slice.py's names: decode per stream at
+    concurrency 1, 2 and 4, the aggregate at 4, the prefill rates and the decode hit rate. With
+    x.vram_slots = 0 this is the zero-copy floor, with every expert slotted the all-VRAM row."""
+    ms = {b: exact_decode_ms(x, geo, b) for b in (1, 2, 4)}
+    out = {
+        "decode_c1_tok_s": 1000 / ms[1],
+        "decode_c2_per_stream_tok_s": 1000 / ms[2],
+        "decode_c4_per_stream_tok_s": 1000 / ms[4],
+        "decode_c4_aggregate_tok_s": 4000 / ms[4],
+        "hit_rate": hit_fraction(x.vram_slots / geo.total_experts),
+    }
+    for name, tokens, chunk in PREFILL_ROWS:
+        out[name] = exact_prefill_tok_s(x, geo, tokens, chunk)
+    return out

@@ -18,7 +18,6 @@ from glm53.doctor.costmodel import (
     REF_FP16_TFLOPS,
     REF_VRAM_GBPS,
     STORE_MODES,
-    TOTAL_EXPERTS,
     CostInputs,
     Mode,
     Prediction,
@@ -32,6 +31,7 @@ from glm53.doctor.costmodel import (
     vram_slots,
 )
 from glm53.doctor.cpu import format_cpu_list
+from glm53.doctor.geometry import GLM53_FLASH, Geometry, geometry_of
 from glm53.doctor.gpu import spec_of
 from glm53.doctor.host import Gpu, HostProbe
 from glm53.doctor.sweep import SweepResult, read_sweep
@@ -102,6 +102,7 @@ class Plan(msgspec.Struct):
     options: list[ModeOption]
     proposals: list[Proposal]
     comparison: Comparison | None = None
+    geometry: Geometry = GLM53_FLASH  # what the predictions are for
 
 
 def _gpu_inputs(gpu: Gpu, host: HostProbe) -> list[InputValue]:
@@ -262,10 +263,10 @@ def _store_location(host: HostProbe, req: PlanRequest, all_spots: list[hi.Spot])
 
 def _options(host: HostProbe, req: PlanRequest, gpu: Gpu, lane: list[int], budget: hi.Budget,
              store_path: str | None, spot: hi.Spot | None, store_why: str,
-             ec_max_slots: int | None) -> list[ModeOption]:  # fmt: skip
+             ec_max_slots: int | None, geo: Geometry) -> list[ModeOption]:  # fmt: skip
     gpu_in = _gpu_inputs(gpu, host)
     simd = hi.lane_simd(host.cpu) if host.cpu else None
-    experts = TOTAL_EXPERTS * EB
+    experts = geo.total_experts * EB
     options = []
     for mode in Mode:
         flags: dict[str, str] = {}
@@ -282,7 +283,7 @@ def _options(host: HostProbe, req: PlanRequest, gpu: Gpu, lane: list[int], budge
                 ModeOption(mode, False, "no physical core left for the CPU lane after two")
             )
             continue
-        slots = vram_slots(gpu.memory_free_mib, mode, max_slots=ec_max_slots)
+        slots = vram_slots(gpu.memory_free_mib, mode, max_slots=ec_max_slots, geo=geo)
         values = [*gpu_in, InputValue("vram_slots", slots, "free VRAM - model - reserve")]
         host_ram = tier_bytes = None
         if mode in STORE_MODES:
@@ -301,7 +302,7 @@ def _options(host: HostProbe, req: PlanRequest, gpu: Gpu, lane: list[int], budge
             else:
                 tier_slots = ram_tier_slots(budget.bytes)
                 src = f"from the budget: {budget.how}"
-            tier_slots = min(tier_slots, TOTAL_EXPERTS - slots)
+            tier_slots = min(tier_slots, geo.total_experts - slots)
             host_ram = nvme_process_bytes(tier_slots)
             if host_ram < NVME_MIN_CAP_BYTES or tier_slots <= 0:
                 options.append(
@@ -356,7 +357,7 @@ def _options(host: HostProbe, req: PlanRequest, gpu: Gpu, lane: list[int], budge
                 "",
                 host_ram_bytes=host_ram,
                 ram_tier_bytes=tier_bytes,
-                prediction=predict(mode, x),
+                prediction=predict(mode, x, geo),
                 inputs=values,
                 flags=flags,
             )
@@ -431,6 +432,14 @@ def _compare(path: str, options: list[ModeOption], recommended: Mode) -> Compari
     )
 
 
+def model_geometry(model_dir: str | None) -> Geometry:
+    """The geometry to plan for: the checkpoint's own when --model names one, else
+    GLM-5.3-Flash's (the model glm53 download fetches)."""
+    if model_dir and os.path.isfile(os.path.join(model_dir, "config.json")):
+        return geometry_of(model_dir)
+    return GLM53_FLASH
+
+
 def make_plan(host: HostProbe, req: PlanRequest) -> Plan:
     gpus = host.gpus or []
     if host.gpus is None:
@@ -451,7 +460,8 @@ def make_plan(host: HostProbe, req: PlanRequest) -> Plan:
     all_spots = hi.spots(host.storage) if host.storage else []
     store_path, spot, store_why = _store_location(host, req, all_spots)
     ec_max_slots = desktop_ec_max_slots(gpu, req.ec_max_slots)
-    options = _options(host, req, gpu, lane, budget, store_path, spot, store_why, ec_max_slots)
+    geo = model_geometry(req.model_dir)
+    options = _options(host, req, gpu, lane, budget, store_path, spot, store_why, ec_max_slots, geo)
     feasible = [o for o in options if o.feasible and o.prediction]
     model_spot = hi.checkpoint_spot(all_spots, spot.target if spot else None)
     model = req.model_dir or (place_on(model_spot, CHECKPOINT_DIRNAME) if model_spot else None)
@@ -468,6 +478,7 @@ def make_plan(host: HostProbe, req: PlanRequest) -> Plan:
         steps=[],
         options=options,
         proposals=_proposals(host, spot),
+        geometry=geo,
     )
     if not feasible:
         plan.headline = "no mode fits this host: demo only (see the checks)"
@@ -483,6 +494,11 @@ def make_plan(host: HostProbe, req: PlanRequest) -> Plan:
         f"{best.mode}: {p.decode_tok_s:.1f} tok/s decode at concurrency 1, "
         f"{p.prefill_tok_s:.0f} tok/s prefill (predicted) on GPU {gpu.index}, {gpu.name}"
     )
+    if geo != GLM53_FLASH:
+        plan.headline += (
+            f", for {geo.name}: {geo.num_layers} layers, {geo.num_moe_layers} MoE x "
+            f"{geo.experts_per_layer} experts"
+        )
     model_arg = model or f"/path/to/{CHECKPOINT_DIRNAME}"
     if not (req.model_dir and os.path.isfile(os.path.join(req.model_dir, "config.json"))):
         plan.steps.append(f"glm53 download --dir {model_arg}")

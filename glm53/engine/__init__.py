@@ -56,13 +56,13 @@ def checkpoint_dir(settings: Settings) -> Path:
     if (path / "config.json").is_file():
         return path
     try:
-        from glm53.models.synth import write_checkpoint
-        from glm53.models.synth_layout import preset
+        from glm53.synth.shapes import preset
+        from glm53.synth.writer import write_checkpoint
     except ModuleNotFoundError as exc:
-        if not (exc.name or "").startswith("glm53.models"):
+        if not (exc.name or "").startswith("glm53.synth"):
             raise
         raise EngineUnavailable(
-            "the demo checkpoint writer (glm53.models.synth) is not part of this build yet; "
+            "the demo checkpoint writer (glm53.synth) is not part of this build yet; "
             "pass --model DIR with a checkpoint"
         ) from None
     log.info("writing the demo checkpoint to %s (first use)", path)

@@ -9,12 +9,16 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
+
+import msgspec
 
 from glm53.tiers import exl3_hooks
 
 GIB = 1 << 30
+EMBEDDING_SUFFIX = "embed_tokens.weight"  # exllamav3's embedding module prefers host memory
 
 
 @dataclass
@@ -24,17 +28,24 @@ class MoeGeometry:
     part_bytes: tuple[int, int, int]
     expert_bytes_total: int  # routed trellis bytes of the whole checkpoint
     other_bytes: int  # every other tensor
+    host_bytes: int  # of other_bytes, what exllamav3 keeps in host memory (the embedding)
+
+    @property
+    def vram_model_bytes(self) -> int:
+        """Non-expert bytes exllamav3 places in VRAM."""
+        return self.other_bytes - self.host_bytes
 
 
 def moe_geometry(stc) -> MoeGeometry:
     layers: dict[int, set[int]] = {}
     parts: dict[int, int] = {}
-    expert_total = other = 0
+    expert_total = other = host = 0
     for key, filename in stc.tensor_file_map.items():
         beg, end = stc.file_headers[filename][key]["data_offsets"]
         m = exl3_hooks.EXPERT_TRELLIS.match(key)
         if m is None:
             other += end - beg
+            host += end - beg if key.endswith(EMBEDDING_SUFFIX) else 0
             continue
         expert_total += end - beg
         layers.setdefault(int(m["layer"]), set()).add(int(m["expert"]))
@@ -47,7 +58,7 @@ def moe_geometry(stc) -> MoeGeometry:
     if len(counts) != 1 or len(parts) != 3:
         raise RuntimeError(f"{stc.directory}: MoE layers disagree on their expert count {counts}")
     return MoeGeometry(
-        sorted(layers), counts.pop(), (parts[0], parts[1], parts[2]), expert_total, other
+        sorted(layers), counts.pop(), (parts[0], parts[1], parts[2]), expert_total, other, host
     )
 
 
@@ -63,6 +74,8 @@ class Loaded:
     home: exl3_hooks.PinnedExpertHome | None = None
     ec: object | None = None
     stager: object | None = None
+    vram_plan: VramPlan | None = None  # with a VRAM budget: where the budget went
+    resident_bytes: int | None = None  # VRAM the load took (weights, cache), measured
 
     def close(self) -> None:
         exl3_hooks.detach_cache(self.moe)
@@ -89,6 +102,140 @@ def staging_slots(
     return slots if slots >= MIN_STAGE_SLOTS else 0
 
 
+class VramInputs(msgspec.Struct, frozen=True, kw_only=True):
+    """What the VRAM plan of exact mode depends on; bytes unless named otherwise."""
+
+    budget_bytes: int  # the VRAM glm53 may use, as the free memory of a card that size
+    model_bytes: int  # non-expert weights exllamav3 places in VRAM
+    record_bytes: int  # one routed expert's trellis (gate + up + down)
+    num_experts: int  # per MoE layer
+    num_moe_layers: int
+    kv_bytes_per_token: int  # cache of the softmax-attention (DSA) layers
+    context_tokens: int  # the cache's token capacity (shared by the batch)
+    state_bytes_per_sequence: int  # recurrent (KDA) state of one sequence
+    batch: int
+    activation_bytes: int  # the largest chunk's activations
+    reserve_bytes: int  # kept free for CUDA and workspaces (--ec-reserve-gb)
+    stage_gb: float | None = None  # --ec-stage-gb: None sizes staging by STAGE_SHARE
+    max_slots: int | None = None  # --ec-max-slots
+
+
+class VramPlan(msgspec.Struct, frozen=True):
+    """Where the budget goes, in bytes, and the expert cache and staging it leaves room for."""
+
+    budget_bytes: int
+    model_bytes: int
+    kv_bytes: int
+    state_bytes: int
+    activation_bytes: int
+    reserve_bytes: int
+    stage_slots: int  # records per staging buffer (two buffers)
+    stage_bytes: int
+    cache_slots: int
+    cache_bytes: int
+    free_bytes: int  # budget left over after all of the above (the reserve included above)
+
+
+def plan_vram(x: VramInputs) -> VramPlan:
+    """Exact mode's VRAM plan within a budget, as on a card with budget_bytes free: the model,
+    KV cache, recurrent state and activations first, then the staging buffers from what is
+    left (staging_slots), then as many expert slots as fit above the reserve (at most
+    max_slots, and never more than the checkpoint has experts). Raises ValueError naming the
+    shortfall when not even one slot fits."""
+    kv = x.kv_bytes_per_token * x.context_tokens
+    state = x.state_bytes_per_sequence * x.batch
+    fixed = x.model_bytes + kv + state + x.activation_bytes
+    free = x.budget_bytes - fixed
+    stage = staging_slots(free, x.reserve_bytes, x.num_experts, x.record_bytes, x.stage_gb)
+    free -= 2 * stage * x.record_bytes
+    slots = max(0, (free - x.reserve_bytes) // x.record_bytes)
+    if x.max_slots is not None:
+        slots = min(slots, x.max_slots)
+    slots = min(slots, x.num_moe_layers * x.num_experts)
+    if slots < 1:
+        raise ValueError(
+            f"a VRAM budget of {x.budget_bytes / GIB:.2f} GiB holds no expert slot: model "
+            f"{x.model_bytes / GIB:.2f} + KV {kv / GIB:.2f} + recurrent state {state / GIB:.2f} + "
+            f"activations {x.activation_bytes / GIB:.2f} + staging "
+            f"{2 * stage * x.record_bytes / GIB:.2f} + reserve {x.reserve_bytes / GIB:.2f} GiB "
+            f"leave less than one {x.record_bytes / 2**20:.1f} MiB expert; raise --vram-budget "
+            "or lower --context / --max-batch"
+        )
+    return VramPlan(
+        budget_bytes=x.budget_bytes,
+        model_bytes=x.model_bytes,
+        kv_bytes=kv,
+        state_bytes=state,
+        activation_bytes=x.activation_bytes,
+        reserve_bytes=x.reserve_bytes,
+        stage_slots=stage,
+        stage_bytes=2 * stage * x.record_bytes,
+        cache_slots=slots,
+        cache_bytes=slots * x.record_bytes,
+        free_bytes=free - x.reserve_bytes - slots * x.record_bytes,
+    )
+
+
+def cache_geometry(text_config: dict) -> tuple[int, int]:
+    """(KV bytes per token, recurrent-state bytes per sequence) of a glm5_next text model in
+    exllamav3's fp16 cache: each DSA layer keeps its MLA latent (kv_lora_rank) and its indexer
+    key (index_head_dim) per token; each KDA layer keeps an fp32 heads x head_dim x head_dim
+    state and the (kernel - 1) last q/k/v conv inputs in fp16 per sequence."""
+    tc = text_config
+    types = tc["layer_types"][: tc["num_hidden_layers"]]
+    num_dsa = sum(t != "linear_attention" for t in types)
+    num_kda = len(types) - num_dsa
+    kv = num_dsa * 2 * (tc["kv_lora_rank"] + tc["index_head_dim"])
+    la = tc["linear_attn_config"]
+    heads, hd, conv = la["num_heads"], la["head_dim"], la["short_conv_kernel_size"]
+    state = num_kda * (4 * heads * hd * hd + 2 * (conv - 1) * 3 * heads * hd)
+    return kv, state
+
+
+def chunk_activation_bytes(text_config: dict, chunk_tokens: int) -> int:
+    """The largest live activations of one prefill chunk, in fp16 unless noted: the fp32 mHC
+    residual streams, the fused KDA q/k/v, and the dense MLP's gate and up outputs."""
+    tc = text_config
+    la = tc["linear_attn_config"]
+    streams = 4 * tc.get("hc_mult", 4) * tc["hidden_size"]
+    qkv = 2 * 3 * la["num_heads"] * la["head_dim"]
+    mlp = 2 * 2 * tc["intermediate_size"]
+    return chunk_tokens * (streams + qkv + mlp)
+
+
+def vram_plan_for(
+    model_dir: str,
+    geo: MoeGeometry,
+    vram_budget: int,
+    cache_tokens: int,
+    max_batch: int,
+    max_chunk: int,
+    ec_reserve_gb: float = 1.0,
+    ec_stage_gb: float | None = None,
+) -> VramPlan:
+    """plan_vram for a checkpoint (its config and safetensors geometry) and load()'s cache
+    and chunk sizes."""
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        text_config = json.load(f)["text_config"]
+    kv_per_token, state_per_sequence = cache_geometry(text_config)
+    return plan_vram(
+        VramInputs(
+            budget_bytes=vram_budget,
+            model_bytes=geo.vram_model_bytes,
+            record_bytes=sum(geo.part_bytes),
+            num_experts=geo.n_experts,
+            num_moe_layers=len(geo.moe_layers),
+            kv_bytes_per_token=kv_per_token,
+            context_tokens=cache_tokens,
+            state_bytes_per_sequence=state_per_sequence,
+            batch=max_batch,
+            activation_bytes=chunk_activation_bytes(text_config, max_chunk),
+            reserve_bytes=int(ec_reserve_gb * GIB),
+            stage_gb=ec_stage_gb,
+        )
+    )
+
+
 def load(
     model_dir: str,
     mode: str = "exact",
@@ -104,7 +251,11 @@ def load(
     stage_min_rows: int = 256,
     stage_dma: bool | None = None,
     allow_unsupported: bool = False,
+    vram_budget: int | None = None,
 ) -> Loaded:
+    """Load model_dir in `mode`. vram_budget (bytes; None: the device's free VRAM) plans exact
+    mode's expert cache and staging with plan_vram, as on a card with that much free, so that
+    a small card can be emulated on a large one; the other arguments behave as without it."""
     import torch
 
     if mode not in ("stock", "zerocopy", "exact"):
@@ -117,13 +268,28 @@ def load(
     geo = moe_geometry(config.stc)
     dev = torch.device(device)
     free, _ = torch.cuda.mem_get_info(dev)
+    free_before = free
+    if vram_budget is not None:
+        if vram_budget > free:
+            raise RuntimeError(
+                f"--vram-budget {vram_budget / GIB:.2f} GiB is more than the "
+                f"{free / GIB:.2f} GiB free on {dev}; pass at most that"
+            )
+        free = vram_budget
     need = geo.other_bytes + (geo.expert_bytes_total if mode == "stock" else 0)
     if need + ec_reserve_gb * GIB > free:
         raise RuntimeError(
             f"not enough VRAM on {dev}: {need / GIB:.2f} GiB of weights to place "
             f"({'all experts included' if mode == 'stock' else 'routed experts stay in host RAM'})"
-            f" + {ec_reserve_gb:.2f} GiB reserve > {free / GIB:.2f} GiB free"
+            f" + {ec_reserve_gb:.2f} GiB reserve > {free / GIB:.2f} GiB "
+            f"{'free' if vram_budget is None else 'budget (--vram-budget)'}"
         )
+    plan = None
+    if vram_budget is not None and mode == "exact":
+        plan = vram_plan_for(
+            model_dir, geo, vram_budget, cache_tokens, max_batch, max_chunk, ec_reserve_gb,
+            ec_stage_gb,
+        )  # fmt: skip
     model = Model.from_config(config)
     cache = Cache(model, max_num_tokens=cache_tokens, max_batch_size=max_batch)
     home = None
@@ -143,7 +309,9 @@ def load(
             exl3_hooks.unregister_home(home)  # only loads go through the hook
     tokenizer = Tokenizer.from_config(config)
     moe = exl3_hooks.moe_modules(model)
-    loaded = Loaded(mode, config, model, cache, tokenizer, geo, moe, home)
+    loaded = Loaded(mode, config, model, cache, tokenizer, geo, moe, home, vram_plan=plan)
+    torch.cuda.synchronize(dev)
+    loaded.resident_bytes = free_before - torch.cuda.mem_get_info(dev)[0]
     if mode == "stock":
         return loaded
 
@@ -152,14 +320,17 @@ def load(
     if mode == "exact":
         from glm53.tiers.vram_cache import DeviceExpertCache
 
-        torch.cuda.synchronize(dev)
-        free, _ = torch.cuda.mem_get_info(dev)
         rb = home.geo.record_bytes
-        stage_slots = staging_slots(
-            free, int(ec_reserve_gb * GIB), home.geo.n_experts, rb, ec_stage_gb
-        )
-        free -= 2 * stage_slots * rb
-        fit = int((free - ec_reserve_gb * GIB) // rb)
+        if plan is None:
+            free, _ = torch.cuda.mem_get_info(dev)
+            stage_slots = staging_slots(
+                free, int(ec_reserve_gb * GIB), home.geo.n_experts, rb, ec_stage_gb
+            )
+            free -= 2 * stage_slots * rb
+            fit = int((free - ec_reserve_gb * GIB) // rb)
+        else:
+            stage_slots, fit = plan.stage_slots, plan.cache_slots
+            free = plan.cache_bytes + plan.free_bytes + plan.reserve_bytes
         slots = ec_slots if ec_slots is not None else fit
         if ec_max_slots is not None:
             slots = min(slots, ec_max_slots)

@@ -1,9 +1,10 @@
-"""Stock exllamav3 1.6.5 loads both synthetic presets and generates from them without inf/nan,
+"""Stock exllamav3 1.6.5 loads the synthetic presets and generates from them without inf/nan,
 with logits that have a spread and greedy text that does not collapse to one token.
 
-Checkpoints: GLM53_TEST_DEMO / GLM53_TEST_SLICE (tools/gpu-check.sh writes both with
-`glm53 synth`); without GLM53_TEST_DEMO the demo is written into a temporary directory, without
-GLM53_TEST_SLICE the slice case is skipped (17 GB)."""
+Checkpoints: GLM53_TEST_DEMO / GLM53_TEST_SLICE / GLM53_TEST_DEEP (tools/gpu-check.sh writes the
+presets GLM53_SYNTH names with `glm53 synth`); without GLM53_TEST_DEMO the demo is written into a
+temporary directory, without GLM53_TEST_SLICE or GLM53_TEST_DEEP those cases are skipped (17 and
+29 GB)."""
 
 import os
 
@@ -18,15 +19,16 @@ PROMPT = (
 NEW_TOKENS = 64
 
 
-@pytest.fixture(scope="module", params=["demo", "slice"])
+@pytest.fixture(scope="module", params=["demo", "slice", "deep"])
 def checkpoint(request, tmp_path_factory):
     path = os.environ.get(f"GLM53_TEST_{request.param.upper()}")
     if path and os.path.isfile(os.path.join(path, "config.json")):
         return request.param, path
-    if request.param == "slice":
-        pytest.skip("GLM53_TEST_SLICE does not name a synthetic slice checkpoint")
-    from glm53.models.synth import write_checkpoint
-    from glm53.models.synth_layout import preset
+    if request.param != "demo":
+        name = request.param
+        pytest.skip(f"GLM53_TEST_{name.upper()} does not name a synthetic {name} checkpoint")
+    from glm53.synth.shapes import preset
+    from glm53.synth.writer import write_checkpoint
 
     out = tmp_path_factory.mktemp("synth") / "demo"
     write_checkpoint(preset("demo"), out, seed=0)

@@ -1,8 +1,9 @@
-"""`glm53 synth`: write a synthetic GLM-5.3-Flash EXL3 checkpoint (demo or slice preset)."""
+"""`glm53 synth`: write a synthetic GLM-5.3-Flash EXL3 checkpoint (demo, slice or deep preset)."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 
@@ -15,9 +16,10 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument(
         "--preset",
-        choices=("demo", "slice"),
+        choices=("demo", "slice", "deep"),
         default="demo",
-        help="demo: tiny, CPU-friendly; slice: real widths, fewer layers (default demo)",
+        help="demo: tiny, CPU-friendly; slice: real widths, 8 layers; deep: real widths and the "
+        "real 45 layers, 64 experts per layer unless --experts (default demo)",
     )
     p.add_argument("--out", required=True, help="output directory (created; must be empty)")
     p.add_argument(
@@ -37,6 +39,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--head-bits", type=int, help="lm_head bits (default 6)")
     p.add_argument("--shard-mb", type=int, default=2048, help="shard size in MiB (default 2048)")
     p.add_argument(
+        "--jobs",
+        type=int,
+        help="shards written at a time, in worker processes (default: CPUs, at most 8); "
+        "the bytes do not depend on it",
+    )
+    p.add_argument(
         "--routing-source",
         choices=("auto", "decode", "stand-in"),
         default="auto",
@@ -47,8 +55,8 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from glm53.models.synth import write_checkpoint
-    from glm53.models.synth_layout import preset
+    from glm53.synth.shapes import preset
+    from glm53.synth.writer import write_checkpoint
 
     shape = preset(
         args.preset,
@@ -67,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
         routing_mode=args.routing,
         shard_bytes=args.shard_mb << 20,
         routing_source=args.routing_source,
+        jobs=args.jobs or min(8, os.cpu_count() or 1),
     )
     print(f"wrote {shape.name} checkpoint to {args.out} in {time.monotonic() - start:.1f} s")
     for line in report.lines():

@@ -1,26 +1,24 @@
 """Write a synthetic GLM-5.3-Flash EXL3 checkpoint, shard by shard.
 
 Each shard's header is computed from the tensor plan first, then every tensor is generated and
-written in file order, so at most one tensor is in memory at a time. Every tensor's values come
-from its own random stream, seeded by (seed, key): the same seed gives the same bytes, and no
-tensor depends on the order in which others were made.
+written in file order (synth/tensors.py), so at most one tensor is in memory at a time.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import struct
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from glm53.models import routing
-from glm53.models.checkpoint import MUL1_MARKER, Checkpoint
-from glm53.models.synth_layout import (
-    SynthShape,
+from glm53.models.checkpoint import MUL1_MARKER
+from glm53.models.tokenizer import token_ids, write_json, write_tokenizer
+from glm53.synth import routing
+from glm53.synth.decode_fit import calibrate_on_decode
+from glm53.synth.layout import (
     TensorSpec,
     model_config,
     plan,
@@ -28,7 +26,8 @@ from glm53.models.synth_layout import (
     quantization_config,
     router_keys,
 )
-from glm53.models.tokenizer import token_ids, write_json, write_tokenizer
+from glm53.synth.shapes import SynthShape
+from glm53.synth.tensors import encode, generate, header_bytes
 
 CHAT_TEMPLATE_PATH = Path(__file__).resolve().parents[1] / "chat" / "chat_template.jinja"
 DEFAULT_SHARD_BYTES = 2 << 30
@@ -61,70 +60,6 @@ class RoutingReport:
         return out
 
 
-def tensor_rng(seed: int, key: str) -> np.random.Generator:
-    digest = hashlib.sha256(key.encode()).digest()
-    words = [int.from_bytes(digest[i : i + 4], "little") for i in range(0, 16, 4)]
-    return np.random.default_rng([seed, *words])
-
-
-def to_bf16_bits(x: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 bit patterns, round to nearest even."""
-    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    rounded = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
-    return (rounded >> np.uint32(16)).astype(np.uint16)
-
-
-def encode(spec: TensorSpec, values: np.ndarray) -> bytes:
-    """Float or integer values -> the bytes of spec.dtype."""
-    if spec.dtype == "BF16":
-        return to_bf16_bits(values).tobytes()
-    np_dtype = {"F32": "<f4", "F16": "<f2", "I16": "<i2", "I32": "<i4"}[spec.dtype]
-    return np.ascontiguousarray(values, dtype=np_dtype).tobytes()
-
-
-def generate(spec: TensorSpec, seed: int) -> np.ndarray:
-    rng = tensor_rng(seed, spec.key)
-    shape = spec.shape
-    match spec.fill:
-        case "trellis":
-            count = int(np.prod(shape))
-            return np.frombuffer(rng.bytes(2 * count), dtype="<i2").reshape(shape)
-        case "signs":
-            return np.where(rng.random(shape) < 0.5, -spec.scale, spec.scale).astype(np.float32)
-        case "mul1":
-            return np.array(MUL1_MARKER, dtype=np.int32)
-        case "ones":
-            return np.ones(shape, dtype=np.float32)
-        case "zeros":
-            return np.zeros(shape, dtype=np.float32)
-        case "normal":
-            return rng.standard_normal(shape, dtype=np.float32) * np.float32(spec.scale)
-        case "log_uniform_1_16":
-            return np.log(rng.uniform(1.0, 16.0, shape)).astype(np.float32)
-        case "hc_base":
-            # pre 4, post 4, then the 4x4 combine block = 2*I: leans to identity, keeps streams apart
-            hc = int(round((-2 + (4 + 4 * shape[0]) ** 0.5) / 2))
-            base = np.zeros(shape, dtype=np.float32)
-            base[2 * hc :] = (2.0 * np.eye(hc, dtype=np.float32)).reshape(-1)
-            return base
-    raise ValueError(f"unknown fill {spec.fill!r} for {spec.key}")
-
-
-def header_bytes(specs: list[TensorSpec]) -> bytes:
-    header, offset = {}, 0
-    for spec in specs:
-        header[spec.key] = {
-            "dtype": spec.dtype,
-            "shape": list(spec.shape),
-            "data_offsets": [offset, offset + spec.nbytes],
-        }
-        offset += spec.nbytes
-    header["__metadata__"] = {"format": "pt"}
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw
-
-
 def split_shards(groups: list[list[TensorSpec]], shard_bytes: int) -> list[list[TensorSpec]]:
     """Pack whole groups (one layer each) into shards of about shard_bytes; a group larger than
     a shard is split at tensor boundaries."""
@@ -140,6 +75,20 @@ def split_shards(groups: list[list[TensorSpec]], shard_bytes: int) -> list[list[
     return shards
 
 
+def write_shard(
+    path: Path, specs: list[TensorSpec], seed: int, overrides: dict[str, np.ndarray]
+) -> None:
+    """One shard: its header, then each tensor generated and written in file order."""
+    with open(path, "wb") as f:
+        f.write(header_bytes(specs))
+        for spec in specs:
+            values = overrides[spec.key] if spec.key in overrides else generate(spec, seed)
+            data = encode(spec, values)
+            if len(data) != spec.nbytes:
+                raise AssertionError(f"{spec.key}: {len(data)} bytes, planned {spec.nbytes}")
+            f.write(data)
+
+
 class SynthWriter:
     """Writes one synthetic checkpoint; `overrides` replaces planned values (router tensors)."""
 
@@ -149,27 +98,27 @@ class SynthWriter:
         self.out_dir = Path(out_dir)
         self.overrides: dict[str, np.ndarray] = {}
 
-    def values(self, spec: TensorSpec) -> np.ndarray:
-        if spec.key in self.overrides:
-            return self.overrides[spec.key]
-        return generate(spec, self.seed)
-
-    def write_shards(self, shard_bytes: int) -> None:
+    def write_shards(self, shard_bytes: int, jobs: int = 1) -> None:
+        """Write every shard and the index; with jobs > 1, that many shards at a time in
+        worker processes (each tensor's bytes depend only on the seed and its key, so the
+        files are the same either way)."""
         shards = split_shards(plan(self.shape), shard_bytes)
-        weight_map, total = {}, 0
-        for i, specs in enumerate(shards):
-            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            with open(self.out_dir / name, "wb") as f:
-                f.write(header_bytes(specs))
-                for spec in specs:
-                    data = encode(spec, self.values(spec))
-                    if len(data) != spec.nbytes:
-                        raise AssertionError(
-                            f"{spec.key}: {len(data)} bytes, planned {spec.nbytes}"
-                        )
-                    f.write(data)
-                    weight_map[spec.key] = name
-                    total += spec.nbytes
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        work = [
+            (self.out_dir / name, specs, self.seed,
+             {t.key: self.overrides[t.key] for t in specs if t.key in self.overrides})
+            for name, specs in zip(names, shards, strict=True)
+        ]  # fmt: skip
+        if jobs > 1 and len(shards) > 1:
+            # spawn, not fork: the parent has run torch, whose threads a fork would not carry
+            ctx = multiprocessing.get_context("spawn")
+            with ProcessPoolExecutor(min(jobs, len(shards)), mp_context=ctx) as pool:
+                list(pool.map(write_shard, *zip(*work, strict=True)))
+        else:
+            for args in work:
+                write_shard(*args)
+        weight_map = {t.key: name for name, specs in zip(names, shards, strict=True) for t in specs}
+        total = sum(t.nbytes for specs in shards for t in specs)
         write_json(
             self.out_dir / "model.safetensors.index.json",
             {"metadata": {"total_size": total}, "weight_map": weight_map},
@@ -260,18 +209,6 @@ def read_chat_template() -> str:
     return CHAT_TEMPLATE_PATH.read_text(encoding="utf-8")
 
 
-def rewrite_tensor(checkpoint: Checkpoint, key: str, values: np.ndarray) -> None:
-    """Overwrite one tensor's bytes in place (same dtype and shape as stored)."""
-    info = checkpoint.info(key)
-    spec = TensorSpec(key, info.dtype, info.shape, "override")
-    data = encode(spec, values)
-    if len(data) != info.nbytes or tuple(values.shape) != info.shape:
-        raise ValueError(f"{key}: new values {values.shape} do not match stored {info.shape}")
-    with open(info.path, "r+b") as f:
-        f.seek(info.offset_bytes)
-        f.write(data)
-
-
 def write_checkpoint(
     shape: SynthShape,
     out_dir: str | Path,
@@ -279,12 +216,14 @@ def write_checkpoint(
     routing_mode: str = "glm53",
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     routing_source: str = "auto",
+    jobs: int = 1,
 ) -> RoutingReport:
     """Write the checkpoint into out_dir (created; must be empty) and return its routing report.
 
     routing_source: "stand-in" fits the router bias on stand-in inputs only; "decode" then
     refits and measures it on the checkpoint's own greedy decoding (the CPU runs the model, so
-    only for CPU-sized checkpoints); "auto" is "decode" for the demo preset, else "stand-in"."""
+    only for CPU-sized checkpoints); "auto" is "decode" for the demo preset, else "stand-in".
+    jobs: shards written at a time (worker processes); the bytes do not depend on it."""
     shape.check()
     routing.target_shares(routing_mode)
     out = Path(out_dir)
@@ -294,14 +233,12 @@ def write_checkpoint(
     writer = SynthWriter(shape, seed, out)
     writer.write_metadata()
     report = writer.calibrate_on_stand_in_inputs(routing_mode)
-    writer.write_shards(shard_bytes)
+    writer.write_shards(shard_bytes, jobs)
     if routing_source == "auto":
         routing_source = "decode" if shape.name == "demo" else "stand-in"
     if routing_source == "stand-in":
         return report
     if routing_source != "decode":
         raise ValueError(f"routing_source {routing_source!r} is not auto, decode or stand-in")
-    from glm53.models.routing_decode import calibrate_on_decode
-
     curves, reuse = calibrate_on_decode(out, routing_mode, seed)
     return RoutingReport(routing_mode, "greedy decode", curves, reuse)

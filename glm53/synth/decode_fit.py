@@ -15,9 +15,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from glm53.models import routing
 from glm53.models.checkpoint import Checkpoint
 from glm53.models.hf_text import build_text_model, lm_head_weight
+from glm53.synth import routing
+from glm53.synth.tensors import rewrite_tensor
 
 PROMPTS = (
     "[gMASK]<sop><|system|>Reasoning Effort: Max<|user|>Tell me about the sea.<|assistant|><think>",
@@ -93,8 +94,6 @@ def calibrate_on_decode(
 
 def _calibrate(directory, mode, seed, rounds, new_tokens, measure_tokens):
     from tokenizers import Tokenizer
-
-    from glm53.models.synth import rewrite_tensor
 
     ckpt = Checkpoint(directory)
     tokenizer = Tokenizer.from_file(str(Path(directory) / "tokenizer.json"))
