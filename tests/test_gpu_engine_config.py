@@ -162,3 +162,9 @@ def test_chunk_size_must_be_whole_pages(tmp_path):
         create(settings("--chunk-size", "1000"), tmp_path)
     with pytest.raises(ValueError, match="multiple of 256"):
         GpuEngine(str(tmp_path), "exact", chunk_size=1000)
+
+
+def test_the_gpu_engine_takes_the_vram_budget(tmp_path):
+    e = create(settings("--vram-budget", "24G"), tmp_path)
+    assert e.vram_budget == 24 << 30
+    assert create(settings(), tmp_path).vram_budget is None

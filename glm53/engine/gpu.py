@@ -171,6 +171,7 @@ class GpuEngine:
         prefix_cache: bool = True,
         recurrent_cache_gb: float = 4.0,
         cache_tokens: int | None = None,
+        vram_budget: int | None = None,
         device: str = "cuda:0",
         allow_unsupported: bool = False,
         heat_file: str | None = None,
@@ -194,6 +195,7 @@ class GpuEngine:
         pages = -(-context // PAGE)
         self.cache_tokens = cache_tokens or max_batch * pages * PAGE
         self.allow_unsupported = allow_unsupported
+        self.vram_budget = vram_budget  # bytes: plan the cache, staging and KV as on that card
         self.heat_file = heat_file
         self.description = f"GPU engine (exllamav3 1.6.5 Generator, mode {mode}) on {model_dir}"
         self.generation_defaults: dict[str, float] = {}
@@ -232,6 +234,7 @@ class GpuEngine:
             ec_stage_gb=self.ec_stage_gb,
             ec_freq_window=self.ec_freq_window,
             allow_unsupported=self.allow_unsupported,
+            vram_budget=self.vram_budget,
         )
         self.generator = Generator(
             model=self.loaded.model,
@@ -431,4 +434,5 @@ def create(settings, checkpoint_dir) -> GpuEngine:
         ec_reserve_gb=settings.ec_reserve_gb,
         ec_stage_gb=settings.ec_stage_gb,
         ec_freq_window=settings.ec_freq_window,
+        vram_budget=settings.vram_budget,
     )
