@@ -8,11 +8,13 @@ protocol. The GPU engine itself is checked against stock exllamav3 in tests/gpu/
 
 import asyncio
 
+import numpy as np
 import pytest
 from serving_kit import write_tokenizer_checkpoint
 from test_scheduler import collect, request, until_idle
 
 from glm53.engine.base import EngineError, JobEngine, JobOutput
+from glm53.engine.logprobs import block_logprobs
 from glm53.engine.scheduler import Scheduler
 from glm53.engine.tokenizer import CheckpointTokenizer
 
@@ -52,6 +54,10 @@ class MockJobEngine:
         if req.prompt_ids[0] == 999:
             raise EngineError("mock refuses prompts starting with 999")
         self.jobs[key] = {"req": req, "max": max_new_tokens, "n": 0, "prefilled": False}
+        if req.prompt_logprobs is not None:  # every prompt position's logits, fixed per length
+            g = np.random.default_rng(len(req.prompt_ids))
+            self.prompt_logits = g.standard_normal((len(req.prompt_ids), 64)).astype(np.float32)
+            self.jobs[key]["prompt_logits"] = self.prompt_logits
 
     def cancel(self, key):
         if self.jobs.pop(key, None) is not None:
@@ -67,7 +73,11 @@ class MockJobEngine:
             req = st["req"]
             if not st["prefilled"]:
                 st["prefilled"] = True
-                outs.append(JobOutput(key, [], cached_tokens=0))
+                done = "length" if st["max"] == 0 else None
+                if done:
+                    del self.jobs[key]
+                outs.append(JobOutput(key, [], cached_tokens=0, finish=done,
+                                      prompt_logits=st.get("prompt_logits")))  # fmt: skip
                 continue
             token = (req.prompt_ids[-1] + st["n"] + 1) % vocab
             st["n"] += 1
@@ -175,6 +185,31 @@ def test_a_failing_job_fails_alone_and_a_failing_iteration_fails_all(checkpoint)
         # and the scheduler serves the next request
         _, ids, last = await collect(s.submit(request([30], 2)))
         assert ids == [31, 32] and last.finish_reason == "length"
+        await s.close()
+
+    asyncio.run(main())
+
+
+def test_prompt_logprobs_come_from_the_engines_prompt_logits(checkpoint):
+    async def main():
+        engine = MockJobEngine(checkpoint)
+        s = await started(engine)
+        prompt = [5, 9, 2, 7, 3]
+        req = request(prompt, 0)
+        req.prompt_logprobs, req.prompt_logprobs_from = 3, 2
+        events = [e async for e in s.submit(req)]
+        assert events[-1].finish_reason == "length" and events[-1].num_generated_tokens == 0
+        got = events[0].prompt_logprobs
+        want = block_logprobs(engine.prompt_logits[1:4], prompt[2:], 3)
+        assert [(e.token_id, e.logprob, e.top_ids) for e in got] == [
+            (e.token_id, e.logprob, e.top_ids) for e in want
+        ]
+        req = request(prompt, 2)
+        req.prompt_logprobs = 0
+        events = [e async for e in s.submit(req)]
+        entries = events[0].prompt_logprobs
+        assert entries[0] is None and len(entries) == len(prompt)
+        assert sum(len(e.token_ids) for e in events) == 2
         await s.close()
 
     asyncio.run(main())

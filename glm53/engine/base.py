@@ -115,12 +115,15 @@ class JobOutput(msgspec.Struct):
     for them, and `finish` ("stop": a stop token; "length": max_new_tokens; "error") when the
     job ended. `cached_tokens` is set once, when the job started: prompt tokens reused from the
     prefix cache. `logprobs`, when the request asked for them, is aligned with token_ids
-    (glm53.engine.logprobs.TokenLogprob entries)."""
+    (glm53.engine.logprobs.TokenLogprob entries). `prompt_logits` [len(prompt), vocab] comes
+    once, for a request that asked for prompt logprobs: row i predicts prompt token i + 1. A
+    job that only scores its prompt (max_new_tokens 0) ends with finish "length" and no tokens."""
 
     key: Any
     token_ids: list[int]
     logits: Any = None
     logprobs: list[Any] | None = None
+    prompt_logits: Any = None
     finish: str | None = None
     error: str | None = None
     cached_tokens: int | None = None

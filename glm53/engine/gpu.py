@@ -202,6 +202,8 @@ class GpuEngine:
         self.loaded = None
         self.generator = None
         self._jobs: dict[Any, Any] = {}  # key -> exllamav3 Job
+        self._scored: list[JobOutput] = []  # prompts scored at start, nothing to generate
+        self._pending_prompt_logits: dict[Any, Any] = {}  # key -> logits, out with "started"
         self._keys: dict[int, Any] = {}  # id(exllamav3 Job) -> key
         self._lock = threading.Lock()
         self._stats = {
@@ -272,12 +274,16 @@ class GpuEngine:
 
         if key in self._jobs:
             raise EngineError(f"job {key!r} is already running")
-        if request.prompt_logprobs is not None or max_new_tokens < 1:
-            raise EngineError(
-                "prompt logprobs (echo with logprobs, logprob_start_len) are not in the GPU "
-                "engine yet: exllamav3's Generator returns no prompt logits; the CPU engine "
-                "serves them (--engine cpu)"
-            )
+        prompt_logits = None
+        if request.prompt_logprobs is not None:
+            prompt_logits = self._prompt_logits(request.prompt_ids)
+            if max_new_tokens == 0:  # scored, nothing to generate
+                self._scored.append(
+                    JobOutput(
+                        key, [], prompt_logits=prompt_logits, finish="length", cached_tokens=0
+                    )
+                )
+                return
         n = len(request.prompt_ids)
         if n + max_new_tokens > self.context_length:
             raise EngineError(
@@ -300,16 +306,34 @@ class GpuEngine:
         )
         self.generator.enqueue(job)
         align_prefix_reuse(job, self.chunk_size, self.prefix_cache)
+        if prompt_logits is not None:
+            self._pending_prompt_logits[key] = prompt_logits
         self._jobs[key] = job
         self._stats["jobs_started"] += 1
 
+    def _prompt_logits(self, prompt_ids):
+        """Every prompt position's logits from one cache-free forward of the prompt: what
+        `glm53 reference make --engine stock-exllamav3` computes on stock exllamav3, so exact
+        mode scores a panel made there with KL 0. Outside the Generator: its pages and state are
+        untouched. A prompt too long for the card's activations fails this request only."""
+        import torch
+
+        try:
+            ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
+            logits = self.loaded.model.forward(ids, {})[0, :, : self.tokenizer.vocab_size]
+            return logits.float().cpu()
+        except Exception as exc:
+            raise EngineError(f"scoring the prompt (prompt logprobs) failed: {exc}") from exc
+
     def cancel(self, key) -> None:
+        self._pending_prompt_logits.pop(key, None)
+        self._scored = [o for o in self._scored if o.key != key]
         job = self._jobs.pop(key, None)
         if job is not None:
             self.generator.cancel(job)
 
     def has_work(self) -> bool:
-        return bool(self._jobs)
+        return bool(self._jobs or self._scored)
 
     def iterate(self) -> list[JobOutput]:
         """One Generator iteration; the new tokens of every job that produced some. An exception
@@ -323,7 +347,8 @@ class GpuEngine:
         except Exception as exc:
             raise EngineError(f"exllamav3 Generator.iterate failed: {exc}") from exc
         vocab = self.tokenizer.vocab_size
-        outs: dict[Any, JobOutput] = {}
+        outs: dict[Any, JobOutput] = {o.key: o for o in self._scored}
+        self._scored = []
         for r in results:
             key = r.get("identifier")
             if key not in self._jobs:
@@ -338,7 +363,9 @@ class GpuEngine:
                 cached = job.cached_pages * PAGE + job.cached_tokens
                 self._stats["cached_tokens"] += cached
                 self._stats["prefill_tokens"] += len(job.sequences[0].sequence_ids) - cached
-                outs.setdefault(key, JobOutput(key, [])).cached_tokens = cached
+                out = outs.setdefault(key, JobOutput(key, []))
+                out.cached_tokens = cached
+                out.prompt_logits = self._pending_prompt_logits.pop(key, None)
                 continue
             if stage != "streaming":
                 continue

@@ -583,6 +583,16 @@ class Scheduler:
                 counters["prompt_tokens"] += job.num_fed - out.cached_tokens
                 counters["cached_prompt_tokens"] += out.cached_tokens
                 counters["requests_prefix_hit"] += int(out.cached_tokens > 0)
+            if out.prompt_logits is not None and job.prompt_logprobs is not None:
+                prompt, req = job.request.prompt_ids, job.request
+                first = max(1, req.prompt_logprobs_from)  # row i predicts prompt token i + 1
+                if first < len(prompt):
+                    rows = out.prompt_logits[first - 1 : len(prompt) - 1]
+                    if isinstance(rows, torch.Tensor):
+                        rows = rows.detach().float().cpu().numpy()
+                    job.prompt_logprobs.extend(
+                        block_logprobs(rows, prompt[first:], req.prompt_logprobs)
+                    )
             last = len(out.token_ids) - 1
             for i, token in enumerate(out.token_ids):
                 job.num_generated += 1
@@ -593,6 +603,8 @@ class Scheduler:
             counters["generated_tokens"] += len(out.token_ids)
             if out.finish == "error":
                 outputs.append((job, -1, "error", out.error, now_ns, None))
+            elif out.finish is not None and not out.token_ids:  # a scored prompt, nothing made
+                outputs.append((job, None, out.finish, None, now_ns, None))
             if out.finish is not None:
                 self._running.remove(job)
         if outputs:
