@@ -16,7 +16,9 @@ chunk 16 are within 2.5e-6 of the largest logit, chunk 64's within 4.4e-6.
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,9 +26,14 @@ from typing import Any
 
 import torch
 
-from glm53.engine.base import EngineError, StreamWork
+from glm53.engine.base import EngineError, EngineUnavailable, StreamWork
 
 KDA_CHUNK = 16
+# Records the tier check reads at start: 0.6 GB at the full model's 9.4 MB record (0.3 s from a
+# 2 GB/s disk), a fraction of the load.
+STARTUP_CHECK_SAMPLES = 64
+
+log = logging.getLogger("glm53.engine.cpu")
 
 
 class CpuEngine:
@@ -59,6 +66,13 @@ class CpuEngine:
         self.context_length = context
         self.generation_defaults: dict[str, float] = {}
         self.model = None
+        self.tier_check = None  # the latest glm53.tiers.check.TierCheck
+        # The tiers belong to the engine thread; GET /admin/verify checks them from a worker
+        # thread, between two steps, under this lock.
+        self._tier_lock = threading.Lock()
+        # slot -> (start_pos, token ids, logits row) of work that ran in a step that failed for
+        # other slots (_step)
+        self._kept: dict[int, tuple[int, list[int], torch.Tensor]] = {}
         self._stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "step_s": 0.0}
 
     def load(self) -> None:
@@ -98,10 +112,36 @@ class CpuEngine:
         self.lm_head = lm_head_weight(ckpt)
         self.moe = {i: self.model.layers[i].mlp for i in ckpt.moe_layers}
         self.caches: list = [None] * self.num_slots
+        self._startup_check()
         self.description = (
             f"CPU engine (transformers glm5_next + tiered experts) on {self.checkpoint_dir}; "
             f"{self.tier.describe()}; {self.lane.describe()}"
         )
+
+    def _startup_check(self) -> None:
+        """Refuse to serve when the tiers do not hold what the store holds (glm53.tiers.check)."""
+        result = self.verify_tiers(STARTUP_CHECK_SAMPLES)
+        (log.info if result.is_ok else log.error)("tier check at start: %s", result.summary())
+        if not result.is_ok:
+            self.close()
+            fix = (
+                f"check the store with `glm53 store verify --store {self.store}` and repack it"
+                if self.store is not None
+                else f"check the checkpoint's files in {self.checkpoint_dir}"
+            )
+            raise EngineUnavailable(
+                f"the tier check at start failed, so glm53 does not serve: {result.summary()}; "
+                f"{fix}"
+            )
+
+    def verify_tiers(self, num_samples: int):
+        """Run the tier check (glm53.tiers.check) on `num_samples` sampled records, between two
+        steps; returns the TierCheck and keeps it for stats()."""
+        from glm53.tiers.check import check_tiers
+
+        with self._tier_lock:
+            self.tier_check = check_tiers(self.tier, num_samples)
+        return self.tier_check
 
     def new_cache(self):
         from transformers import DynamicCache
@@ -127,43 +167,73 @@ class CpuEngine:
         return hidden[0].float() @ self.lm_head.T
 
     def step(self, work: Sequence[StreamWork]) -> torch.Tensor:
+        with self._tier_lock:
+            return self._step(work)
+
+    def _step(self, work: Sequence[StreamWork]) -> torch.Tensor:
+        """Run the items one after the other. An item that fails (a bad position, a store read
+        fault) does not stop the others: the step raises EngineError naming the failed slots
+        after running the rest, and keeps the others' results, because the scheduler runs their
+        work again next step and their caches already hold it (see _run)."""
         start = time.perf_counter()
-        logits = []
+        rows, failed, kept = [], {}, {}
         for w in work:
-            if not 0 <= w.slot < self.num_slots:
-                raise EngineError(f"slot {w.slot} is outside 0..{self.num_slots - 1}", [w.slot])
-            if w.start_pos == 0:
-                self.caches[w.slot] = self.new_cache()
-            cache = self.caches[w.slot]
-            seen = cache.get_seq_length() if cache is not None else -1
-            if cache is None or seen != w.start_pos:
-                raise EngineError(
-                    f"slot {w.slot}: work starts at position {w.start_pos} but the slot holds "
-                    f"{max(seen, 0)} tokens",
-                    [w.slot],
-                )
-            if w.start_pos + len(w.token_ids) > self.context_length:
-                raise EngineError(
-                    f"slot {w.slot}: {w.start_pos + len(w.token_ids)} tokens exceed the context "
-                    f"length {self.context_length}",
-                    [w.slot],
-                )
             try:
-                row = self.forward(w.token_ids, cache)
-            except Exception as exc:
-                raise EngineError(f"slot {w.slot}: forward failed: {exc}", [w.slot]) from exc
+                row = self._run(w)
+            except EngineError as exc:
+                failed[w.slot] = str(exc)
+                continue
+            kept[w.slot] = (w.start_pos, list(w.token_ids), row)
             if w.want_logits:
-                logits.append(row)
-            key = "decode_tokens" if w.start_pos > 0 and len(w.token_ids) == 1 else "prefill_tokens"
-            self._stats[key] += len(w.token_ids)
+                rows.append(row)
         self._stats["steps"] += 1
         self._stats["step_s"] += time.perf_counter() - start
-        if not logits:
+        if failed:
+            self._kept.update(kept)
+            raise EngineError("; ".join(failed.values()), list(failed))
+        if not rows:
             return torch.empty(0, self.lm_head.shape[0])
-        return torch.stack(logits)
+        return torch.stack(rows)
+
+    def _run(self, w: StreamWork) -> torch.Tensor:
+        """One item's logits row. Work that a failed step already ran for this slot (the same
+        start and the same tokens, or a prefix of them) is answered from what that step kept
+        and only the rest is run."""
+        if not 0 <= w.slot < self.num_slots:
+            raise EngineError(f"slot {w.slot} is outside 0..{self.num_slots - 1}", [w.slot])
+        tokens, start_pos = list(w.token_ids), w.start_pos
+        kept = self._kept.pop(w.slot, None)
+        if kept is not None and kept[0] == start_pos and tokens[: len(kept[1])] == kept[1]:
+            if len(kept[1]) == len(tokens):
+                return kept[2]
+            tokens, start_pos = tokens[len(kept[1]) :], start_pos + len(kept[1])
+        elif start_pos == 0:
+            self.caches[w.slot] = self.new_cache()
+        cache = self.caches[w.slot]
+        seen = cache.get_seq_length() if cache is not None else -1
+        if cache is None or seen != start_pos:
+            raise EngineError(
+                f"slot {w.slot}: work starts at position {w.start_pos} but the slot holds "
+                f"{max(seen, 0)} tokens",
+                [w.slot],
+            )
+        if start_pos + len(tokens) > self.context_length:
+            raise EngineError(
+                f"slot {w.slot}: {start_pos + len(tokens)} tokens exceed the context "
+                f"length {self.context_length}",
+                [w.slot],
+            )
+        try:
+            row = self.forward(tokens, cache)
+        except Exception as exc:
+            raise EngineError(f"slot {w.slot}: forward failed: {exc}", [w.slot]) from exc
+        key = "decode_tokens" if start_pos > 0 and len(tokens) == 1 else "prefill_tokens"
+        self._stats[key] += len(tokens)
+        return row
 
     def release(self, slot: int) -> None:
         self.caches[slot] = None
+        self._kept.pop(slot, None)
 
     def stats(self) -> dict[str, Any]:
         if self.model is None:
@@ -179,10 +249,18 @@ class CpuEngine:
                     "cap_bytes": self.tier.ram_cap_bytes,
                     "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
                     **self.tier.counters(),
+                    **self.tier.faults,
                 },
                 "layers": layers,
+                "check": self._check_stats(),
             },
         }
+
+    def _check_stats(self) -> dict[str, int]:
+        c = self.tier_check
+        if c is None:
+            return {}
+        return {**c.counts(), "ram_checked": c.ram_checked, "table_checked": c.table_checked}
 
     def reset_counters(self) -> None:
         from glm53.tiers.moe import LayerCounters
