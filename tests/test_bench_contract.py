@@ -42,3 +42,14 @@ def test_micro_gemv_contract():
     assert ratios["vs_exllamav3"] is None and "skipped" in cfg["exllamav3"]
     assert 0 < ratios["dram_share"] and 0 < ratios["pool_vs_independent"]
     assert f["cost_model"] is None
+
+
+def test_ram_cap_contract():
+    r = run_bench("ram_cap", "--shares", "1", "--prompt", "8", "--tokens", "2")
+    f, ratios, cfg = r["figures"], r["ratios"], r["config"]
+    (run,) = f["runs"]
+    assert (run["share"], run["slots"], cfg["num_records"]) == (1.0, 192, 192)
+    assert run["cap_bytes"] == 192 * cfg["record_bytes"]
+    assert run["peak_rss_bytes"] == run["cap_bytes"] + run["overhead_bytes"]
+    assert f["overhead_max_bytes"] == run["overhead_bytes"] > 0
+    assert ratios["overhead_max_vs_all_experts"] == 1.0

@@ -26,7 +26,9 @@ from typing import Any
 
 import torch
 
+from glm53.config import ConfigurationError
 from glm53.engine.base import EngineError, EngineUnavailable, StreamWork
+from glm53.tiers import ram_budget
 
 KDA_CHUNK = 16
 # Records the tier check reads at start: 0.6 GB at the full model's 9.4 MB record (0.3 s from a
@@ -96,7 +98,16 @@ class CpuEngine:
             source = ExpertStore(self.store, ckpt)  # refuses a store of another checkpoint
         else:
             source = SafetensorsSource(ckpt)
-        self.tier = RamTier(source, self.ram_cap)
+        top_k = int(ckpt.text_config["num_experts_per_tok"])
+        working_set = ram_budget.working_set_records(top_k, self.num_slots, source.num_experts)
+        try:
+            if self.ram_cap is not None:  # before anything loads
+                ram_budget.check_cap(
+                    self.ram_cap, source.record_bytes, working_set, top_k, self.num_slots
+                )
+        except ram_budget.RamCapError as exc:
+            source.close()
+            raise ConfigurationError(str(exc)) from None
         self.lane = CpuLane(lane_layout(self.cpus, self.cpu_threads))
         # torch gets the CPUs the lane leaves: decode-sized ops gain nothing from more threads,
         # and threads that spin on the lane's core slow both (2-core host: 1 torch thread)
@@ -105,12 +116,35 @@ class CpuEngine:
         act_limit = float(ckpt.text_config.get("swiglu_limit", 0.0))
 
         def tiered(layer: int, block: torch.nn.Module) -> TieredMoE:
-            return TieredMoE(layer, block, self.tier, self.lane, act_limit)
+            return TieredMoE(layer, block, None, self.lane, act_limit)
 
         self.model = build_text_model(ckpt, moe_factory=tiered)
         memoize_expansion(self.model)
         self.lm_head = lm_head_weight(ckpt)
         self.moe = {i: self.model.layers[i].mlp for i in ckpt.moe_layers}
+        # The tier is sized after the non-expert weights are in memory (ram_budget)
+        cap = self.ram_cap
+        if cap is None:
+            memory = ram_budget.host_memory()
+            num_records = len(source.moe_layers) * source.num_experts
+            cap = ram_budget.planned_cap_bytes(memory, source.record_bytes, num_records)
+            log.info(
+                "RAM tier cap planned from %s: %.1f MiB (%d of %d expert records)",
+                memory.describe(),
+                cap / 2**20,
+                cap // source.record_bytes,
+                num_records,
+            )
+            try:
+                ram_budget.check_cap(
+                    cap, source.record_bytes, working_set, top_k, self.num_slots, memory.describe()
+                )
+            except ram_budget.RamCapError as exc:
+                source.close()
+                raise ConfigurationError(str(exc)) from None
+        self.tier = RamTier(source, cap)
+        for moe in self.moe.values():
+            moe.tier = self.tier
         self.caches: list = [None] * self.num_slots
         self._startup_check()
         self.description = (
