@@ -257,7 +257,10 @@ def test_verify_without_expert_tiers_is_a_409_and_a_bad_n_a_400(http):
     assert r.status_code == 409
     error = r.json()["error"]
     assert error["code"] == "no_expert_tiers"
-    assert error["message"].startswith("the scripted engine has no expert tiers to check")
+    assert error["message"] == (
+        "the scripted engine has no tier check: it checks the expert tiers of the engines that "
+        "keep them (the CPU engine's RAM tier)"
+    )
     for bad in ("0", "-3", "many", "4097"):
         r = http.get("/admin/verify", params={"n": bad})
         assert r.status_code == 400

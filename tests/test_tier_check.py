@@ -17,7 +17,7 @@ from glm53.models.synth import write_checkpoint
 from glm53.models.synth_layout import preset
 from glm53.store.pack import pack
 from glm53.store.reader import ExpertStore
-from glm53.tiers.check import BadRecord, TierCheck, check_vram
+from glm53.tiers.check import BadRecord, TierCheck, check_tiers, check_vram
 from glm53.tiers.expert_source import record_views
 
 PROMPT_IDS = list(range(5, 37))
@@ -218,9 +218,9 @@ class HostSlots:
 def test_vram_slots_are_compared_with_the_leading_bytes_of_fresh_reads(good_store):
     with ExpertStore(good_store) as store:
         slots = HostSlots(store, [(2, 0), (3, 7), (5, 31)])
-        result = TierCheck()
-        check_vram(slots, store, 64, np.random.default_rng(0), result)
-        assert (result.vram_checked, result.vram_bad) == (3, 0)
+        # a GPU engine without a RAM tier (exact mode) checks its VRAM cache alone
+        result = check_tiers(None, 64, vram=slots, source=store, seed=0)
+        assert (result.vram_checked, result.vram_bad, result.ram_checked) == (3, 0, 0)
         slots.slots[1, 17] ^= 2
         result = TierCheck()
         check_vram(slots, store, 64, np.random.default_rng(0), result)

@@ -45,8 +45,8 @@ async def verify(state: ServerState, query: bytes, send: Send) -> int:
     if check is None:
         raise ApiError(
             409,
-            f"the {state.engine.name} engine has no expert tiers to check; the tier check "
-            "belongs to the CPU and GPU engines",
+            f"the {state.engine.name} engine has no tier check: it checks the expert tiers "
+            "of the engines that keep them (the CPU engine's RAM tier)",
             code="no_expert_tiers",
         )
     result = await asyncio.to_thread(check, num_samples)

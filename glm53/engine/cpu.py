@@ -68,6 +68,7 @@ class CpuEngine:
         self.context_length = context
         self.generation_defaults: dict[str, float] = {}
         self.model = None
+        self.tier = None
         self.tier_check = None  # the latest glm53.tiers.check.TierCheck
         # The tiers belong to the engine thread; GET /admin/verify checks them from a worker
         # thread, between two steps, under this lock.
@@ -303,9 +304,10 @@ class CpuEngine:
             m.counters = LayerCounters()
 
     def close(self) -> None:
-        if self.model is not None:
+        if self.tier is not None:
             self.tier.close()
-            self.model = None
+            self.tier = None
+        self.model = None
 
 
 def create(settings, checkpoint_dir: Path) -> CpuEngine:

@@ -247,14 +247,17 @@ def check_tiers(
     num_samples: int,
     *,
     vram: VramRecords | None = None,
+    source=None,
     seed: int | None = None,
 ) -> TierCheck:
-    """The whole check: table, sampled RAM-tier records, sampled VRAM slots (when given).
-    Call it on the thread that owns the tiers (or under the lock that stands for it)."""
+    """The whole check: the RAM tier's tables and sampled records (when there is a tier), and
+    sampled VRAM slots (when given) against `source` (default: the tier's). Call it on the
+    thread that owns the tiers (or under the lock that stands for it)."""
     rng = np.random.default_rng(seed)
     result = TierCheck()
-    check_table(tier, result)
-    check_ram(tier, num_samples, rng, result)
+    if tier is not None:
+        check_table(tier, result)
+        check_ram(tier, num_samples, rng, result)
     if vram is not None:
-        check_vram(vram, tier.source, num_samples, rng, result)
+        check_vram(vram, source if source is not None else tier.source, num_samples, rng, result)
     return result
