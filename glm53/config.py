@@ -146,8 +146,9 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     ram_cap: Annotated[
         NonNegInt | None,
         _s(
-            "Cap of the RAM expert tier, in bytes (accepts 512M, 8G, 1.5GiB); default: sized from "
-            "free memory.",
+            "Cap of the RAM expert tier, in bytes (accepts 512M, 8G, 1.5GiB); default: what "
+            "MemAvailable and the cgroup's memory.max leave after the model, less a margin. At "
+            "least one decode step's experts (top-k x --max-batch of a layer).",
             group="tiers",
             kind="size",
         ),

@@ -123,6 +123,18 @@ cdef class ExpertTable:
         self._e[index] = e
         self._refs[index] = (gate, up, down)
 
+    def addresses(self, int index):
+        """The nine addresses the kernels read for expert `index`: (gate, up, down) x (trellis,
+        suh, svh), 0 where the entry was never set. The RAM tier's check compares them with
+        where its slots' records are."""
+        if not 0 <= index < self.num_experts:
+            raise IndexError(f"ExpertTable.addresses: expert {index} is outside "
+                             f"0..{self.num_experts - 1}")
+        cdef gemv_expert *e = &self._e[index]
+        return (<uintptr_t>e.gate.trellis, <uintptr_t>e.gate.suh, <uintptr_t>e.gate.svh,
+                <uintptr_t>e.up.trellis, <uintptr_t>e.up.suh, <uintptr_t>e.up.svh,
+                <uintptr_t>e.down.trellis, <uintptr_t>e.down.suh, <uintptr_t>e.down.svh)
+
     @property
     def handle(self):
         """Address of the gemv_expert array, for C callers (keep this object alive)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import errno
 import json
+import os
 import shutil
 import struct
 import tempfile
@@ -137,3 +138,37 @@ def record_bytes_of(ckpt: Checkpoint, layer: int, expert: int) -> dict[str, np.n
                 np.ascontiguousarray(ckpt.read(info.key)).view(np.uint8).reshape(-1)
             )
     return out
+
+
+class FailingReader:
+    """Fault injection for the read path (not a disk): wraps a real O_DIRECT Reader; a request
+    whose range covers one of `fail_offsets` completes with `errno_` at that offset, the way the
+    native reader reports a failed read, without touching the disk. Other requests are read."""
+
+    def __init__(self, reader, fail_offsets: list[int], errno_: int = errno.EIO):
+        self.reader = reader
+        self.fail_offsets = sorted(fail_offsets)
+        self.errno = errno_
+        self.failed: dict = {}
+
+    def submit(self, offset, length, buf, tag, *args, **kwargs):
+        hit = next((o for o in self.fail_offsets if offset <= o < offset + length), None)
+        if hit is None:
+            self.reader.submit(offset, length, buf, tag, *args, **kwargs)
+            return
+        error = ODirectError(
+            self.errno,
+            f"read of {length} bytes at offset {offset} of {self.reader.path} failed at offset "
+            f"{hit}: {os.strerror(self.errno)}",
+            hit,
+        )
+        self.failed[tag] = Completion(tag, -self.errno, error)
+
+    def wait(self, tags=None, timeout=None):
+        tags = list(tags)
+        failed = [self.failed.pop(t) for t in tags if t in self.failed]
+        rest = [t for t in tags if t not in {c.tag for c in failed}]
+        return failed + (self.reader.wait(rest, timeout) if rest else [])
+
+    def __getattr__(self, name):
+        return getattr(self.reader, name)

@@ -245,12 +245,32 @@ def test_openapi_document_describes_every_route(http):
         "/tokenize",
         "/openapi.json",
         "/admin/save_heat",
+        "/admin/verify",
     }
     chat_schema = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"][
         "application/json"
     ]["schema"]
     assert chat_schema == {"$ref": "#/components/schemas/ChatRequest"}
     assert "messages" in doc["components"]["schemas"]["ChatRequest"]["required"]
+
+
+def test_verify_without_expert_tiers_is_a_409_and_a_bad_n_a_400(http):
+    r = http.get("/admin/verify", params={"n": 8})
+    assert r.status_code == 409
+    error = r.json()["error"]
+    assert error["code"] == "no_expert_tiers"
+    assert error["message"] == (
+        "the scripted engine has no tier check: it checks the expert tiers of the engines that "
+        "keep them (the CPU engine's RAM tier)"
+    )
+    for bad in ("0", "-3", "many", "4097"):
+        r = http.get("/admin/verify", params={"n": bad})
+        assert r.status_code == 400
+        assert r.json()["error"]["param"] == "n"
+        assert r.json()["error"]["message"] == (
+            f"n={bad!r}: the number of records to check must be an integer in 1..4096"
+        )
+    assert http.post("/admin/verify").status_code == 405
 
 
 def test_save_heat_without_an_expert_cache_is_a_409_that_names_the_engine(http):

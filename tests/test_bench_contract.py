@@ -197,3 +197,14 @@ def test_micro_clock_contract():
     )  # fmt: skip
     # the C table and the Python model ran the same prefix (the bench checks their counters)
     assert r["figures"]["c_batch_ops"] > 0 and r["ratios"]["c_batch_over_py_model"] > 0
+
+
+def test_ram_cap_contract():
+    r = run_bench("ram_cap", "--shares", "1", "--prompt", "8", "--tokens", "2")
+    f, ratios, cfg = r["figures"], r["ratios"], r["config"]
+    (run,) = f["runs"]
+    assert (run["share"], run["slots"], cfg["num_records"]) == (1.0, 192, 192)
+    assert run["cap_bytes"] == 192 * cfg["record_bytes"]
+    assert run["peak_rss_bytes"] == run["cap_bytes"] + run["overhead_bytes"]
+    assert f["overhead_max_bytes"] == run["overhead_bytes"] > 0
+    assert ratios["overhead_max_vs_all_experts"] == 1.0

@@ -88,7 +88,9 @@ def test_decode_with_caches_matches_transformers(engine, reference):
 
 def test_a_ram_cap_below_all_experts_gives_the_same_logits(demo, engine):
     record = engine.tier.slot_bytes
-    small = CpuEngine(demo, cpu_threads=1, ram_cap=10 * record)
+    # 10 records: more than one decode step's working set at 2 streams (top-4 x 2), far fewer
+    # than a prefill touches, which runs in waves
+    small = CpuEngine(demo, max_batch=2, cpu_threads=1, ram_cap=10 * record)
     small.load()
     try:
         assert small.tier.num_slots == 10 < engine.tier.num_slots == 6 * 32

@@ -212,3 +212,20 @@ def test_doctor_with_a_checkpoint_plans_for_its_geometry(tmp_path):
     exact = option(own, Mode.EXACT)
     assert exact.prediction.vram_share == 1.0
     assert exact.prediction.decode_tok_s > 5 * option(full, Mode.EXACT).prediction.decode_tok_s
+
+
+def test_nvme_modes_predict_decode_at_each_ram_cap_up_to_and_past_the_budget():
+    _, plan, _ = doctor("desktop-4090-gen4-64g")
+    for mode in (Mode.NVME, Mode.NVME_EXACT):
+        nvme = option(plan, mode)
+        caps = nvme.caps
+        slots = [c.ram_tier_slots for c in caps]
+        assert slots == sorted(set(slots)) and 3819 in slots  # the planned tier is one of them
+        planned = next(c for c in caps if c.ram_tier_slots == 3819)
+        assert planned.decode_tok_s == nvme.prediction.decode_tok_s
+        assert planned.within_budget and not caps[-1].within_budget  # all experts: over 64 GB
+        # more RAM never predicts slower decode, and fewer picks come from the store
+        assert [c.decode_tok_s for c in caps] == sorted(c.decode_tok_s for c in caps)
+        assert [c.store_share for c in caps] == sorted((c.store_share for c in caps), reverse=True)
+        assert caps[-1].store_share == 0.0
+    assert option(plan, Mode.FAST).caps == []

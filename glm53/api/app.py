@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 
 from glm53 import notify
-from glm53.api import chat, completions, info, native
+from glm53.api import admin, chat, completions, info, native
 from glm53.api.errors import ApiError
 from glm53.api.http import ClientGone, Receive, Send, read_body, send_error
 from glm53.api.state import ServerState
@@ -36,7 +36,9 @@ ROUTES = {
     ("POST", "/generate"): native.generate,
     ("POST", "/tokenize"): native.tokenize,
 }
-_PATHS = {path for _, path in ROUTES}
+# Routes whose handlers take the query string: (state, query, send).
+QUERY_ROUTES = {("GET", "/admin/verify"): admin.verify}
+_PATHS = {path for _, path in ROUTES} | {path for _, path in QUERY_ROUTES}
 # The dashboard page holds no data (it polls /stats, sending the key from its URL's #key=).
 _OPEN_PATHS = {"/health", "/dashboard"}
 # After a drain timeout, how long the open responses get to send their error before the stop.
@@ -213,10 +215,13 @@ class App:
             await self.state.scheduler.close()
 
     # --- requests ---------------------------------------------------------------------------
-    def _route(self, method: str, path: str):
+    def _route(self, method: str, path: str, query: bytes):
         handler = ROUTES.get((method, path))
         if handler is not None:
             return handler
+        with_query = QUERY_ROUTES.get((method, path))
+        if with_query is not None:
+            return lambda state, body, receive, send: with_query(state, query, send)
         if method == "GET" and path.startswith("/v1/models/"):
             name = path[len("/v1/models/") :]
             return lambda state, body, receive, send: info.model(state, name, send)
@@ -247,7 +252,7 @@ class App:
                     "missing or wrong API key: send Authorization: Bearer <key>",
                     code="invalid_api_key",
                 )
-            handler = self._route(method, path)
+            handler = self._route(method, path, scope.get("query_string", b""))
             body = b""
             if method == "POST":
                 declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)

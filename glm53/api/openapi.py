@@ -58,6 +58,14 @@ ENDPOINTS: tuple[tuple[str, str, Any, Any, str], ...] = (
         _JSON_OBJECT,
         "Write the VRAM expert cache's warm-start heat list now (GPU engine; 409 otherwise)",
     ),
+    (
+        "get",
+        "/admin/verify",
+        None,
+        _JSON_OBJECT,
+        "Tier check on demand (?n=64 records): ram_bad, vram_bad, table_bad and each bad "
+        "record's layer and expert (409 for an engine without tiers)",
+    ),
 )
 _ERRORS = {
     "400": "Invalid request",

@@ -69,6 +69,51 @@ class ModeOption(msgspec.Struct, frozen=True):
     prediction: Prediction | None = None
     inputs: list[InputValue] = []
     flags: dict[str, str] = {}
+    caps: list[CapPrediction] = []  # nvme modes: the prediction at each --ram-cap
+
+
+class CapPrediction(msgspec.Struct, frozen=True):
+    """An nvme mode's prediction at one --ram-cap: the RAM tier's records, the whole process's
+    memory at that cap (nvme_process_bytes), and whether the host's budget holds it."""
+
+    ram_cap_bytes: int
+    ram_tier_slots: int
+    process_bytes: int
+    within_budget: bool
+    decode_tok_s: float
+    prefill_tok_s: float
+    ram_share: float
+    store_share: float
+
+
+# RAM-tier sizes the doctor predicts for, as shares of the experts not in VRAM
+CAP_SHARES = (0.1, 0.25, 0.4, 0.55, 0.7, 0.85, 1.0)
+
+
+def cap_sweep(
+    mode: Mode, inputs: dict, planned_slots: int, budget_bytes: int, geo: Geometry = GLM53_FLASH
+) -> list[CapPrediction]:
+    """Predictions at CAP_SHARES of the experts not in VRAM and at the planned tier, smallest
+    first; `inputs` are the mode's CostInputs fields."""
+    room = geo.total_experts - int(inputs["vram_slots"])
+    sizes = sorted({int(share * room) for share in CAP_SHARES} | {planned_slots})
+    out = []
+    for slots in (n for n in sizes if n > 0):
+        p = predict(mode, CostInputs(**{**inputs, "ram_tier_slots": slots}), geo)
+        process = nvme_process_bytes(slots)
+        out.append(
+            CapPrediction(
+                ram_cap_bytes=slots * EB,
+                ram_tier_slots=slots,
+                process_bytes=process,
+                within_budget=process <= budget_bytes,
+                decode_tok_s=p.decode_tok_s,
+                prefill_tok_s=p.prefill_tok_s,
+                ram_share=p.ram_share,
+                store_share=p.store_share,
+            )
+        )
+    return out
 
 
 class Proposal(msgspec.Struct, frozen=True):
@@ -349,7 +394,10 @@ def _options(host: HostProbe, req: PlanRequest, gpu: Gpu, lane: list[int], budge
             b = float(_value(lane_in, "lane_b_ms"))
             if abs(b - DEFAULT_CT_B_MS) > 0.01 * DEFAULT_CT_B_MS:
                 flags["--ct-b"] = f"{b:.3f}"
-        x = CostInputs(**{v.name: v.value for v in values})
+        fields = {v.name: v.value for v in values}
+        caps = []
+        if mode in STORE_MODES:
+            caps = cap_sweep(mode, fields, fields["ram_tier_slots"], budget.bytes, geo)
         options.append(
             ModeOption(
                 mode,
@@ -357,9 +405,10 @@ def _options(host: HostProbe, req: PlanRequest, gpu: Gpu, lane: list[int], budge
                 "",
                 host_ram_bytes=host_ram,
                 ram_tier_bytes=tier_bytes,
-                prediction=predict(mode, x, geo),
+                prediction=predict(mode, CostInputs(**fields), geo),
                 inputs=values,
                 flags=flags,
+                caps=caps,
             )
         )
     return options

@@ -175,6 +175,26 @@ def _plan_tables(plan: Plan) -> list:
         for v in chosen.inputs:
             t.add_row(v.name, str(v.value), escape(v.source))
         out.append(t)
+    swept = chosen if chosen and chosen.caps else None
+    swept = swept or next((o for o in plan.options if o.caps), None)
+    if swept:
+        t = Table(
+            title=f"{swept.mode} at each --ram-cap (predicted, concurrency 1)", title_justify="left"
+        )
+        for col in ("--ram-cap", "RAM tier", "process RAM", "decode tok/s", "prefill tok/s",
+                    "picks RAM/store", "fits"):  # fmt: skip
+            t.add_column(col)
+        for cap in swept.caps:
+            t.add_row(
+                _gib(cap.ram_cap_bytes),
+                f"{cap.ram_tier_slots} experts",
+                _gib(cap.process_bytes),
+                f"{cap.decode_tok_s:.1f}",
+                f"{cap.prefill_tok_s:.0f}",
+                f"{cap.ram_share:.0%} / {cap.store_share:.0%}",
+                "yes" if cap.within_budget else "over the budget",
+            )
+        out.append(t)
     c = plan.comparison
     if c:
         t = Table(title=f"Predicted vs measured ({c.file}, mode {c.mode})", title_justify="left")

@@ -22,7 +22,9 @@ chunk 16 are within 2.5e-6 of the largest logit, chunk 64's within 4.4e-6.
 from __future__ import annotations
 
 import copy
+import logging
 import os
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,9 +32,16 @@ from typing import Any
 
 import torch
 
-from glm53.engine.base import EngineError, StreamUsage, StreamWork
+from glm53.config import ConfigurationError
+from glm53.engine.base import EngineError, EngineUnavailable, StreamUsage, StreamWork
+from glm53.tiers import ram_budget
 
 KDA_CHUNK = 16
+# Records the tier check reads at start: 0.6 GB at the full model's 9.4 MB record (0.3 s from a
+# 2 GB/s disk), a fraction of the load.
+STARTUP_CHECK_SAMPLES = 64
+
+log = logging.getLogger("glm53.engine.cpu")
 
 
 class CpuEngine:
@@ -68,6 +77,14 @@ class CpuEngine:
         self.generation_defaults: dict[str, float] = {}
         self.model = None
         self.count_streams = True  # per-stream tier counts (bench/cpu_engine.py turns it off)
+        self.tier = None
+        self.tier_check = None  # the latest glm53.tiers.check.TierCheck
+        # The tiers belong to the engine thread; GET /admin/verify checks them from a worker
+        # thread, between two steps, under this lock.
+        self._tier_lock = threading.Lock()
+        # slot -> (start_pos, token ids, logits row) of work that ran in a step that failed for
+        # other slots (_step)
+        self._kept: dict[int, tuple[int, list[int], torch.Tensor]] = {}
         self._stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "step_s": 0.0}
 
     def load(self) -> None:
@@ -91,7 +108,16 @@ class CpuEngine:
             source = ExpertStore(self.store, ckpt)  # refuses a store of another checkpoint
         else:
             source = SafetensorsSource(ckpt)
-        self.tier = RamTier(source, self.ram_cap)
+        top_k = int(ckpt.text_config["num_experts_per_tok"])
+        working_set = ram_budget.working_set_records(top_k, self.num_slots, source.num_experts)
+        try:
+            if self.ram_cap is not None:  # before anything loads
+                ram_budget.check_cap(
+                    self.ram_cap, source.record_bytes, working_set, top_k, self.num_slots
+                )
+        except ram_budget.RamCapError as exc:
+            source.close()
+            raise ConfigurationError(str(exc)) from None
         self.lane = CpuLane(lane_layout(self.cpus, self.cpu_threads), precision=self.lane_precision)
         # torch gets the CPUs the lane leaves: decode-sized ops gain nothing from more threads,
         # and threads that spin on the lane's core slow both (2-core host: 1 torch thread)
@@ -102,18 +128,67 @@ class CpuEngine:
         self.tally_target = TallyTarget()
 
         def tiered(layer: int, block: torch.nn.Module) -> TieredMoE:
-            return TieredMoE(layer, block, self.tier, self.lane, act_limit, self.tally_target)
+            return TieredMoE(layer, block, None, self.lane, act_limit, self.tally_target)
 
         self.model = build_text_model(ckpt, moe_factory=tiered)
         memoize_expansion(self.model)
         self.lm_head = lm_head_weight(ckpt)
         self.moe = {i: self.model.layers[i].mlp for i in ckpt.moe_layers}
+        # The tier is sized after the non-expert weights are in memory (ram_budget)
+        cap = self.ram_cap
+        if cap is None:
+            memory = ram_budget.host_memory()
+            num_records = len(source.moe_layers) * source.num_experts
+            cap = ram_budget.planned_cap_bytes(memory, source.record_bytes, num_records)
+            log.info(
+                "RAM tier cap planned from %s: %.1f MiB (%d of %d expert records)",
+                memory.describe(),
+                cap / 2**20,
+                cap // source.record_bytes,
+                num_records,
+            )
+            try:
+                ram_budget.check_cap(
+                    cap, source.record_bytes, working_set, top_k, self.num_slots, memory.describe()
+                )
+            except ram_budget.RamCapError as exc:
+                source.close()
+                raise ConfigurationError(str(exc)) from None
+        self.tier = RamTier(source, cap)
+        for moe in self.moe.values():
+            moe.tier = self.tier
         self.caches: list = [None] * self.num_slots
         self.usage = [StreamUsage() for _ in range(self.num_slots)]
+        self._startup_check()
         self.description = (
             f"CPU engine (transformers glm5_next + tiered experts) on {self.checkpoint_dir}; "
             f"{self.tier.describe()}; {self.lane.describe()}"
         )
+
+    def _startup_check(self) -> None:
+        """Refuse to serve when the tiers do not hold what the store holds (glm53.tiers.check)."""
+        result = self.verify_tiers(STARTUP_CHECK_SAMPLES)
+        (log.info if result.is_ok else log.error)("tier check at start: %s", result.summary())
+        if not result.is_ok:
+            self.close()
+            fix = (
+                f"check the store with `glm53 store verify --store {self.store}` and repack it"
+                if self.store is not None
+                else f"check the checkpoint's files in {self.checkpoint_dir}"
+            )
+            raise EngineUnavailable(
+                f"the tier check at start failed, so glm53 does not serve: {result.summary()}; "
+                f"{fix}"
+            )
+
+    def verify_tiers(self, num_samples: int):
+        """Run the tier check (glm53.tiers.check) on `num_samples` sampled records, between two
+        steps; returns the TierCheck and keeps it for stats()."""
+        from glm53.tiers.check import check_tiers
+
+        with self._tier_lock:
+            self.tier_check = check_tiers(self.tier, num_samples)
+        return self.tier_check
 
     def new_cache(self):
         from transformers import DynamicCache
@@ -144,49 +219,83 @@ class CpuEngine:
         return hidden[0].float() @ self.lm_head.T
 
     def step(self, work: Sequence[StreamWork]) -> torch.Tensor:
+        with self._tier_lock:
+            return self._step(work)
+
+    def _step(self, work: Sequence[StreamWork]) -> torch.Tensor:
+        """Run the items one after the other. An item that fails (a bad position, a store read
+        fault) does not stop the others: the step raises EngineError naming the failed slots
+        after running the rest, and keeps the others' results, because the scheduler runs their
+        work again next step and their caches already hold it (see _run)."""
         start = time.perf_counter()
-        logits = []
+        rows, failed, kept = [], {}, {}
         for w in work:
-            if not 0 <= w.slot < self.num_slots:
-                raise EngineError(f"slot {w.slot} is outside 0..{self.num_slots - 1}", [w.slot])
-            if w.start_pos == 0:
-                self.caches[w.slot] = self.new_cache()
-                self.usage[w.slot] = StreamUsage()
-            cache = self.caches[w.slot]
-            seen = cache.get_seq_length() if cache is not None else -1
-            if cache is None or seen != w.start_pos:
-                raise EngineError(
-                    f"slot {w.slot}: work starts at position {w.start_pos} but the slot holds "
-                    f"{max(seen, 0)} tokens",
-                    [w.slot],
-                )
-            if w.start_pos + len(w.token_ids) > self.context_length:
-                raise EngineError(
-                    f"slot {w.slot}: {w.start_pos + len(w.token_ids)} tokens exceed the context "
-                    f"length {self.context_length}",
-                    [w.slot],
-                )
-            self.tally_target.tally = self.usage[w.slot] if self.count_streams else None
             try:
-                rows = self.forward(w.token_ids, cache, all_positions=w.all_logits)
-            except Exception as exc:
-                raise EngineError(f"slot {w.slot}: forward failed: {exc}", [w.slot]) from exc
-            finally:
-                self.tally_target.tally = None
+                row = self._run(w)
+            except EngineError as exc:
+                failed[w.slot] = str(exc)
+                continue
+            kept[w.slot] = (w.start_pos, list(w.token_ids), row)
             if w.all_logits:
-                logits.extend(rows)
+                rows.extend(row)
             elif w.want_logits:
-                logits.append(rows)
-            key = "decode_tokens" if w.start_pos > 0 and len(w.token_ids) == 1 else "prefill_tokens"
-            self._stats[key] += len(w.token_ids)
+                rows.append(row)
         self._stats["steps"] += 1
         self._stats["step_s"] += time.perf_counter() - start
-        if not logits:
+        if failed:
+            self._kept.update(kept)
+            raise EngineError("; ".join(failed.values()), list(failed))
+        if not rows:
             return torch.empty(0, self.lm_head.shape[0])
-        return torch.stack(logits)
+        return torch.stack(rows)
+
+    def _run(self, w: StreamWork) -> torch.Tensor:
+        """One item's logits row (every position's rows with `all_logits`). Work that a failed
+        step already ran for this slot (the same start and the same tokens, or a prefix of them)
+        is answered from what that step kept and only the rest is run."""
+        if not 0 <= w.slot < self.num_slots:
+            raise EngineError(f"slot {w.slot} is outside 0..{self.num_slots - 1}", [w.slot])
+        tokens, start_pos = list(w.token_ids), w.start_pos
+        kept = self._kept.pop(w.slot, None)
+        done_rows = None
+        if kept is not None and kept[0] == start_pos and tokens[: len(kept[1])] == kept[1]:
+            if len(kept[1]) == len(tokens):
+                return kept[2]
+            done_rows = kept[2]
+            tokens, start_pos = tokens[len(kept[1]) :], start_pos + len(kept[1])
+        elif start_pos == 0:
+            self.caches[w.slot] = self.new_cache()
+            self.usage[w.slot] = StreamUsage()
+        cache = self.caches[w.slot]
+        seen = cache.get_seq_length() if cache is not None else -1
+        if cache is None or seen != start_pos:
+            raise EngineError(
+                f"slot {w.slot}: work starts at position {w.start_pos} but the slot holds "
+                f"{max(seen, 0)} tokens",
+                [w.slot],
+            )
+        if start_pos + len(tokens) > self.context_length:
+            raise EngineError(
+                f"slot {w.slot}: {start_pos + len(tokens)} tokens exceed the context "
+                f"length {self.context_length}",
+                [w.slot],
+            )
+        self.tally_target.tally = self.usage[w.slot] if self.count_streams else None
+        try:
+            row = self.forward(tokens, cache, all_positions=w.all_logits)
+        except Exception as exc:
+            raise EngineError(f"slot {w.slot}: forward failed: {exc}", [w.slot]) from exc
+        finally:
+            self.tally_target.tally = None
+        if w.all_logits and done_rows is not None:
+            row = torch.cat((done_rows, row))
+        key = "decode_tokens" if start_pos > 0 and len(tokens) == 1 else "prefill_tokens"
+        self._stats[key] += len(tokens)
+        return row
 
     def release(self, slot: int) -> None:
         self.caches[slot] = None
+        self._kept.pop(slot, None)
 
     @torch.inference_mode()
     def snapshot(self, slot: int) -> tuple[Any, int]:
@@ -228,10 +337,18 @@ class CpuEngine:
                     "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
                     "resident": clock["admits"] - clock["evictions"],  # records in the arena
                     **clock,
+                    **self.tier.faults,
                 },
                 "layers": layers,
+                "check": self._check_stats(),
             },
         }
+
+    def _check_stats(self) -> dict[str, int]:
+        c = self.tier_check
+        if c is None:
+            return {}
+        return {**c.counts(), "ram_checked": c.ram_checked, "table_checked": c.table_checked}
 
     def reset_counters(self) -> None:
         from glm53.tiers.moe import LayerCounters
@@ -240,9 +357,10 @@ class CpuEngine:
             m.counters = LayerCounters()
 
     def close(self) -> None:
-        if self.model is not None:
+        if self.tier is not None:
             self.tier.close()
-            self.model = None
+            self.tier = None
+        self.model = None
 
 
 def tensor_bytes(root: Any) -> int:

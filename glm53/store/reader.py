@@ -4,7 +4,7 @@
 (StoreMismatchError), a truncated data file, and a filesystem without O_DIRECT. It reads whole
 records (one aligned read each) into caller buffers and gives views of their arrays. It also
 has the expert-source interface of `tiers.expert_source.SafetensorsSource` (moe_layers,
-num_experts, layouts, record_bytes, read, describe, close), so a RAM tier can be filled from it.
+num_experts, layouts, record_bytes, read, record_sha256, describe, close), so a RAM tier can be filled from it.
 Owned by one thread (the O_DIRECT reader is).
 """
 
@@ -21,7 +21,13 @@ from glm53.models.checkpoint import Checkpoint
 from glm53.store.errors import EXIT_CHECK_FAILED, StoreError, reason
 from glm53.store.format import PROJECTIONS, Field, RecordLayout, layout_of, read_manifest
 from glm53.store.plan import check_matches, plan_store
-from glm53.tiers.expert_source import BounceBuffer, read_coalesced
+from glm53.tiers.expert_source import (
+    BounceBuffer,
+    ExpertReadError,
+    RunFailed,
+    file_problem,
+    read_coalesced,
+)
 
 _NUMPY = {"I16": np.int16, "F16": np.float16}
 
@@ -63,6 +69,7 @@ class ExpertStore:
         try:
             probe(self.data_path)
             self.reader = Reader(self.data_path, threads=threads)
+            self.opened = self.data_path.stat()
         except ODirectError as exc:
             raise StoreError(f"store {self.store_dir}: {reason(exc)}") from None
         self.layout: RecordLayout = layout_of(m)
@@ -100,6 +107,10 @@ class ExpertStore:
     def offset(self, model_layer: int, expert: int) -> int:
         return self.record_index(model_layer, expert) * self.record_bytes
 
+    def record_sha256(self, model_layer: int, expert: int) -> str:
+        """The manifest's sha256 (hex) of one record, as packed."""
+        return self.manifest.sha256[self.record_index(model_layer, expert)]
+
     def read(self, requests: list[tuple[int, int, np.ndarray]]) -> int:
         """Read records into 4 KiB-aligned buffers of at least record_bytes: (model layer,
         expert, buffer) triples. Records next to each other in the data file are read as one
@@ -109,7 +120,23 @@ class ExpertStore:
             (self.offset(layer, expert), self.record_bytes, buf[: self.record_bytes])
             for layer, expert, buf in requests
         ]
-        return read_coalesced({0: self.reader}, {0: pieces}, self._bounce, self._tags)
+        try:
+            return read_coalesced({0: self.reader}, {0: pieces}, self._bounce, self._tags)
+        except RunFailed as exc:
+            layer, expert = self.manifest.locate(exc.offset // self.record_bytes)
+            problem = self.problem()
+            raise ExpertReadError(
+                exc.errno,
+                f"reading layer {layer.model_layer} expert {expert} from the store failed at "
+                f"offset {exc.offset} of {self.data_path}: {exc.strerror}"
+                + (f" ({problem})" if problem else ""),
+                layer.model_layer,
+                expert,
+            ) from None
+
+    def problem(self) -> str:
+        """What happened to the data file since it was opened (file_problem), or ""."""
+        return file_problem(self.data_path, self.opened, self.manifest.total_bytes)
 
     def views(self, record: np.ndarray) -> dict[str, np.ndarray]:
         """Field name (e.g. "up.suh") -> typed view into a record buffer."""

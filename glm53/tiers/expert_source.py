@@ -133,21 +133,64 @@ class BounceBuffer:
         return out
 
 
+class ExpertReadError(OSError):
+    """Reading an expert's record failed (a disk error, or a short read: the file ends early).
+    `layer` and `expert` name the expert whose bytes the failed read covered; `errno` is the
+    read's."""
+
+    def __init__(self, errno_: int, message: str, layer: int, expert: int):
+        super().__init__(errno_, message)
+        self.layer = layer
+        self.expert = expert
+
+
+class RunFailed(_odirect.ODirectError):
+    """A coalesced run failed: `key` is its reader's key, `offset` the file offset where."""
+
+    def __init__(self, key, offset: int, cause: OSError):
+        super().__init__(cause.errno, cause.strerror, offset)
+        self.key = key
+
+
+def file_problem(path: Path, opened: os.stat_result, want_bytes: int) -> str:
+    """What happened to a file since it was opened (`opened`: its stat then), or "": deleted,
+    replaced by another file, cut below `want_bytes`, or no longer readable. An open
+    descriptor still reads a deleted or unreadable file; a truncated one reads short."""
+    try:
+        now = os.stat(path)
+    except FileNotFoundError:
+        return f"{path} was deleted while serving"
+    except OSError as exc:
+        return f"{path} cannot be looked at any more ({exc.strerror})"
+    if (now.st_dev, now.st_ino) != (opened.st_dev, opened.st_ino):
+        return f"{path} was replaced by another file while serving"
+    if now.st_size < want_bytes:
+        return f"{path} was truncated to {now.st_size} bytes while serving (it needs {want_bytes})"
+    if not os.access(path, os.R_OK):
+        return f"{path} was made unreadable while serving"
+    return ""
+
+
 def read_coalesced(readers: dict, pieces: dict, bounce: BounceBuffer, tags: Iterator[int]) -> int:
     """Read aligned pieces (file offset, length, destination), keyed by reader, as coalesced
-    runs (plan_runs). Waits for every request, then raises the first read error; returns the
+    runs (plan_runs). Waits for every request, then raises RunFailed for the first read that
+    failed (the file offset where it failed, so a caller can name the expert); returns the
     bytes read."""
     planned = [(key, run) for key, items in pieces.items() for run in plan_runs(items)]
     buffers = bounce.views([run for _, run in planned])
-    total, tags_by_reader = 0, {}
+    total, tags_by_reader, run_of = 0, {}, {}
     for (key, run), buf in zip(planned, buffers, strict=True):
         tag = next(tags)
+        run_of[tag] = (key, run)
         readers[key].submit(run.offset, run.length, run.direct() if buf is None else buf, tag)
         tags_by_reader.setdefault(key, []).append(tag)
         total += run.length
     completions = [c for key, t in tags_by_reader.items() for c in readers[key].wait(t)]
     for completion in completions:
-        completion.check()
+        if not completion.ok:
+            key, run = run_of[completion.tag]
+            error = completion.error
+            raise RunFailed(key, run.offset if error.offset is None else error.offset, error)
     for (_, run), buf in zip(planned, buffers, strict=True):
         if buf is not None:
             for offset, length, dest in run.pieces:
@@ -185,13 +228,18 @@ class SafetensorsSource:
             for lay in self.layouts.values()
         )
         paths = sorted({s.path for lay in self.layouts.values() for s in lay.spans})
-        self.file_bytes = {p: p.stat().st_size for p in paths}
+        self.opened = {p: p.stat() for p in paths}
+        self.file_bytes = {p: st.st_size for p, st in self.opened.items()}
         self.readers = {p: _odirect.Reader(p, threads=threads) for p in paths}
         self._bounce = BounceBuffer()
         self._tags = itertools.count()
 
     def describe(self) -> str:
         return f"safetensors shards of {self.ckpt.directory} (O_DIRECT)"
+
+    def record_sha256(self, layer: int, expert: int) -> None:
+        """The shards carry no per-expert hash (a packed store's manifest does)."""
+        return None
 
     def read(self, requests: list[tuple[int, int, np.ndarray]]) -> int:
         """Read experts into record buffers: (layer, expert, buffer) triples. Returns the bytes read
@@ -206,7 +254,30 @@ class SafetensorsSource:
                     pieces.setdefault(span.path, []).append((span.offset, direct, view))
                 if direct < span.length:
                     total += self._read_tail(span, max(direct, 0), buf)
-        return total + read_coalesced(self.readers, pieces, self._bounce, self._tags)
+        try:
+            return total + read_coalesced(self.readers, pieces, self._bounce, self._tags)
+        except RunFailed as exc:
+            layer, expert = next(
+                (layer, expert)
+                for layer, expert, _ in requests
+                for span in self.layouts[(layer, expert)].spans
+                if span.path == exc.key and span.offset <= exc.offset < span.offset + span.length
+            )
+            problem = file_problem(exc.key, self.opened[exc.key], self.file_bytes[exc.key])
+            raise ExpertReadError(
+                exc.errno,
+                f"reading layer {layer} expert {expert} from {exc.key} failed: {exc.strerror}"
+                + (f" ({problem})" if problem else ""),
+                layer,
+                expert,
+            ) from None
+
+    def problem(self) -> str:
+        """What happened to the shards since they were opened (file_problem), or ""."""
+        for path, opened in self.opened.items():
+            if found := file_problem(path, opened, self.file_bytes[path]):
+                return found
+        return ""
 
     def _read_tail(self, span: Span, done: int, buf: np.ndarray) -> int:
         """The last partial block of a file, which O_DIRECT cannot read; returns its bytes."""
