@@ -60,7 +60,7 @@ fi
 cd "$WORK" || exit 2  # import the installed package, not the source tree
 
 if stage synth; then
-  for preset in ${GLM53_SYNTH:-demo slice}; do
+  for preset in ${GLM53_SYNTH:-demo slice slice-resharded}; do
     [ -d "$WORK/$preset" ] && continue
     if [ "$preset" = slice-resharded ]; then
       # uniform routing, rewritten in other shards and tensor order by a separate tool; the
