@@ -5,7 +5,7 @@
 # optionally wheels312/ (build and test wheels for this Python); OUT_DIR receives logs and
 # JSON. STAGES (default "build synth tests bench") picks what runs. A Triton cache found at
 # DEVICE_DIR/triton-cache.tar.gz is restored (and saved to OUT_DIR when GLM53_SAVE_TRITON is set).
-# GLM53_SYNTH picks the checkpoints (default "demo slice"), GLM53_GPU_TESTS narrows the tests (paths or node ids), GLM53_BENCH the benchmarks,
+# GLM53_SYNTH picks the checkpoints (default "demo slice slice-resharded"; also "deep"), GLM53_GPU_TESTS narrows the tests (paths or node ids), GLM53_BENCH the benchmarks,
 # GLM53_BENCH_MODES the gpu_slice rows, GLM53_OFFLOAD_TIMEOUT its stock-offload subprocesses,
 # GLM53_GPU_SLICE_ARGS further gpu_slice arguments (e.g. "--model $GLM53_TEST_DEEP --vram-budget 24G").
 set -uo pipefail
