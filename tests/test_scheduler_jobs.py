@@ -7,6 +7,7 @@ protocol. The GPU engine itself is checked against stock exllamav3 in tests/gpu/
 """
 
 import asyncio
+import threading
 
 import numpy as np
 import pytest
@@ -46,6 +47,7 @@ class MockJobEngine:
         self.fail_job_after: dict[int, int] = {}  # first prompt token -> tokens before error
         self.iterations = 0
         self.closed = False
+        self.hold: threading.Event | None = None  # set: iterations past the 2nd wait for it
 
     def load(self):
         pass
@@ -64,6 +66,8 @@ class MockJobEngine:
             self.cancelled.append(key)
 
     def iterate(self):
+        if self.hold is not None and self.iterations >= 2:
+            self.hold.wait(30)
         self.iterations += 1
         if self.iterations in self.fail_iterate:
             raise RuntimeError("mock iteration failure")
@@ -152,11 +156,15 @@ def test_jobs_submitted_together_start_together_in_order(checkpoint):
 def test_a_cancelled_stream_is_cancelled_in_the_engine(checkpoint):
     async def main():
         engine = MockJobEngine(checkpoint)
+        # the engine waits after the first token until the stream is cancelled (unheld, it can
+        # finish all its tokens before the event loop has read the first)
+        engine.hold = threading.Event()
         s = await started(engine)
         stream = s.submit(request([1], 1000))
         async for _ in stream:
             stream.cancel()
             break
+        engine.hold.set()
         await until_idle(s)
         assert len(engine.cancelled) == 1 and not engine.jobs
         await s.close()
