@@ -6,6 +6,10 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import httpx
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -32,3 +36,33 @@ def host_fields() -> dict:
         "load_avg_1m": round(os.getloadavg()[0], 2),
         "python": platform.python_version(),
     }
+
+
+def token_id_top(entry: dict[str, float]) -> dict[int, float]:
+    """A logprobs `top_logprobs` entry written with return_tokens_as_token_ids ("token_id:N")
+    as {id: logprob}."""
+    return {int(t.removeprefix("token_id:")): v for t, v in entry.items()}
+
+
+def server_top_k(
+    client: httpx.Client, model: str, ids: list[int], k: int
+) -> list[dict[int, float]]:
+    """The server's top-k (id -> logprob) at each position of a prompt (n - 1 positions), the
+    scored token's own logprob included."""
+    body = {
+        "model": model,
+        "prompt": ids,
+        "max_tokens": 0,
+        "echo": True,
+        "logprobs": k,
+        "return_tokens_as_token_ids": True,
+    }
+    response = client.post("/v1/completions", json=body)
+    response.raise_for_status()
+    lp = response.json()["choices"][0]["logprobs"]
+    out = []
+    for i in range(1, len(ids)):
+        top = token_id_top(lp["top_logprobs"][i])
+        top.setdefault(ids[i], lp["token_logprobs"][i])
+        out.append(top)
+    return out

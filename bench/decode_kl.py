@@ -15,7 +15,7 @@ import argparse
 import json
 
 import httpx
-from benchlib import host_fields
+from benchlib import host_fields, server_top_k, token_id_top
 
 from glm53.reference import compare
 
@@ -25,10 +25,6 @@ PROMPTS = (
     "Shopping list:\n1. eggs\n2.",
     "Once upon a time",
 )
-
-
-def _top(entry: dict[str, float]) -> dict[int, float]:
-    return {int(t.removeprefix("token_id:")): v for t, v in entry.items()}
 
 
 def decode(client: httpx.Client, model: str, prompt: str, n: int, k: int):
@@ -48,7 +44,7 @@ def decode(client: httpx.Client, model: str, prompt: str, n: int, k: int):
     generated = [int(t.removeprefix("token_id:")) for t in lp["tokens"]]
     tops = []
     for token, value, top in zip(generated, lp["token_logprobs"], lp["top_logprobs"], strict=True):
-        entry = _top(top)
+        entry = token_id_top(top)
         entry.setdefault(token, value)
         tops.append(entry)
     return ids, generated, tops
@@ -56,23 +52,7 @@ def decode(client: httpx.Client, model: str, prompt: str, n: int, k: int):
 
 def teacher_forced(client: httpx.Client, model: str, ids: list[int], k: int):
     """B's side: top-k at every position of `ids` (index i scores token i; index 0 is None)."""
-    body = {
-        "model": model,
-        "prompt": ids,
-        "max_tokens": 0,
-        "echo": True,
-        "logprobs": k,
-        "return_tokens_as_token_ids": True,
-    }
-    response = client.post("/v1/completions", json=body)
-    response.raise_for_status()
-    lp = response.json()["choices"][0]["logprobs"]
-    out = [None]
-    for i in range(1, len(ids)):
-        entry = _top(lp["top_logprobs"][i])
-        entry.setdefault(ids[i], lp["token_logprobs"][i])
-        out.append(entry)
-    return out
+    return [None, *server_top_k(client, model, ids, k)]
 
 
 def main() -> int:

@@ -16,33 +16,9 @@ import argparse
 import json
 
 import httpx
-from benchlib import host_fields
+from benchlib import host_fields, server_top_k
 
 from glm53.reference import compare, read_panel
-
-
-def server_top_k(
-    client: httpx.Client, model: str, ids: list[int], k: int
-) -> list[dict[int, float]]:
-    """The server's top-k (id -> logprob) at each position of a prompt (n - 1 positions), the
-    scored token's own logprob included."""
-    body = {
-        "model": model,
-        "prompt": ids,
-        "max_tokens": 0,
-        "echo": True,
-        "logprobs": k,
-        "return_tokens_as_token_ids": True,
-    }
-    response = client.post("/v1/completions", json=body)
-    response.raise_for_status()
-    lp = response.json()["choices"][0]["logprobs"]
-    out = []
-    for i in range(1, len(ids)):
-        top = {int(t.removeprefix("token_id:")): v for t, v in lp["top_logprobs"][i].items()}
-        top.setdefault(ids[i], lp["token_logprobs"][i])
-        out.append(top)
-    return out
 
 
 def main() -> int:
