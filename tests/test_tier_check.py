@@ -13,40 +13,13 @@ from store_kit import direct_dir, flip_byte
 
 from glm53.engine.base import StreamWork
 from glm53.engine.cpu import CpuEngine
-from glm53.store.pack import pack
 from glm53.store.reader import ExpertStore
-from glm53.synth.shapes import preset
-from glm53.synth.writer import write_checkpoint
 from glm53.tiers.check import BadRecord, TierCheck, check_tiers, check_vram
 from glm53.tiers.expert_source import record_views
 
 PROMPT_IDS = list(range(5, 37))
 RECORD = 77_824  # demo record bytes
 NUM_RECORDS = 192  # 6 MoE layers x 32 experts
-
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    out = tmp_path_factory.mktemp("check") / "demo"
-    write_checkpoint(preset("demo"), out, seed=0, routing_source="stand-in")
-    return out
-
-
-@pytest.fixture(scope="module")
-def good_store(demo, tmp_path_factory):
-    out = direct_dir(tmp_path_factory.mktemp("check-store")) / "store"
-    pack(demo, out, include_mtp=False, threads=1, io_threads=2)
-    yield out
-    shutil.rmtree(out, ignore_errors=True)
-
-
-@pytest.fixture
-def store(good_store, tmp_path):
-    """A private copy of the good store, to damage."""
-    dst = direct_dir(tmp_path) / "store"
-    shutil.copytree(good_store, dst)
-    yield dst
-    shutil.rmtree(dst, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -7,48 +7,21 @@ deleted under it (real O_DIRECT short reads)."""
 import errno
 import os
 import re
-import shutil
 
 import httpx
 import openai
 import pytest
 import torch
 from serving_kit import Server
-from store_kit import FailingReader, direct_dir
+from store_kit import FailingReader
 
 from glm53.engine.base import EngineError, StreamWork
 from glm53.engine.cpu import CpuEngine
-from glm53.store.pack import pack
-from glm53.synth.shapes import preset
-from glm53.synth.writer import write_checkpoint
 
 RECORD = 77_824  # demo record bytes
 NUM_RECORDS = 192  # 6 MoE layers x 32 experts
 PROMPT_A = [11, 12]
 PROMPT_B = [901, 902]
-
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    out = tmp_path_factory.mktemp("faults") / "demo"
-    write_checkpoint(preset("demo"), out, seed=0, routing_source="stand-in")
-    return out
-
-
-@pytest.fixture(scope="module")
-def good_store(demo, tmp_path_factory):
-    out = direct_dir(tmp_path_factory.mktemp("faults-store")) / "store"
-    pack(demo, out, include_mtp=False, threads=1, io_threads=2)
-    yield out
-    shutil.rmtree(out, ignore_errors=True)
-
-
-@pytest.fixture
-def store(good_store, tmp_path):
-    dst = direct_dir(tmp_path) / "store"
-    shutil.copytree(good_store, dst)
-    yield dst
-    shutil.rmtree(dst, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
