@@ -17,12 +17,18 @@ import httpx
 from benchlib import host_fields
 
 
-def timed(client: httpx.Client, body: dict) -> float:
+def timed(client: httpx.Client, body: dict) -> tuple[float, dict]:
     start = time.perf_counter()
     response = client.post("/generate", json=body)
     response.raise_for_status()
     seconds = time.perf_counter() - start
-    return response.json()["meta_info"]["completion_tokens"] / seconds
+    out = response.json()
+    return out["meta_info"]["completion_tokens"] / seconds, out
+
+
+def top_counts(out: dict) -> list[int]:
+    """How many top logprobs each generated token came with."""
+    return [len(t or []) for t in out["meta_info"].get("output_top_logprobs") or []]
 
 
 def main() -> int:
@@ -43,10 +49,14 @@ def main() -> int:
     rates: dict[str, list[float]] = {"plain": [], "logprobs": []}
     with httpx.Client(base_url=args.url, headers=headers, timeout=None) as client:
         info = client.get("/server_info").json()
-        timed(client, plain)  # warm-up
+        _, ref = timed(client, plain)  # warm-up, both shapes
+        _, ref_lp = timed(client, with_lp)
+        # asking for logprobs must not change a greedy answer, and every token gets its top K
+        same_tokens = ref_lp["output_ids"] == ref["output_ids"]
+        full_tops = top_counts(ref_lp) == [args.top_k] * len(ref_lp["output_ids"])
         for _ in range(args.rounds):
-            rates["plain"].append(timed(client, plain))
-            rates["logprobs"].append(timed(client, with_lp))
+            rates["plain"].append(timed(client, plain)[0])
+            rates["logprobs"].append(timed(client, with_lp)[0])
     medians = {k: statistics.median(v) for k, v in rates.items()}
     out = {
         "bench": "logprobs_overhead",
@@ -54,6 +64,8 @@ def main() -> int:
             "tok_s_plain": medians["plain"],
             "tok_s_logprobs": medians["logprobs"],
             "runs": rates,
+            "same_tokens_with_logprobs": same_tokens,
+            "every_token_has_top_k": full_tops,
         },
         "ratios": {"logprobs_over_plain": medians["logprobs"] / medians["plain"]},
         "config": {

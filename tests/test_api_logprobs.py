@@ -265,3 +265,6 @@ def test_logprobs_overhead_bench_prints_its_contract(server):
     assert result["bench"] == "logprobs_overhead"
     assert set(result["figures"]["runs"]) == {"plain", "logprobs"}
     assert result["ratios"]["logprobs_over_plain"] > 0
+    # the CPU engine: asking for logprobs changes no greedy token, and each token has its top K
+    assert result["figures"]["same_tokens_with_logprobs"] is True
+    assert result["figures"]["every_token_has_top_k"] is True

@@ -15,6 +15,8 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 WORK=${GLM53_GPU_WORK:-/tmp/glm53-gpu}
 SLICE=${GLM53_TEST_SLICE:-$WORK/slice}
 SLOTS=${GLM53_BENCH_SLOTS:-197}
+STEPS=" ${GLM53_BENCH_STEPS:-micro_gemv prefix_cache logprobs_overhead panel} "  # which steps run
+want() { case $STEPS in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 mkdir -p "$OUT/logs"
 t_end=$((SECONDS + BUDGET))
 left() { echo $((t_end - SECONDS)); }
@@ -32,7 +34,7 @@ bounded() {  # bounded NAME MAX_S CMD...: at most MAX_S (and what is left), JSON
 }
 cd "$WORK" || exit 2
 
-bounded micro_gemv 110 python3 "$REPO/bench/micro_gemv.py" --json --threads 1,4,14 --jobs 12
+want micro_gemv && bounded micro_gemv 110 python3 "$REPO/bench/micro_gemv.py" --json --threads 1,4,14 --jobs 12
 
 port=30000
 log "serve $SLICE exact, --ec-max-slots $SLOTS"
@@ -49,10 +51,10 @@ until healthy; do
 done
 log "server ready"
 
-bounded prefix_cache 200 python3 "$REPO/bench/prefix_cache.py" --url "$url" --json --timeout 180
-bounded logprobs_overhead 90 python3 "$REPO/bench/logprobs_overhead.py" --url "$url" --json \
+want prefix_cache && bounded prefix_cache 200 python3 "$REPO/bench/prefix_cache.py" --url "$url" --json --timeout 180
+want logprobs_overhead && bounded logprobs_overhead 90 python3 "$REPO/bench/logprobs_overhead.py" --url "$url" --json \
   --tokens 128 --rounds 8 --top-k 5
-bounded reference_make 90 python3 -m glm53 reference make --model "$SLICE" \
+want panel && bounded reference_make 90 python3 -m glm53 reference make --model "$SLICE" \
   --engine stock-exllamav3 --out "$OUT/stock-panel.json" &&
   bounded score_ref_panel 60 python3 "$REPO/bench/score_ref_panel.py" --url "$url" \
     --panel "$OUT/stock-panel.json" --json

@@ -91,6 +91,80 @@ def exllamav3_sampler(params):
     return CustomSampler(steps)
 
 
+def only_logprobs(stream_sampler) -> bool:
+    """A StreamSampler whose only host-side work is logprobs (no penalties, logit bias or
+    grammar): the device draws its tokens and computes its logprobs (`device_logprob_sampler`)."""
+    p = stream_sampler.params
+    return (
+        stream_sampler.num_logprobs is not None
+        and not p.has_penalties
+        and not p.logit_bias
+        and stream_sampler.constraint is None
+    )
+
+
+def device_logprobs(logits, token, k: int):
+    """On the logits' device, one row's logprobs as glm53.engine.logprobs defines them: the
+    float64 log-softmax of the float32 logits [vocab], the drawn `token`'s value and the k most
+    likely tokens, largest first with ties by the smaller id (a stable sort of the row: the
+    log-softmax is the row less one constant, so it orders the tokens as the logits do). Returns
+    one float64 tensor [1 + 2k]: the token's logprob, the k values, the k ids; no host sync."""
+    import torch
+
+    row = logits.reshape(-1).float()
+    lp = row.double() - torch.logsumexp(row.double(), 0)
+    parts = [lp[token.reshape(-1)[:1].long()]]
+    if k > 0:
+        ids = torch.sort(row, descending=True, stable=True).indices[:k]
+        parts += [lp[ids], ids.double()]
+    return torch.cat(parts)
+
+
+def unpack_logprobs(packed, token: int, k: int):
+    """The TokenLogprob of one `device_logprobs` result (on the host)."""
+    from glm53.engine.logprobs import TokenLogprob
+
+    values = packed.tolist()
+    k = (len(values) - 1) // 2 if k > 0 else 0
+    return TokenLogprob(token, values[0], [int(i) for i in values[1 + k :]], values[1 : 1 + k])
+
+
+_DEVICE_LOGPROB_SAMPLER = None
+
+
+def device_logprob_sampler(inner, vocab: int, k: int):
+    """An exllamav3 Sampler that draws with `inner` (exllamav3_sampler: the same tokens as the
+    request without logprobs) and computes each draw's logprobs on the device (device_logprobs):
+    the Generator's one synchronize per iteration covers them, and only 1 + 2k numbers per token
+    cross to the host. `take(n)` hands back the first n drawn tokens' TokenLogprobs."""
+    global _DEVICE_LOGPROB_SAMPLER
+    if _DEVICE_LOGPROB_SAMPLER is None:
+        from exllamav3.generator.sampler import Sampler
+
+        class DeviceLogprobSampler(Sampler):
+            def __init__(self, inner, vocab, k):
+                super().__init__()
+                self.inner, self.vocab, self.k = inner, vocab, k
+                self.reqs_past_ids = inner.reqs_past_ids
+                self.reqs_torch_seed = inner.reqs_torch_seed
+                self.pending: list = []  # (token tensor, packed logprobs), on the device
+
+            def forward(self, logits, *args, **kwargs):
+                token = self.inner.forward(logits, *args, **kwargs)
+                self.pending.append((token, device_logprobs(logits[..., : self.vocab], token, self.k)))
+                return token
+
+            def take(self, n: int) -> list:
+                done, self.pending = self.pending[:n], self.pending[n:]
+                return [
+                    unpack_logprobs(packed.cpu(), int(token.reshape(-1)[0]), self.k)
+                    for token, packed in done
+                ]
+
+        _DEVICE_LOGPROB_SAMPLER = DeviceLogprobSampler
+    return _DEVICE_LOGPROB_SAMPLER(inner, vocab, k)
+
+
 _HOST_SAMPLER = None
 
 
@@ -111,12 +185,17 @@ def host_sampler(stream_sampler, vocab: int):
                 super().__init__()
                 self.ss, self.vocab = ss, vocab
                 self.logprobs: list = []  # one per drawn token, in order, until emitted
+                self.reqs_past_ids = False
 
             def forward(self, logits, *args, **kwargs):
                 row = logits.reshape(-1)[: self.vocab].float().cpu().numpy()[None]
                 token = sample(row, [self.ss])[0]
                 self.logprobs.append(self.ss.last_logprob)
                 return torch.tensor([token], dtype=torch.long).view(logits.shape[:-1])
+
+            def take(self, n: int) -> list:
+                done, self.logprobs = self.logprobs[:n], self.logprobs[n:]
+                return done if self.ss.num_logprobs is not None else []
 
         _HOST_SAMPLER = HostSampler
     return _HOST_SAMPLER(stream_sampler, vocab)
@@ -291,7 +370,11 @@ class GpuEngine:
                 f"{self.context_length} tokens (--context)"
             )
         seed = request.sampling.seed
-        if sampler is not None and sampler.is_processed:
+        if sampler is not None and sampler.is_processed and only_logprobs(sampler):
+            exl_sampler = device_logprob_sampler(
+                exllamav3_sampler(request.sampling), self.tokenizer.vocab_size, sampler.num_logprobs
+            )
+        elif sampler is not None and sampler.is_processed:
             exl_sampler = host_sampler(sampler, self.tokenizer.vocab_size)
         else:
             exl_sampler = exllamav3_sampler(request.sampling)
@@ -376,10 +459,10 @@ class GpuEngine:
                     continue
                 ids = part["token_ids"].view(-1).tolist()
                 out.token_ids.extend(ids)
-                drawn = getattr(job.sampler, "logprobs", None)
-                if drawn is not None:  # a host sampler: its entries, in the order drawn
-                    out.logprobs = (out.logprobs or []) + drawn[: len(ids)]
-                    del drawn[: len(ids)]
+                take = getattr(job.sampler, "take", None)
+                drawn = take(len(ids)) if take is not None else []
+                if drawn:  # a host or device logprob sampler: its entries, in the order drawn
+                    out.logprobs = (out.logprobs or []) + drawn
                 if "logits" in part:
                     rows = part["logits"][0, :, :vocab].float()
                     out.logits = rows if out.logits is None else torch.cat((out.logits, rows))

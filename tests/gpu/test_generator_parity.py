@@ -38,7 +38,7 @@ CHECKPOINTS = {
     "slice": os.environ.get("GLM53_TEST_SLICE"),
     "resharded": os.environ.get("GLM53_TEST_SLICE_RESHARDED"),
 }
-LENGTHS = (1, 255, 256, 257, 300, 2047, 2049, 5000)
+LENGTHS = (1, 2, 9, 25, 100, 255, 256, 257, 300, 2047, 2049, 5000)
 N_NEW = int(os.environ.get("GLM53_PARITY_NEW", "64"))
 CHUNK = 2048
 CONTEXT = 8192
