@@ -142,7 +142,8 @@ def _plan_geometry(shape):
     )
     bits, h, inner = shape.bits, shape.hidden_size, shape.moe_intermediate_size
     return Geometry(shape.name, shape.num_layers, len(shape.moe_layers), shape.num_experts,
-                    shape.num_experts_per_tok, 3 * h * inner * bits // 8, non_expert, bits)  # fmt: skip
+                    shape.num_experts_per_tok, 3 * h * inner * bits // 8, non_expert, bits, h,
+                    shape.hc_mult)  # fmt: skip
 
 
 def test_geometry_of_a_written_checkpoint_is_its_own(tmp_path):

@@ -31,6 +31,8 @@ class Geometry(msgspec.Struct, frozen=True):
     expert_bytes: int  # one routed expert's trellis: gate + up + down
     non_expert_bytes: int  # every other weight a decode step reads (no embedding, no expert)
     expert_bits: int
+    hidden_size: int = 4096  # with hc_mult: the residual streams between layers (mHC)
+    hc_mult: int = 4
 
     @property
     def total_experts(self) -> int:
@@ -103,4 +105,6 @@ def geometry_of(directory: str | Path) -> Geometry:
         expert_bytes=one,
         non_expert_bytes=non_expert,
         expert_bits=gate * 8 // (hidden * inner),
+        hidden_size=hidden,
+        hc_mult=int(tc.get("hc_mult", 4)) if tc.get("mhc", True) else 1,
     )

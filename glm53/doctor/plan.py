@@ -34,6 +34,7 @@ from glm53.doctor.cpu import format_cpu_list
 from glm53.doctor.geometry import GLM53_FLASH, Geometry, geometry_of
 from glm53.doctor.gpu import spec_of
 from glm53.doctor.host import Gpu, HostProbe
+from glm53.doctor.prefill import PrefillOutlook, prefill_outlook
 from glm53.doctor.sweep import SweepResult, read_sweep
 
 EB = expert_trellis_bytes(3)
@@ -70,6 +71,7 @@ class ModeOption(msgspec.Struct, frozen=True):
     inputs: list[InputValue] = []
     flags: dict[str, str] = {}
     caps: list[CapPrediction] = []  # nvme modes: the prediction at each --ram-cap
+    prefill: PrefillOutlook | None = None  # chunk-major vs (planned) layer-major per prompt
 
 
 class CapPrediction(msgspec.Struct, frozen=True):
@@ -395,6 +397,7 @@ def _options(host: HostProbe, req: PlanRequest, gpu: Gpu, lane: list[int], budge
             if abs(b - DEFAULT_CT_B_MS) > 0.01 * DEFAULT_CT_B_MS:
                 flags["--ct-b"] = f"{b:.3f}"
         fields = {v.name: v.value for v in values}
+        x = CostInputs(**fields)
         caps = []
         if mode in STORE_MODES:
             caps = cap_sweep(mode, fields, fields["ram_tier_slots"], budget.bytes, geo)
@@ -405,10 +408,11 @@ def _options(host: HostProbe, req: PlanRequest, gpu: Gpu, lane: list[int], budge
                 "",
                 host_ram_bytes=host_ram,
                 ram_tier_bytes=tier_bytes,
-                prediction=predict(mode, CostInputs(**fields), geo),
+                prediction=predict(mode, x, geo),
                 inputs=values,
                 flags=flags,
                 caps=caps,
+                prefill=prefill_outlook(x, geo),
             )
         )
     return options

@@ -13,7 +13,7 @@ from glm53.doctor.checks import Check, Verdict
 from glm53.doctor.costmodel import GIB
 from glm53.doctor.host import HostProbe
 from glm53.doctor.inputs import spots
-from glm53.doctor.plan import Plan
+from glm53.doctor.plan import ModeOption, Plan
 
 VERDICT_STYLE = {Verdict.OK: "green", Verdict.WARN: "yellow", Verdict.FAIL: "bold red"}
 
@@ -139,6 +139,35 @@ def _host_tables(host: HostProbe) -> list[Table]:
     return tables
 
 
+def _prefill_table(option: ModeOption) -> Table:
+    """Prefill per prompt length: the built chunk-major path beside the planned layer-major
+    one, which is labelled as planned wherever it appears."""
+    outlook = option.prefill
+    t = Table(
+        title=f"Prefill of {option.mode} by prompt length (predicted tok/s, "
+        f"{outlook.chunk_tokens:,}-token chunks)",
+        title_justify="left",
+        caption=f"* layer-major: {outlook.layer_major}. touched: experts of a layer a chunk / "
+        "the prompt touches; 1-pass: every touched expert crosses PCIe once.",
+        caption_justify="left",
+    )
+    for col in ("prompt", "touched", "chunk-major", "layer-major*", "1-pass", "compute",
+                "states"):  # fmt: skip
+        t.add_column(col)
+    for r in outlook.rows:
+        states = "-" if not r.states_bytes else f"{_gib(r.states_bytes)} {r.states_placement}"
+        t.add_row(
+            f"{r.prompt_tokens:,}",
+            f"{r.touched_per_layer_chunk:.0f} / {r.touched_per_layer_prompt:.0f}",
+            f"{r.chunk_major_tok_s:,.0f}",
+            f"{r.layer_major_tok_s:,.0f}",
+            f"{r.stream_once_tok_s:,.0f}",
+            f"{r.compute_tok_s:,.0f}",
+            states,
+        )
+    return t
+
+
 def _plan_tables(plan: Plan) -> list:
     out: list = []
     t = Table(title="Modes (predicted, concurrency 1)", title_justify="left")
@@ -175,6 +204,8 @@ def _plan_tables(plan: Plan) -> list:
         for v in chosen.inputs:
             t.add_row(v.name, str(v.value), escape(v.source))
         out.append(t)
+    if chosen and chosen.prefill:
+        out.append(_prefill_table(chosen))
     swept = chosen if chosen and chosen.caps else None
     swept = swept or next((o for o in plan.options if o.caps), None)
     if swept:

@@ -26,11 +26,13 @@ prefixes on their own (the GPU engine, inside exllamav3's Generator) leave it ou
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import msgspec
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # only annotations name torch: glm53.engine imports without it (the doctor)
+    import torch
 
 
 class EngineError(RuntimeError):

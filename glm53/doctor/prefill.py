@@ -1,0 +1,167 @@
+"""The planner's prefill model per prompt length: chunk-major prefill (what the GPU engine runs),
+layer-major prefill (issue 18: planned, not in the GPU engine yet) and the one-pass stream
+bound the issue's benchmark ratios are taken against.
+
+Touched experts. Each token of a layer picks expert e with probability r_e, its rate on the
+popularity curve (costmodel._pick_rates: the slope of the decode popularity fit, summing to
+top-k). T tokens picking independently touch e with probability 1 - (1 - r_e)^T, so a chunk of
+T tokens streams sum_e (1 - (1 - r_e)^T) of a layer's experts at most. Independence is the
+upper end: neighbouring tokens share experts (decode reuse), which touches fewer. On
+GLM-5.3-Flash's curve the coldest of the 288 experts is touched by 36 % of 512-token chunks and
+83 % of 2,048-token chunks; an 8k prompt touches all but about one of them.
+
+Per layer (the staging copies layer l+1's experts while layer l computes, DESIGN §4), a step
+costs the slower of its GPU compute (costmodel._chunk_compute_s, spread evenly over the layers)
+and its host-to-device traffic: the touched experts not in VRAM (the hottest vram_slots /
+num_moe_layers of each layer are resident, as in exact_decode_ms), plus, for layer-major
+prefill with its hidden states in pinned RAM, the states read back in; the states written out
+take the other direction of the (full-duplex) link, at the same rate. nvme modes read the
+touched experts not in the RAM tier from the store first, one read after another, on top.
+
+- chunk-major: every chunk, every layer: the touched experts of that chunk cross per chunk.
+- layer-major: every layer once over the whole prompt: its touched experts cross once. The
+  hidden states take the expert cache's VRAM when they fit (glm53.engine.layer_major.vram_room
+  says why lending beats pinning) and those slots stream like any miss; else they go to pinned
+  RAM. Prompts of at most one chunk keep the normal path, so both predictions agree there.
+- stream once: the prompt's touched experts of every MoE layer crossing the link once, VRAM
+  cache ignored (bench/gpu_slice.py's stream bound).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from glm53.doctor.costmodel import (
+    CostInputs,
+    _chunk_compute_s,
+    _expert_ms,
+    _pick_rates,
+)
+from glm53.doctor.geometry import Geometry
+from glm53.engine.layer_major import (
+    HiddenStatePlan,
+    StreamGeometry,
+    num_chunks,
+    plan_hidden_states,
+    uses_layer_major,
+)
+
+PREFILL_PROMPTS = (512, 2048, 8192, 32768, 131072)
+CHUNK_TOKENS = 2048  # serve's --chunk-size default (exllamav3's too)
+LAYER_MAJOR_STATUS = (
+    "planned (issue 18), not in the GPU engine yet: serve runs chunk-major prefill"
+)
+
+
+class PrefillRow(msgspec.Struct, frozen=True):
+    """Predicted prefill of one prompt length. Rates in prompt tokens per second."""
+
+    prompt_tokens: int
+    num_chunks: int
+    touched_per_layer_chunk: float  # experts of one MoE layer a chunk touches (expected)
+    touched_per_layer_prompt: float  # ... the whole prompt touches
+    compute_tok_s: float  # the GPU's compute alone: no prefill is faster
+    chunk_major_tok_s: float  # built: what serve runs
+    layer_major_tok_s: float  # planned: issue 18
+    stream_once_tok_s: float  # every touched expert crosses the link once
+    states_bytes: int  # layer-major's hidden states; 0 on the normal path
+    states_placement: str  # "vram", "pinned" or "normal path" (at most one chunk)
+    states_pcie_bytes: int  # pinned states' traffic per prompt, both directions
+
+
+class PrefillOutlook(msgspec.Struct, frozen=True):
+    chunk_tokens: int
+    layer_major: str  # its status: planned, not built
+    rows: list[PrefillRow]
+
+
+def touched(rates: list[float], tokens: int) -> list[float]:
+    """Probability that `tokens` tokens touch each expert (per-token pick rates `rates`)."""
+    return [1.0 - (1.0 - min(1.0, r)) ** tokens for r in rates]
+
+
+class _Link(msgspec.Struct, frozen=True):
+    """One MoE layer's traffic for a step: host-to-device expert bytes and store bytes."""
+
+    pcie_bytes: float
+    store_bytes: float
+
+
+def _moe_link(p: list[float], resident: float, near: float, eb: int) -> _Link:
+    """Touched experts (probabilities p, hottest first) not among the `resident` hottest cross
+    PCIe; those not among the `near` hottest (VRAM + RAM tier) come from the store first."""
+    pcie = store = 0.0
+    for rank, pr in enumerate(p):
+        pcie += pr * (1.0 - min(1.0, max(0.0, resident - rank))) * eb
+        store += pr * (1.0 - min(1.0, max(0.0, near - rank))) * eb
+    return _Link(pcie, store)
+
+
+def _step_s(
+    x: CostInputs, geo: Geometry, tokens: int, resident_slots: float, states: HiddenStatePlan | None
+) -> float:
+    """One pass of `tokens` tokens through every layer: per layer the slower of compute and
+    link, plus store reads."""
+    eb, _, _ = _expert_ms(x, geo)
+    compute = _chunk_compute_s(x, geo, tokens) / geo.num_layers
+    p = touched(_pick_rates(geo), tokens)
+    resident = resident_slots / geo.num_moe_layers
+    near = geo.experts_per_layer
+    if x.ram_tier_slots is not None:
+        near = (x.vram_slots + x.ram_tier_slots) / geo.num_moe_layers
+    link = _moe_link(p, resident, near, eb)
+    rate = x.pcie_gbps * 1e9
+    store = link.store_bytes / (x.store_gbps * 1e9) if x.store_gbps else 0.0
+    first_moe = geo.num_layers - geo.num_moe_layers  # glm5_next: dense layers come first
+    seconds = 0.0
+    for layer in range(geo.num_layers):
+        h2d = link.pcie_bytes if layer >= first_moe else 0.0
+        d2h = 0.0
+        if states is not None:
+            h2d += states.h2d_bytes_per_layer if layer > 0 else 0
+            d2h = states.d2h_bytes_per_layer if layer < geo.num_layers - 1 else 0
+        seconds += max(compute, h2d / rate, d2h / rate)
+        seconds += store if layer >= first_moe else 0.0
+    return seconds
+
+
+def predict_prefill(
+    x: CostInputs, geo: Geometry, prompt_tokens: int, chunk_tokens: int = CHUNK_TOKENS
+) -> PrefillRow:
+    """Chunk-major, layer-major and the bounds for one prompt length (see the module doc)."""
+    eb, _, _ = _expert_ms(x, geo)
+    rates = _pick_rates(geo)
+    chunk_s = 0.0
+    for start in range(0, prompt_tokens, chunk_tokens):
+        chunk_s += _step_s(x, geo, min(chunk_tokens, prompt_tokens - start), x.vram_slots, None)
+    layer_s, states, placement, states_pcie = chunk_s, 0, "normal path", 0
+    if uses_layer_major(prompt_tokens, chunk_tokens):
+        streams = StreamGeometry(geo.hidden_size, geo.hc_mult, geo.num_layers)
+        plan = plan_hidden_states(streams, prompt_tokens, chunk_tokens, x.vram_slots * eb)
+        lent = -(-plan.vram_bytes // eb)  # the doctor's slot count leaves no other free VRAM
+        layer_s = _step_s(x, geo, prompt_tokens, x.vram_slots - lent, plan)
+        states, placement = plan.state_bytes, str(plan.placement)
+        states_pcie = plan.h2d_bytes_per_prompt + plan.d2h_bytes_per_prompt
+    once = geo.num_moe_layers * sum(touched(rates, prompt_tokens)) * eb / (x.pcie_gbps * 1e9)
+    return PrefillRow(
+        prompt_tokens=prompt_tokens,
+        num_chunks=num_chunks(prompt_tokens, chunk_tokens),
+        touched_per_layer_chunk=round(sum(touched(rates, min(chunk_tokens, prompt_tokens))), 1),
+        touched_per_layer_prompt=round(sum(touched(rates, prompt_tokens)), 1),
+        compute_tok_s=round(prompt_tokens / _chunk_compute_s(x, geo, prompt_tokens), 1),
+        chunk_major_tok_s=round(prompt_tokens / chunk_s, 1),
+        layer_major_tok_s=round(prompt_tokens / layer_s, 1),
+        stream_once_tok_s=round(prompt_tokens / once, 1),
+        states_bytes=states,
+        states_placement=placement,
+        states_pcie_bytes=states_pcie,
+    )
+
+
+def prefill_outlook(
+    x: CostInputs, geo: Geometry, chunk_tokens: int = CHUNK_TOKENS
+) -> PrefillOutlook:
+    """predict_prefill at every PREFILL_PROMPTS length, labelled with layer-major's status."""
+    rows = [predict_prefill(x, geo, n, chunk_tokens) for n in PREFILL_PROMPTS]
+    return PrefillOutlook(chunk_tokens=chunk_tokens, layer_major=LAYER_MAJOR_STATUS, rows=rows)
+
