@@ -48,9 +48,7 @@ from glm53.engine.layer_major import (
 
 PREFILL_PROMPTS = (512, 2048, 8192, 32768, 131072)
 CHUNK_TOKENS = 2048  # serve's --chunk-size default (exllamav3's too)
-LAYER_MAJOR_STATUS = (
-    "planned (issue 18), not in the GPU engine yet: serve runs chunk-major prefill"
-)
+LAYER_MAJOR_STATUS = "planned (issue 18), not in the GPU engine yet: serve runs chunk-major prefill"
 
 
 class PrefillRow(msgspec.Struct, frozen=True):
@@ -164,4 +162,3 @@ def prefill_outlook(
     """predict_prefill at every PREFILL_PROMPTS length, labelled with layer-major's status."""
     rows = [predict_prefill(x, geo, n, chunk_tokens) for n in PREFILL_PROMPTS]
     return PrefillOutlook(chunk_tokens=chunk_tokens, layer_major=LAYER_MAJOR_STATUS, rows=rows)
-
