@@ -41,6 +41,7 @@ from glm53.doctor.geometry import Geometry
 from glm53.engine.layer_major import (
     HiddenStatePlan,
     StreamGeometry,
+    hidden_state_bytes,
     num_chunks,
     plan_hidden_states,
     uses_layer_major,
@@ -60,10 +61,10 @@ class PrefillRow(msgspec.Struct, frozen=True):
     touched_per_layer_prompt: float  # ... the whole prompt touches
     compute_tok_s: float  # the GPU's compute alone: no prefill is faster
     chunk_major_tok_s: float  # built: what serve runs
-    layer_major_tok_s: float  # planned: issue 18
+    layer_major_tok_s: float | None  # planned (issue 18); None: no VRAM for its buffers
     stream_once_tok_s: float  # every touched expert crosses the link once
     states_bytes: int  # layer-major's hidden states; 0 on the normal path
-    states_placement: str  # "vram", "pinned" or "normal path" (at most one chunk)
+    states_placement: str  # "vram", "pinned", "normal path" (one chunk) or "no VRAM room"
     states_pcie_bytes: int  # pinned states' traffic per prompt, both directions
 
 
@@ -132,14 +133,20 @@ def predict_prefill(
     chunk_s = 0.0
     for start in range(0, prompt_tokens, chunk_tokens):
         chunk_s += _step_s(x, geo, min(chunk_tokens, prompt_tokens - start), x.vram_slots, None)
-    layer_s, states, placement, states_pcie = chunk_s, 0, "normal path", 0
+    layer_tok_s: float | None = prompt_tokens / chunk_s
+    states, placement, states_pcie = 0, "normal path", 0
     if uses_layer_major(prompt_tokens, chunk_tokens):
         streams = StreamGeometry(geo.hidden_size, geo.hc_mult, geo.num_layers)
-        plan = plan_hidden_states(streams, prompt_tokens, chunk_tokens, x.vram_slots * eb)
-        lent = -(-plan.vram_bytes // eb)  # the doctor's slot count leaves no other free VRAM
-        layer_s = _step_s(x, geo, prompt_tokens, x.vram_slots - lent, plan)
-        states, placement = plan.state_bytes, str(plan.placement)
-        states_pcie = plan.h2d_bytes_per_prompt + plan.d2h_bytes_per_prompt
+        try:
+            plan = plan_hidden_states(streams, prompt_tokens, chunk_tokens, x.vram_slots * eb)
+        except ValueError:  # not even two chunks of states fit beside the model: it cannot run
+            layer_tok_s, placement = None, "no VRAM room"
+            states = hidden_state_bytes(streams, prompt_tokens)
+        else:
+            lent = -(-plan.vram_bytes // eb)  # the doctor's slots leave no other VRAM free
+            layer_tok_s = prompt_tokens / _step_s(x, geo, prompt_tokens, x.vram_slots - lent, plan)
+            states, placement = plan.state_bytes, str(plan.placement)
+            states_pcie = plan.h2d_bytes_per_prompt + plan.d2h_bytes_per_prompt
     once = geo.num_moe_layers * sum(touched(rates, prompt_tokens)) * eb / (x.pcie_gbps * 1e9)
     return PrefillRow(
         prompt_tokens=prompt_tokens,
@@ -148,7 +155,7 @@ def predict_prefill(
         touched_per_layer_prompt=round(sum(touched(rates, prompt_tokens)), 1),
         compute_tok_s=round(prompt_tokens / _chunk_compute_s(x, geo, prompt_tokens), 1),
         chunk_major_tok_s=round(prompt_tokens / chunk_s, 1),
-        layer_major_tok_s=round(prompt_tokens / layer_s, 1),
+        layer_major_tok_s=None if layer_tok_s is None else round(layer_tok_s, 1),
         stream_once_tok_s=round(prompt_tokens / once, 1),
         states_bytes=states,
         states_placement=placement,

@@ -148,19 +148,19 @@ def _prefill_table(option: ModeOption) -> Table:
         f"{outlook.chunk_tokens:,}-token chunks)",
         title_justify="left",
         caption=f"* layer-major: {outlook.layer_major}. touched: experts of a layer a chunk / "
-        "the prompt touches; 1-pass: every touched expert crosses PCIe once.",
+        "the prompt touches; 1-pass: every touched expert crosses PCIe once; GPU: compute "
+        "alone; states: layer-major's hidden states and where they live.",
         caption_justify="left",
     )
-    for col in ("prompt", "touched", "chunk-major", "layer-major*", "1-pass", "compute",
-                "states"):  # fmt: skip
+    for col in ("prompt", "touched", "chunk-major", "layer-major*", "1-pass", "GPU", "states"):
         t.add_column(col)
     for r in outlook.rows:
-        states = "-" if not r.states_bytes else f"{_gib(r.states_bytes)} {r.states_placement}"
+        states = "-" if not r.states_bytes else f"{r.states_bytes / GIB:.1f}G {r.states_placement}"
         t.add_row(
             f"{r.prompt_tokens:,}",
-            f"{r.touched_per_layer_chunk:.0f} / {r.touched_per_layer_prompt:.0f}",
+            f"{r.touched_per_layer_chunk:.0f}/{r.touched_per_layer_prompt:.0f}",
             f"{r.chunk_major_tok_s:,.0f}",
-            f"{r.layer_major_tok_s:,.0f}",
+            "-" if r.layer_major_tok_s is None else f"{r.layer_major_tok_s:,.0f}",
             f"{r.stream_once_tok_s:,.0f}",
             f"{r.compute_tok_s:,.0f}",
             states,
