@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from glm53.cli import main
-from glm53.doctor.costmodel import CostInputs, _pick_rates, hit_fraction
+from glm53.doctor.costmodel import CostInputs, Mode, _pick_rates, hit_fraction, vram_slots
 from glm53.doctor.geometry import GLM53_FLASH, Geometry
 from glm53.doctor.prefill import (
     LAYER_MAJOR_STATUS,
@@ -24,8 +24,12 @@ EB = 9_437_184
 # the slice preset's geometry (tests/test_doctor_costmodel.py's _plan_geometry(SLICE))
 SLICE = Geometry("slice", 8, 6, 288, 8, EB, 1_318_372_068, 3, 4096, 4)
 DEEP = Geometry("deep", 45, 42, 64, 8, EB, 3_529_850_884, 3, 4096, 4)
-RTX3090 = CostInputs(vram_slots=1372, pcie_gbps=25.0)  # the seed's host: 700 tok/s compute
-H200 = CostInputs(vram_slots=1376, pcie_gbps=50.0, vram_gbps=4800.0, gpu_fp16_tflops=989.0)
+# the seed's 3090 (24,233 MiB free, 700 tok/s of compute) and an H200 with 24 GiB free
+RTX3090 = CostInputs(vram_slots=vram_slots(24_233, Mode.EXACT), pcie_gbps=25.0)
+H200 = CostInputs(
+    vram_slots=vram_slots(24 * 1024, Mode.EXACT), pcie_gbps=50.0, vram_gbps=4800.0,
+    gpu_fp16_tflops=989.0,
+)  # fmt: skip
 
 
 def test_one_token_touches_top_k_experts_and_long_prompts_touch_them_all():
@@ -140,8 +144,28 @@ def test_nvme_prefill_reads_the_store_once_per_layer_in_layer_major_order():
     row = predict_prefill(x, GLM53_FLASH, 32768)
     ram = predict_prefill(CostInputs(vram_slots=1205, pcie_gbps=25.0), GLM53_FLASH, 32768)
     # the store adds to both orders; chunk-major pays it sixteen times, layer-major once
-    assert row.chunk_major_tok_s < ram.chunk_major_tok_s and row.layer_major_tok_s < ram.layer_major_tok_s
+    assert (
+        row.chunk_major_tok_s < ram.chunk_major_tok_s
+        and row.layer_major_tok_s < ram.layer_major_tok_s
+    )
     chunk_extra = 32768 / row.chunk_major_tok_s - 32768 / ram.chunk_major_tok_s
     layer_extra = 32768 / row.layer_major_tok_s - 32768 / ram.layer_major_tok_s
     assert chunk_extra == pytest.approx(16 * layer_extra, rel=0.05)
     assert math.isfinite(row.stream_once_tok_s)
+
+
+def test_the_docs_prediction_table_is_what_the_planner_predicts():
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "layer-major.md").read_text()
+    table = doc[doc.index("Predicted tok/s, full model") :]
+    assert (RTX3090.vram_slots, H200.vram_slots) == (1372, 1410)
+    for tokens in (512, 2048, 8192, 32768, 131072):
+        line = next(ln for ln in table.splitlines() if ln.startswith(f"| {tokens:,} |"))
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        want = [f"{tokens:,}"]
+        for x in (RTX3090, H200):
+            r = predict_prefill(x, GLM53_FLASH, tokens)
+            if x is RTX3090:
+                want.append(f"{r.touched_per_layer_chunk:.1f} / {r.touched_per_layer_prompt:.1f}")
+            rates = (r.chunk_major_tok_s, r.layer_major_tok_s, r.stream_once_tok_s, r.compute_tok_s)
+            want += [f"{v:,.0f}" for v in rates]
+        assert cells == want, tokens
