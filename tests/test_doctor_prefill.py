@@ -40,8 +40,8 @@ def test_one_token_touches_top_k_experts_and_long_prompts_touch_them_all():
     cold = 8 * (hit_fraction(1.0) - hit_fraction(287 / 288))
     assert rates[-1] == pytest.approx(cold)
     assert touched(rates, 512)[-1] == pytest.approx(1 - (1 - cold) ** 512)
-    assert 0.35 < touched(rates, 512)[-1] < 0.37 and 0.82 < touched(rates, 2048)[-1] < 0.84
-    assert 287 < sum(touched(rates, 8192)) < 288
+    assert 0.35 < touched(rates, 512)[-1] < 0.37 and 0.83 < touched(rates, 2048)[-1] < 0.84
+    assert 287.99 < sum(touched(rates, 8192)) < 288
 
 
 @pytest.mark.parametrize("tokens", [512, 2048])

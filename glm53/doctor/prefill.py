@@ -8,7 +8,7 @@ top-k). T tokens picking independently touch e with probability 1 - (1 - r_e)^T,
 T tokens streams sum_e (1 - (1 - r_e)^T) of a layer's experts at most. Independence is the
 upper end: neighbouring tokens share experts (decode reuse), which touches fewer. On
 GLM-5.3-Flash's curve the coldest of the 288 experts is touched by 36 % of 512-token chunks and
-83 % of 2,048-token chunks; an 8k prompt touches all but about one of them.
+84 % of 2,048-token chunks (284.3 of the 288 on average), and an 8k prompt touches 287.99.
 
 Per layer (the staging copies layer l+1's experts while layer l computes, DESIGN §4), a step
 costs the slower of its GPU compute (costmodel._chunk_compute_s, spread evenly over the layers)
@@ -42,6 +42,7 @@ from glm53.engine.layer_major import (
     HiddenStatePlan,
     StreamGeometry,
     hidden_state_bytes,
+    lent_cache_slots,
     num_chunks,
     plan_hidden_states,
     uses_layer_major,
@@ -143,7 +144,7 @@ def predict_prefill(
             layer_tok_s, placement = None, "no VRAM room"
             states = hidden_state_bytes(streams, prompt_tokens)
         else:
-            lent = -(-plan.vram_bytes // eb)  # the doctor's slots leave no other VRAM free
+            lent = lent_cache_slots(plan, 0, eb)  # the doctor's slots leave no VRAM free
             layer_tok_s = prompt_tokens / _step_s(x, geo, prompt_tokens, x.vram_slots - lent, plan)
             states, placement = plan.state_bytes, str(plan.placement)
             states_pcie = plan.h2d_bytes_per_prompt + plan.d2h_bytes_per_prompt
