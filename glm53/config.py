@@ -254,6 +254,16 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
             group="tiers",
         ),
     ] = None
+    warmup: Annotated[
+        bool,
+        _s(
+            "GPU engine: run exllamav3's warm-up at load, so that its kernel picks (the GEMM "
+            "autotuner, Triton configs), chosen by timing at first use, are all made before the "
+            "first request and kept in their on-disk caches.",
+            group="tiers",
+            env="GLM53_WARMUP",
+        ),
+    ] = False
     triton_pin: Annotated[
         str | None,
         _s(

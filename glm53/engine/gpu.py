@@ -256,7 +256,7 @@ class GpuEngine:
         device: str = "cuda:0",
         allow_unsupported: bool = False,
         heat_file: str | None = None,
-        warmup: bool = True,
+        warmup: bool = False,
     ):
         if mode not in ("exact", "stock", "zerocopy"):
             raise ValueError(
@@ -500,6 +500,7 @@ class GpuEngine:
         out = dict(self._stats)
         out["chunk_size"] = self.chunk_size
         out["prefix_cache"] = self.prefix_cache
+        out["warmup"] = {"ran": self.warmup, "passes_that_raised": list(self.warmup_failed)}
         if self.loaded is not None and self.loaded.ec is not None:
             with self._lock:
                 out["tiers"] = {"vram_cache": self.loaded.ec.state()}
@@ -565,4 +566,5 @@ def create(settings, checkpoint_dir) -> GpuEngine:
         ec_stage_gb=settings.ec_stage_gb,
         ec_freq_window=settings.ec_freq_window,
         vram_budget=settings.vram_budget,
+        warmup=settings.warmup,
     )
