@@ -85,7 +85,11 @@ def run_compare(args: argparse.Namespace) -> int:
         for i, (x, y) in enumerate(zip(pa.positions, pb.positions, strict=True)):
             test = dict(zip(y.top_ids, y.top_logprobs, strict=True))
             rows.append((pa.name, i, x.top_ids, x.top_logprobs, test))
-            shared = [abs(v - test[t]) for t, v in zip(x.top_ids, x.top_logprobs) if t in test]
+            shared = [
+                abs(v - test[t])
+                for t, v in zip(x.top_ids, x.top_logprobs, strict=True)
+                if t in test
+            ]
             max_diff = max([max_diff, *shared])
     out = msgspec.to_builtins(compare(rows, args.worst))
     out["max_abs_logprob_diff_shared_ids"] = max_diff
