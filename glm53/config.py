@@ -157,6 +157,15 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
         str | None,
         _s("NVMe expert store (made by `glm53 store pack`), read with O_DIRECT.", group="tiers"),
     ] = None
+    read_timeout: Annotated[
+        NonNegFloat,
+        _s(
+            "Seconds one batch of expert reads (store or shards, O_DIRECT) may take before the "
+            "request that needs it fails with a 500 naming the layer and expert: a hung disk or "
+            "a dead network mount never hangs the server; 0 waits as long as a read takes.",
+            group="tiers",
+        ),
+    ] = 30.0
     cpus: Annotated[
         str | None,
         _s(

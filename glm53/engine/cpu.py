@@ -61,11 +61,13 @@ class CpuEngine:
         torch_threads: int | None = None,
         store: str | Path | None = None,
         kda_chunk: int = KDA_CHUNK,
+        read_timeout_s: float | None = 30.0,
     ):
         self.checkpoint_dir = Path(checkpoint_dir)
         self.requested_context = context
         self.num_slots = max_batch
         self.ram_cap = ram_cap
+        self.read_timeout_s = read_timeout_s
         self.cpus, self.cpu_threads, self.torch_threads = cpus, cpu_threads, torch_threads
         self.lane_precision = lane_precision
         self.store = store
@@ -154,7 +156,7 @@ class CpuEngine:
             except ram_budget.RamCapError as exc:
                 source.close()
                 raise ConfigurationError(str(exc)) from None
-        self.tier = RamTier(source, cap)
+        self.tier = RamTier(source, cap, self.read_timeout_s)
         for moe in self.moe.values():
             moe.tier = self.tier
         self.caches: list = [None] * self.num_slots
@@ -404,4 +406,5 @@ def create(settings, checkpoint_dir: Path) -> CpuEngine:
         cpu_threads=settings.cpu_threads,
         lane_precision=lane_precision(settings.ct_precision, "cpu", settings.mode),
         store=settings.store,
+        read_timeout_s=settings.read_timeout,
     )
