@@ -179,6 +179,58 @@ class RamTier:
                 exc.expert,
             ) from None
 
+    def heat_list(self) -> list[int]:
+        """The resident keys hottest first (the reverse of CLOCK's eviction order from its hand;
+        vram_cache.clock_heat_order), leaving out experts whose reads timed out."""
+        from glm53.tiers.vram_cache import clock_heat_order
+
+        slots = range(self.num_slots)
+        keys = [self.clock.key_of(s) for s in slots]
+        refs = [self.clock.ref_bit(s) if keys[s] >= 0 else 0 for s in slots]
+        order = clock_heat_order(keys, refs, self.clock.hand)
+        return [k for k in order if k not in self._stuck_keys]
+
+    def seed(self, keys, batch: int = 64) -> dict:
+        """Warm start an empty tier from a heat list (hottest first): as many keys as there are
+        slots are placed (Clock.seed: the coldest is evicted first) and read from the source
+        in batches. A read fault stops it there: the batch that failed and the keys not read
+        yet are taken back out, and what was read stays. Returns what it did."""
+        if self.clock.n_used:
+            raise TierError("the RAM tier can be seeded only while it is empty")
+        wanted = [k for k in dict.fromkeys(int(k) for k in keys) if 0 <= k < self.num_keys]
+        wanted = wanted[: self.num_slots]
+        placed = self.clock.seed(np.array(wanted, dtype=np.int32)) if wanted else 0
+        start, read, bytes_read, error = time.monotonic(), 0, 0, ""
+        for i in range(0, placed, batch):
+            part = np.array(wanted[i : i + batch], dtype=np.int32)
+            slots = np.array([self.clock.slot_of(int(k)) for k in part], dtype=np.int32)
+            loads = [
+                (
+                    self.source.moe_layers[int(k) // self.num_experts],
+                    int(k) % self.num_experts,
+                    self.record(int(slot)),
+                )
+                for k, slot in zip(part, slots, strict=True)
+            ]
+            try:
+                bytes_read += self._read(loads, part, slots)
+            except ReadFault as exc:
+                error = str(exc)
+                for key in wanted[i + batch : placed]:
+                    self.clock.remove(key)
+                break
+            for (layer, expert, record), slot in zip(loads, slots, strict=True):
+                views = record_views(record, self.source.layouts[(layer, expert)])
+                self.table.set(int(slot), *views)
+            read += len(part)
+        return {
+            "wanted": len(wanted),
+            "seeded": read,
+            "bytes_read": bytes_read,
+            "seconds": round(time.monotonic() - start, 3),
+            "error": error,
+        }
+
     def _reap(self) -> None:
         """Release what reads given up on held, once they finished: their slots are unpinned
         and their keys un-admitted (whatever the late reads wrote is not trusted; a later miss
