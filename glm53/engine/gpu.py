@@ -187,7 +187,6 @@ def host_sampler(stream_sampler, vocab: int):
                 super().__init__()
                 self.ss, self.vocab = ss, vocab
                 self.logprobs: list = []  # one per drawn token, in order, until emitted
-                self.reqs_past_ids = False
 
             def forward(self, logits, *args, **kwargs):
                 row = logits.reshape(-1)[: self.vocab].float().cpu().numpy()[None]
