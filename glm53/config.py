@@ -157,6 +157,15 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
         str | None,
         _s("NVMe expert store (made by `glm53 store pack`), read with O_DIRECT.", group="tiers"),
     ] = None
+    read_timeout: Annotated[
+        NonNegFloat,
+        _s(
+            "Seconds one batch of expert reads (store or shards, O_DIRECT) may take before the "
+            "request that needs it fails with a 500 naming the layer and expert: a hung disk or "
+            "a dead network mount never hangs the server; 0 waits as long as a read takes.",
+            group="tiers",
+        ),
+    ] = 30.0
     cpus: Annotated[
         str | None,
         _s(
@@ -254,6 +263,16 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
             group="tiers",
         ),
     ] = None
+    warmup: Annotated[
+        bool,
+        _s(
+            "GPU engine: run exllamav3's warm-up at load, so that its kernel picks (the GEMM "
+            "autotuner, Triton configs), chosen by timing at first use, are all made before the "
+            "first request and kept in their on-disk caches.",
+            group="tiers",
+            env="GLM53_WARMUP",
+        ),
+    ] = False
     triton_pin: Annotated[
         str | None,
         _s(

@@ -49,6 +49,55 @@ def add_parser(subparsers) -> None:
         "--top-k", type=int, default=20, help="logprobs kept per position, 1..20 (default 20)"
     )
     make.set_defaults(func=run)
+    cmp = sub.add_parser(
+        "compare",
+        help="compare two panels of the same checkpoint and prompts (e.g. two stock runs)",
+        description="Top-1 agreement and top-k KL of panel B against panel A, position by "
+        "position; both must name the same checkpoint and hold the same prompt tokens.",
+    )
+    cmp.add_argument("a", help="reference panel (JSON)")
+    cmp.add_argument("b", help="panel compared with it (JSON)")
+    cmp.add_argument("--worst", type=int, default=5, help="worst positions to list")
+    cmp.set_defaults(func=run_compare)
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    """Print one JSON object: the comparison, and the largest logprob difference on the ids
+    both panels list at a position."""
+    import msgspec
+
+    from glm53.reference import compare, read_panel
+
+    a, b = read_panel(args.a), read_panel(args.b)
+    if a.checkpoint_fingerprint != b.checkpoint_fingerprint:
+        raise SystemExit(
+            f"{args.b} is of another checkpoint than {args.a} (fingerprints "
+            f"{b.checkpoint_fingerprint[:12]} and {a.checkpoint_fingerprint[:12]}): compare "
+            "panels of one checkpoint"
+        )
+    rows, max_diff = [], 0.0
+    for pa, pb in zip(a.prompts, b.prompts, strict=False):
+        if (pa.name, pa.token_ids) != (pb.name, pb.token_ids) or len(a.prompts) != len(b.prompts):
+            raise SystemExit(
+                f"the panels hold other prompts ({pa.name!r} and {pb.name!r}): make both from "
+                "the same --prompts"
+            )
+        for i, (x, y) in enumerate(zip(pa.positions, pb.positions, strict=True)):
+            test = dict(zip(y.top_ids, y.top_logprobs, strict=True))
+            rows.append((pa.name, i, x.top_ids, x.top_logprobs, test))
+            shared = [
+                abs(v - test[t])
+                for t, v in zip(x.top_ids, x.top_logprobs, strict=True)
+                if t in test
+            ]
+            max_diff = max([max_diff, *shared])
+    out = msgspec.to_builtins(compare(rows, args.worst))
+    out["max_abs_logprob_diff_shared_ids"] = max_diff
+    out["identical"] = all(
+        pa.positions == pb.positions for pa, pb in zip(a.prompts, b.prompts, strict=True)
+    )
+    print(json.dumps(out))
+    return 0
 
 
 def _prompts(path: str | None, tokenizer) -> list[tuple[str, list[int]]]:

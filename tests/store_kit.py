@@ -9,6 +9,7 @@ import os
 import shutil
 import struct
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -169,6 +170,41 @@ class FailingReader:
         failed = [self.failed.pop(t) for t in tags if t in self.failed]
         rest = [t for t in tags if t not in {c.tag for c in failed}]
         return failed + (self.reader.wait(rest, timeout) if rest else [])
+
+    def __getattr__(self, name):
+        return getattr(self.reader, name)
+
+
+class StallingReader:
+    """A stand-in for a hung disk (a real one cannot be made here): wraps a real O_DIRECT
+    Reader; a request whose range covers one of `stall_offsets` is held, not read, until
+    `release()` hands the held requests to the real reader, so a wait for it times out the way
+    the native reader's does. Other requests are read."""
+
+    def __init__(self, reader, stall_offsets: list[int]):
+        self.reader = reader
+        self.stall_offsets = sorted(stall_offsets)
+        self.held: dict = {}  # tag -> the submit's arguments
+        self.released = False
+
+    def submit(self, offset, length, buf, tag, *args, **kwargs):
+        if not self.released and any(offset <= o < offset + length for o in self.stall_offsets):
+            self.held[tag] = (offset, length, buf, tag, args, kwargs)
+            return
+        self.reader.submit(offset, length, buf, tag, *args, **kwargs)
+
+    def release(self) -> None:
+        self.released = True
+        for offset, length, buf, tag, args, kwargs in self.held.values():
+            self.reader.submit(offset, length, buf, tag, *args, **kwargs)
+        self.held.clear()
+
+    def wait(self, tags=None, timeout=None):
+        tags = list(tags)
+        if any(t in self.held for t in tags):
+            time.sleep(timeout or 0)
+            raise TimeoutError(f"{len(tags)} requests on {self.reader.path} held after {timeout} s")
+        return self.reader.wait(tags, timeout)
 
     def __getattr__(self, name):
         return getattr(self.reader, name)

@@ -6,6 +6,7 @@ the mask is applied at every token. The scripted engine (exact, known output) sh
 reasoning stays free (the grammar starts after </think>) and the error cases."""
 
 import json
+import re
 
 import openai
 import pytest
@@ -130,6 +131,40 @@ def test_a_named_tool_choice_calls_that_function(cpu):
     assert json.loads(calls[0].function.arguments)["zone"] in ("UTC", "CET")
 
 
+BOOK = {
+    "type": "function",
+    "function": {
+        "name": "book",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"},
+                "day": {"type": "string", "format": "date"},
+            },
+            "required": ["code", "day"],
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_pattern_and_format_of_string_arguments_are_enforced(cpu, seed):
+    answer = cpu.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Book it."}],
+        max_tokens=60,
+        temperature=1.0,
+        seed=seed,
+        tools=[BOOK],
+        tool_choice={"type": "function", "function": {"name": "book"}},
+        extra_body=NO_THINKING,
+    )
+    call = answer.choices[0].message.tool_calls[0].function
+    args = json.loads(call.arguments)
+    assert re.fullmatch(r"[A-Z]{3}-[0-9]{2}", args["code"]), args
+    assert re.fullmatch(r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])", args["day"]), args
+
+
 SCRIPT = {
     "default": 'free <text> {not json</think>{"color": "red", "n": 7}',
     "replies": [{"when": "@object", "text": '</think>{"ok": [1, 2]}'}],
@@ -202,6 +237,24 @@ def test_json_object_passes_a_json_object(scripted):
                 "tool_choice": "required",
             },
             "tools[0].function.parameters.properties.q",
+        ),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {
+                                "type": "object",
+                                "properties": {"q": {"type": "string", "format": "iban"}},
+                            },
+                        },
+                    }
+                ],
+                "tool_choice": "required",
+            },
+            "tools[0].function.parameters.properties.q.format",
         ),
     ],
 )

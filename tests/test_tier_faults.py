@@ -7,13 +7,14 @@ deleted under it (real O_DIRECT short reads)."""
 import errno
 import os
 import re
+import time
 
 import httpx
 import openai
 import pytest
 import torch
 from serving_kit import Server
-from store_kit import FailingReader
+from store_kit import FailingReader, StallingReader
 
 from glm53.engine.base import EngineError, StreamWork
 from glm53.engine.cpu import CpuEngine
@@ -131,6 +132,56 @@ def test_a_fault_in_one_stream_leaves_the_other_streams_of_the_step_going(engine
     assert torch.equal(engine.step([StreamWork(0, PROMPT_A, 0, True)])[0], first)
     assert engine.stats()["prefill_tokens"] == prefill_before
     assert torch.equal(engine.step([StreamWork(0, [token], 2, True)])[0], second)
+
+
+def test_a_read_that_never_answers_fails_its_request_at_the_timeout_and_never_hangs(
+    engine, clean_runs
+):
+    only_b = sorted(clean_runs["b"][0] - clean_runs["a"][0])
+    bad = only_b[0]
+    layer, expert = layer_expert(engine, bad)
+    cold(engine)
+    tier, source = engine.tier, engine.tier.source
+    real = getattr(source.reader, "reader", source.reader)
+    stall = StallingReader(real, [bad * RECORD + 4096])
+    source.reader, tier.read_timeout_s = stall, 0.2
+    timeouts_before = tier.faults["read_timeouts"]
+    try:
+        with pytest.raises(EngineError) as info:
+            engine.step([StreamWork(0, PROMPT_B, 0, True)])
+        # the stuck request: one coalesced read of adjacent records, named by its first
+        named = re.search(
+            r"reading layer (\d+) expert (\d+)(?: \(and (\d+) more)?", str(info.value)
+        )
+        assert named, str(info.value)
+        first, more = int(named[2]), int(named[3] or 0)
+        assert int(named[1]) == layer and first <= expert <= first + more, str(info.value)
+        assert "no answer within 0.2 s" in str(info.value), str(info.value)
+        assert tier.faults["read_timeouts"] == timeouts_before + 1
+        # the late read may still land in its slot: kept admitted, pinned, never handed out
+        slot = tier.clock.lookup(bad)
+        assert slot >= 0 and tier.clock.pin_count(slot) == 1
+        # asked for again while the disk still does not answer: fails at once, names it
+        engine.release(0)
+        with pytest.raises(EngineError) as again:
+            engine.step([StreamWork(0, PROMPT_B, 0, True)])
+        named = re.search(r"layer (\d+) expert (\d+): its read from", str(again.value))
+        assert named and int(named[1]) == layer, str(again.value)
+        assert first <= int(named[2]) <= first + more, str(again.value)
+        assert "has not finished since it timed out" in str(again.value)
+        # a stream that needs none of the stuck experts goes on, with the same logits
+        engine.release(0)
+        assert torch.equal(engine.step([StreamWork(0, PROMPT_A, 0, True)])[0], clean_runs["a"][1])
+    finally:
+        stall.release()
+    deadline = time.monotonic() + 30
+    while tier._stuck and time.monotonic() < deadline:  # the late reads finish; then freed
+        tier._reap()
+        time.sleep(0.01)
+    source.reader, tier.read_timeout_s = real, engine.read_timeout_s
+    assert not tier._stuck and tier.clock.lookup(bad) < 0  # unpinned and un-admitted
+    engine.release(0)
+    assert torch.equal(engine.step([StreamWork(0, PROMPT_B, 0, True)])[0], clean_runs["b"][1])
 
 
 def test_work_that_grew_after_a_failed_step_runs_only_its_new_tokens(engine, clean_runs):

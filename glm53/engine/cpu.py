@@ -35,6 +35,7 @@ import torch
 from glm53.config import ConfigurationError
 from glm53.engine.base import EngineError, EngineUnavailable, StreamUsage, StreamWork
 from glm53.tiers import ram_budget
+from glm53.tiers.heat import heat_path, read_heat, write_heat
 
 KDA_CHUNK = 16
 # Records the tier check reads at start: 0.6 GB at the full model's 9.4 MB record (0.3 s from a
@@ -61,11 +62,16 @@ class CpuEngine:
         torch_threads: int | None = None,
         store: str | Path | None = None,
         kda_chunk: int = KDA_CHUNK,
+        read_timeout_s: float | None = 30.0,
+        heat_file: str | None = None,
     ):
         self.checkpoint_dir = Path(checkpoint_dir)
         self.requested_context = context
         self.num_slots = max_batch
         self.ram_cap = ram_cap
+        self.read_timeout_s = read_timeout_s
+        self.heat_file = heat_file  # the RAM tier's warm start; None: start cold, keep none
+        self.warm_start: dict = {}
         self.cpus, self.cpu_threads, self.torch_threads = cpus, cpu_threads, torch_threads
         self.lane_precision = lane_precision
         self.store = store
@@ -154,9 +160,19 @@ class CpuEngine:
             except ram_budget.RamCapError as exc:
                 source.close()
                 raise ConfigurationError(str(exc)) from None
-        self.tier = RamTier(source, cap)
+        self.tier = RamTier(source, cap, self.read_timeout_s)
         for moe in self.moe.values():
             moe.tier = self.tier
+        if self.heat_file is not None:
+            keys = read_heat(self.heat_file, self.tier.num_keys)
+            if keys:
+                self.warm_start = self.tier.seed(keys)
+                w = self.warm_start
+                (log.info if not w["error"] else log.error)(
+                    "RAM tier warm start from %s: %d of %d experts (%.1f MiB) in %.1f s%s",
+                    self.heat_file, w["seeded"], w["wanted"], w["bytes_read"] / 2**20,
+                    w["seconds"], f"; stopped: {w['error']}" if w["error"] else "",
+                )  # fmt: skip
         self.caches: list = [None] * self.num_slots
         self.usage = [StreamUsage() for _ in range(self.num_slots)]
         self._startup_check()
@@ -170,6 +186,7 @@ class CpuEngine:
         result = self.verify_tiers(STARTUP_CHECK_SAMPLES)
         (log.info if result.is_ok else log.error)("tier check at start: %s", result.summary())
         if not result.is_ok:
+            self.heat_file = None  # a tier that failed its check leaves no heat list behind
             self.close()
             fix = (
                 f"check the store with `glm53 store verify --store {self.store}` and repack it"
@@ -335,9 +352,10 @@ class CpuEngine:
                     "slots": self.tier.num_slots,
                     "cap_bytes": self.tier.ram_cap_bytes,
                     "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-                    "resident": clock["admits"] - clock["evictions"],  # records in the arena
+                    "resident": self.tier.clock.n_used,  # records in the arena
                     **clock,
                     **self.tier.faults,
+                    "warm_start": {k: v for k, v in self.warm_start.items() if k != "error"},
                 },
                 "layers": layers,
                 "check": self._check_stats(),
@@ -356,8 +374,20 @@ class CpuEngine:
         for m in self.moe.values():
             m.counters = LayerCounters()
 
+    def save_heat(self) -> str | None:
+        """Write the RAM tier's heat list (its resident experts, hottest first) for the next
+        start; with no heat file set, or an empty tier, nothing."""
+        if self.heat_file is None or self.tier is None or not self.tier.clock.n_used:
+            return None
+        write_heat(self.heat_file, str(self.checkpoint_dir), self.tier.heat_list())
+        return self.heat_file
+
     def close(self) -> None:
         if self.tier is not None:
+            try:
+                self.save_heat()
+            except OSError as exc:
+                log.warning("could not write the RAM tier's heat list %s: %s", self.heat_file, exc)
             self.tier.close()
             self.tier = None
         self.model = None
@@ -404,4 +434,6 @@ def create(settings, checkpoint_dir: Path) -> CpuEngine:
         cpu_threads=settings.cpu_threads,
         lane_precision=lane_precision(settings.ct_precision, "cpu", settings.mode),
         store=settings.store,
+        read_timeout_s=settings.read_timeout,
+        heat_file=heat_path(str(checkpoint_dir), "ram", settings.store),
     )

@@ -371,10 +371,7 @@ def _check_tables_point_home(moe, home_addr, geo) -> None:
 
 
 def heat_path(model_dir: str) -> str:
-    """Where the warm-start heat list of a checkpoint lives (by config fingerprint)."""
-    import hashlib
+    """Where the VRAM cache's warm-start heat list of a checkpoint lives (glm53.tiers.heat)."""
+    from glm53.tiers.heat import heat_path as path
 
-    with open(os.path.join(model_dir, "config.json"), "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()[:16]
-    base = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
-    return os.path.join(base, "glm53", "heat", f"{digest}.json")
+    return path(model_dir, "vram")

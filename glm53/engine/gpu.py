@@ -151,7 +151,9 @@ def device_logprob_sampler(inner, vocab: int, k: int):
 
             def forward(self, logits, *args, **kwargs):
                 token = self.inner.forward(logits, *args, **kwargs)
-                self.pending.append((token, device_logprobs(logits[..., : self.vocab], token, self.k)))
+                self.pending.append(
+                    (token, device_logprobs(logits[..., : self.vocab], token, self.k))
+                )
                 return token
 
             def take(self, n: int) -> list:
@@ -185,7 +187,6 @@ def host_sampler(stream_sampler, vocab: int):
                 super().__init__()
                 self.ss, self.vocab = ss, vocab
                 self.logprobs: list = []  # one per drawn token, in order, until emitted
-                self.reqs_past_ids = False
 
             def forward(self, logits, *args, **kwargs):
                 row = logits.reshape(-1)[: self.vocab].float().cpu().numpy()[None]
@@ -254,6 +255,7 @@ class GpuEngine:
         device: str = "cuda:0",
         allow_unsupported: bool = False,
         heat_file: str | None = None,
+        warmup: bool = False,
     ):
         if mode not in ("exact", "stock", "zerocopy"):
             raise ValueError(
@@ -276,6 +278,8 @@ class GpuEngine:
         self.allow_unsupported = allow_unsupported
         self.vram_budget = vram_budget  # bytes: plan the cache, staging and KV as on that card
         self.heat_file = heat_file
+        self.warmup = warmup
+        self.warmup_failed: list[str] = []  # labels of exllamav3 warm-up passes that raised
         self.description = f"GPU engine (exllamav3 1.6.5 Generator, mode {mode}) on {model_dir}"
         self.generation_defaults: dict[str, float] = {}
         self.loaded = None
@@ -317,6 +321,21 @@ class GpuEngine:
             allow_unsupported=self.allow_unsupported,
             vram_budget=self.vram_budget,
         )
+        if self.warmup:
+            # exllamav3 picks its GEMM kernels (the cooperative autotuner, keyed by row count up to
+            # 64 rows) and its Triton KDA configs by timing them at first use, and rounding follows
+            # the pick. Its warm-up makes every pick now, before any request, and both tuners keep
+            # their picks on disk (exllamav3's tune cache, Triton's cache): every request of this
+            # process, a restart, and a stock exllamav3 sharing those caches run the same kernels
+            t0 = time.perf_counter()
+            self.warmup_failed = self.loaded.model.warmup(
+                cache=self.loaded.cache, max_chunk_size=self.chunk_size,
+                max_batch_size=self.num_slots,
+            ) or []  # fmt: skip
+            log.info(
+                "exllamav3 warm-up in %.1f s%s", time.perf_counter() - t0,
+                f"; passes that raised: {self.warmup_failed}" if self.warmup_failed else "",
+            )  # fmt: skip
         self.generator = Generator(
             model=self.loaded.model,
             cache=self.loaded.cache,
@@ -480,6 +499,7 @@ class GpuEngine:
         out = dict(self._stats)
         out["chunk_size"] = self.chunk_size
         out["prefix_cache"] = self.prefix_cache
+        out["warmup"] = {"ran": self.warmup, "passes_that_raised": list(self.warmup_failed)}
         if self.loaded is not None and self.loaded.ec is not None:
             with self._lock:
                 out["tiers"] = {"vram_cache": self.loaded.ec.state()}
@@ -545,4 +565,5 @@ def create(settings, checkpoint_dir) -> GpuEngine:
         ec_stage_gb=settings.ec_stage_gb,
         ec_freq_window=settings.ec_freq_window,
         vram_budget=settings.vram_budget,
+        warmup=settings.warmup,
     )

@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
-from llguidance import LLMatcher, LLTokenizer
+from llguidance import LLMatcher, LLTokenizer, regex_to_lark
 from llguidance.numpy import (
     allocate_token_bitmask,
     apply_token_bitmask_inplace,
@@ -122,13 +122,112 @@ def _lark_string(text: str) -> str:
     return json.dumps(text)
 
 
-def _raw_string(schema: dict[str, Any]) -> str:
+# What a raw string tool argument may hold for each JSON Schema `format` (whole value, RFC 3339
+# dates and times, RFC 4122 UUIDs, dotted-quad IPv4, and the usual shapes of e-mail addresses,
+# host names and URIs); other formats are refused rather than left unenforced.
+_DATE = r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
+_TIME = r"([01][0-9]|2[0-3]):[0-5][0-9]:([0-5][0-9]|60)(\.[0-9]+)?([Zz]|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+_OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+FORMATS = {
+    "date": _DATE,
+    "time": _TIME,
+    "date-time": _DATE + "[Tt]" + _TIME,
+    "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
+    "ipv4": rf"({_OCTET}\.){{3}}{_OCTET}",
+    "email": r"[A-Za-z0-9._%+-]+@" + _LABEL + rf"(\.{_LABEL})+",
+    "hostname": _LABEL + rf"(\.{_LABEL})*",
+    "uri": r"[A-Za-z][A-Za-z0-9+.-]*:[^\s<>]+",
+}
+
+
+def _top_level_branches(pattern: str) -> list[str]:
+    """`pattern` split at its top-level `|` (outside groups and classes, unescaped)."""
+    branches, depth, in_class, start, i = [], 0, False, 0, 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+        elif c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+        elif c == "|" and depth == 0:
+            branches.append(pattern[start:i])
+            start = i + 1
+        i += 1
+    return [*branches, pattern[start:]]
+
+
+def _has_anchor(branch: str) -> bool:
+    """Whether an unescaped ^ or $ is left in `branch` outside character classes."""
+    in_class, i = False, 0
+    while i < len(branch):
+        c = branch[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            if branch[i + 1 : i + 2] == "^":
+                i += 1
+        elif c in "^$":
+            return True
+        i += 1
+    return False
+
+
+def _search_regex(pattern: str, path: str) -> str:
+    """A whole-value lark regex for the strings that contain a match of `pattern` (JSON Schema
+    semantics: an unanchored ECMA-262 search; ^ and $ anchor a top-level branch). An anchor
+    anywhere else is a GrammarError naming `path`."""
+    full = []
+    for branch in _top_level_branches(pattern):
+        head = branch.startswith("^")
+        body = branch[1:] if head else branch
+        tail = body.endswith("$") and not body.endswith("\\$")
+        body = body[:-1] if tail else body
+        if _has_anchor(body):
+            raise GrammarError(
+                f"the pattern {pattern!r} has ^ or $ inside a group: a raw string tool argument "
+                "takes anchors only at the start or end of a top-level alternative",
+                path,
+            )
+        any_text = r"[\s\S]*"
+        full.append(f"{'' if head else any_text}(?:{body}){'' if tail else any_text}")
+    return regex_to_lark("|".join(full), "dw")
+
+
+def _raw_string(schema: dict[str, Any], path: str) -> str:
     """The lark for a string parameter's raw (unquoted) value: one of its `enum`, or text
-    without '<' within minLength..maxLength (`pattern` and `format` are not enforced)."""
+    without '<' (it would open `</arg_value>`) within minLength..maxLength that also matches its
+    `pattern` (a search, as JSON Schema means it) and its `format` (the whole value, FORMATS).
+    `path` names the parameter in errors."""
     if isinstance(schema.get("enum"), list) and all(isinstance(v, str) for v in schema["enum"]):
         return "(" + " | ".join(_lark_string(v) for v in schema["enum"]) + ")"
     low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
-    return f"/[^<]{{{low},{'' if high is None else int(high)}}}/"
+    parts = [f"/[^<]{{{low},{'' if high is None else int(high)}}}/"]
+    pattern, fmt = schema.get("pattern"), schema.get("format")
+    if pattern is not None:
+        if not isinstance(pattern, str):
+            raise GrammarError(f"pattern must be a string, not {pattern!r}", f"{path}.pattern")
+        parts.append(f"/{_search_regex(pattern, f'{path}.pattern')}/")
+    if fmt is not None:
+        if fmt not in FORMATS:
+            raise GrammarError(
+                f"format {fmt!r} is not enforced for string tool arguments; the formats that are: "
+                f"{', '.join(sorted(FORMATS))} (or leave format out, or give a pattern)",
+                f"{path}.format",
+            )
+        parts.append(f"/{regex_to_lark(FORMATS[fmt], 'dw')}/")
+    return " & ".join(parts)
 
 
 def tool_call_grammar(
@@ -154,10 +253,12 @@ def tool_call_grammar(
         parts = []
         for p, (name, schema) in enumerate(props.items()):
             value_rule = f"v{t}_{p}"
+            path = f"tools[{t}].function.parameters.properties.{name}"
             if isinstance(schema, dict) and schema.get("type") == "string":
-                rules.append(f"{value_rule}: {_raw_string(schema)}")
+                # a lexeme (upper case), so that & intersects its regexes
+                rules.append(f"V{t}_{p}: {_raw_string(schema, path)}")
+                rules.append(f"{value_rule}: V{t}_{p}")
             else:
-                path = f"tools[{t}].function.parameters.properties.{name}"
                 # compiled alone to name a failing part; the lark below inlines the schema
                 json_schema_grammar(schema if isinstance(schema, dict) else {}, tokenizer, path)
                 inline = {"x-guidance": JSON_OPTIONS, **schema} if isinstance(schema, dict) else {}

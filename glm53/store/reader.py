@@ -24,9 +24,12 @@ from glm53.store.plan import check_matches, plan_store
 from glm53.tiers.expert_source import (
     BounceBuffer,
     ExpertReadError,
+    ExpertReadTimeout,
     RunFailed,
+    RunTimedOut,
     file_problem,
     read_coalesced,
+    with_others,
 )
 
 _NUMPY = {"I16": np.int16, "F16": np.float16}
@@ -111,17 +114,35 @@ class ExpertStore:
         """The manifest's sha256 (hex) of one record, as packed."""
         return self.manifest.sha256[self.record_index(model_layer, expert)]
 
-    def read(self, requests: list[tuple[int, int, np.ndarray]]) -> int:
+    def read(
+        self, requests: list[tuple[int, int, np.ndarray]], timeout: float | None = None
+    ) -> int:
         """Read records into 4 KiB-aligned buffers of at least record_bytes: (model layer,
         expert, buffer) triples. Records next to each other in the data file are read as one
         request (expert_source.read_coalesced). Blocks until all are read; raises the first
-        error. Returns the bytes read."""
+        error, or ExpertReadTimeout when they take longer than `timeout` s. Returns the bytes
+        read."""
         pieces = [
             (self.offset(layer, expert), self.record_bytes, buf[: self.record_bytes])
             for layer, expert, buf in requests
         ]
         try:
-            return read_coalesced({0: self.reader}, {0: pieces}, self._bounce, self._tags)
+            return read_coalesced({0: self.reader}, {0: pieces}, self._bounce, self._tags, timeout)
+        except RunTimedOut as exc:
+            covered = []
+            for _, offset, length in exc.runs:
+                first, end = offset // self.record_bytes, -(-(offset + length) // self.record_bytes)
+                for record in range(first, end):
+                    layer, expert = self.manifest.locate(record)
+                    covered.append((layer.model_layer, expert))
+            layer, expert = covered[0]
+            raise ExpertReadTimeout(
+                f"reading layer {layer} expert {expert}{with_others(len(covered) - 1)} from the "
+                f"store {self.data_path}: no answer within {exc.timeout:g} s (the disk or mount "
+                "under it stopped answering)",
+                covered,
+                exc.stuck,
+            ) from None
         except RunFailed as exc:
             layer, expert = self.manifest.locate(exc.offset // self.record_bytes)
             problem = self.problem()

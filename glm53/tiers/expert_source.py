@@ -15,8 +15,10 @@ small read per expert, which matters on disks whose latency, not bandwidth, boun
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,6 +134,12 @@ class BounceBuffer:
             cursor += run.length
         return out
 
+    def abandon(self) -> np.ndarray:
+        """Hand over the buffer to reads given up on (they may still land in it) and start a
+        new one; the old one is returned so that its holder keeps it alive until they finish."""
+        old, self._buf = self._buf, _odirect.aligned_empty(len(self._buf))
+        return old
+
 
 class ExpertReadError(OSError):
     """Reading an expert's record failed (a disk error, or a short read: the file ends early).
@@ -144,12 +152,59 @@ class ExpertReadError(OSError):
         self.expert = expert
 
 
+class ExpertReadTimeout(ExpertReadError):
+    """A read of an expert's record did not finish within the read timeout (a hung disk, a dead
+    network mount). `stuck` holds the reads given up on (they may still land in their buffers)
+    and `experts` the (layer, expert) pairs those reads cover; `layer` and `expert` name the
+    first."""
+
+    def __init__(self, message: str, experts: list[tuple[int, int]], stuck: StuckReads):
+        super().__init__(errno.ETIMEDOUT, message, *experts[0])
+        self.experts, self.stuck = experts, stuck
+
+
+class StuckReads:
+    """Reads a wait gave up on, with the buffers they may still write (record slots are the
+    caller's to keep out of use; the abandoned bounce buffer is kept alive here)."""
+
+    def __init__(self, waits: list, keep_alive: list):
+        self.waits = waits  # [(reader, [tags])] not yet collected
+        self.keep_alive = keep_alive
+
+    def finished(self) -> bool:
+        """Collect what finished since; True once every read has (whether it failed or not)."""
+        while self.waits:
+            reader, tags = self.waits[0]
+            try:
+                reader.wait(tags, timeout=1e-3)
+            except TimeoutError:
+                return False
+            self.waits.pop(0)
+        self.keep_alive.clear()
+        return True
+
+
+class RunTimedOut(Exception):
+    """A coalesced read's wait ran past its deadline: `runs` are the (reader key, file offset,
+    length) of the runs not known to have finished, `stuck` the reads given up on."""
+
+    def __init__(self, runs: list, timeout: float, stuck: StuckReads):
+        super().__init__(f"no answer within {timeout:g} s")
+        self.runs = [(key, run.offset, run.length) for key, run in runs]
+        self.timeout, self.stuck = timeout, stuck
+
+
 class RunFailed(_odirect.ODirectError):
     """A coalesced run failed: `key` is its reader's key, `offset` the file offset where."""
 
     def __init__(self, key, offset: int, cause: OSError):
         super().__init__(cause.errno, cause.strerror, offset)
         self.key = key
+
+
+def with_others(n: int) -> str:
+    """How a read-fault message mentions the other experts one coalesced read covered."""
+    return "" if n <= 0 else f" (and {n} more expert{'s' if n > 1 else ''} in the same read)"
 
 
 def file_problem(path: Path, opened: os.stat_result, want_bytes: int) -> str:
@@ -171,11 +226,18 @@ def file_problem(path: Path, opened: os.stat_result, want_bytes: int) -> str:
     return ""
 
 
-def read_coalesced(readers: dict, pieces: dict, bounce: BounceBuffer, tags: Iterator[int]) -> int:
+def read_coalesced(
+    readers: dict,
+    pieces: dict,
+    bounce: BounceBuffer,
+    tags: Iterator[int],
+    timeout: float | None = None,
+) -> int:
     """Read aligned pieces (file offset, length, destination), keyed by reader, as coalesced
     runs (plan_runs). Waits for every request, then raises RunFailed for the first read that
     failed (the file offset where it failed, so a caller can name the expert); returns the
-    bytes read."""
+    bytes read. With `timeout` (seconds for the whole batch), a batch still unfinished then
+    raises RunTimedOut, and the bounce buffer is abandoned to the reads still in flight."""
     planned = [(key, run) for key, items in pieces.items() for run in plan_runs(items)]
     buffers = bounce.views([run for _, run in planned])
     total, tags_by_reader, run_of = 0, {}, {}
@@ -185,7 +247,26 @@ def read_coalesced(readers: dict, pieces: dict, bounce: BounceBuffer, tags: Iter
         readers[key].submit(run.offset, run.length, run.direct() if buf is None else buf, tag)
         tags_by_reader.setdefault(key, []).append(tag)
         total += run.length
-    completions = [c for key, t in tags_by_reader.items() for c in readers[key].wait(t)]
+    deadline = None if timeout is None else time.monotonic() + timeout
+    completions = []
+    waiting = list(tags_by_reader.items())
+    for i, (key, reader_tags) in enumerate(waiting):
+        left = None if deadline is None else max(deadline - time.monotonic(), 1e-3)
+        try:
+            completions += readers[key].wait(reader_tags, timeout=left)
+        except TimeoutError:
+            # which of this reader's runs are still out (the others are collected here)
+            pending = []
+            for t in reader_tags:
+                try:
+                    completions += readers[key].wait([t], timeout=1e-3)
+                except TimeoutError:
+                    pending.append(t)
+            rest = [(readers[k], t) for k, t in waiting[i + 1 :]]
+            stuck = StuckReads([(readers[key], pending), *rest], [bounce.abandon()])
+            out = [(key, run_of[t][1]) for t in pending]
+            out += [(k, run_of[t][1]) for k, tags_k in waiting[i + 1 :] for t in tags_k]
+            raise RunTimedOut(out, timeout, stuck) from None
     for completion in completions:
         if not completion.ok:
             key, run = run_of[completion.tag]
@@ -241,9 +322,12 @@ class SafetensorsSource:
         """The shards carry no per-expert hash (a packed store's manifest does)."""
         return None
 
-    def read(self, requests: list[tuple[int, int, np.ndarray]]) -> int:
+    def read(
+        self, requests: list[tuple[int, int, np.ndarray]], timeout: float | None = None
+    ) -> int:
         """Read experts into record buffers: (layer, expert, buffer) triples. Returns the bytes read
-        from disk. Blocks until every read finished; raises the first read error."""
+        from disk. Blocks until every read finished; raises the first read error, or
+        ExpertReadTimeout when they take longer than `timeout` s."""
         pieces: dict[Path, list[tuple[int, int, np.ndarray]]] = {}
         total = 0
         for layer, expert, buf in requests:
@@ -255,14 +339,27 @@ class SafetensorsSource:
                 if direct < span.length:
                     total += self._read_tail(span, max(direct, 0), buf)
         try:
-            return total + read_coalesced(self.readers, pieces, self._bounce, self._tags)
-        except RunFailed as exc:
-            layer, expert = next(
+            return total + read_coalesced(self.readers, pieces, self._bounce, self._tags, timeout)
+        except RunTimedOut as exc:
+            covered = [
                 (layer, expert)
                 for layer, expert, _ in requests
-                for span in self.layouts[(layer, expert)].spans
-                if span.path == exc.key and span.offset <= exc.offset < span.offset + span.length
-            )
+                if any(
+                    s.path == path and s.offset < offset + length and offset < s.offset + s.length
+                    for path, offset, length in exc.runs
+                    for s in self.layouts[(layer, expert)].spans
+                )
+            ]
+            layer, expert = covered[0]
+            raise ExpertReadTimeout(
+                f"reading layer {layer} expert {expert}{with_others(len(covered) - 1)} from "
+                f"{exc.runs[0][0]}: no answer within {exc.timeout:g} s (the disk or mount under "
+                "it stopped answering)",
+                covered,
+                exc.stuck,
+            ) from None
+        except RunFailed as exc:
+            layer, expert = self._expert_at(requests, exc.key, exc.offset)
             problem = file_problem(exc.key, self.opened[exc.key], self.file_bytes[exc.key])
             raise ExpertReadError(
                 exc.errno,
@@ -271,6 +368,15 @@ class SafetensorsSource:
                 layer,
                 expert,
             ) from None
+
+    def _expert_at(self, requests, path, offset: int) -> tuple[int, int]:
+        """The (layer, expert) of `requests` whose bytes in `path` cover `offset`."""
+        return next(
+            (layer, expert)
+            for layer, expert, _ in requests
+            for span in self.layouts[(layer, expert)].spans
+            if span.path == path and span.offset <= offset < span.offset + span.length
+        )
 
     def problem(self) -> str:
         """What happened to the shards since they were opened (file_problem), or ""."""

@@ -16,7 +16,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from glm53 import _clock, _gemv, _odirect
-from glm53.tiers.expert_source import ExpertReadError, SafetensorsSource, record_views
+from glm53.tiers.expert_source import (
+    ExpertReadError,
+    ExpertReadTimeout,
+    SafetensorsSource,
+    record_views,
+)
 
 log = logging.getLogger("glm53.tiers")
 
@@ -49,8 +54,14 @@ class Resident:
 
 
 class RamTier:
-    def __init__(self, source: SafetensorsSource, ram_cap_bytes: int | None):
+    def __init__(
+        self,
+        source: SafetensorsSource,
+        ram_cap_bytes: int | None,
+        read_timeout_s: float | None = None,
+    ):
         self.source = source
+        self.read_timeout_s = read_timeout_s or None  # 0 or None: wait as long as a read takes
         self.num_experts = source.num_experts
         self.moe_index = {layer: i for i, layer in enumerate(source.moe_layers)}
         self.num_keys = len(source.moe_layers) * self.num_experts
@@ -73,7 +84,11 @@ class RamTier:
         self._keys = np.empty(self.num_keys, dtype=np.int32)
         self._slots = np.empty(self.num_keys, dtype=np.int32)
         self._evicted = np.empty(self.num_keys, dtype=np.int32)
-        self.faults = {"read_errors": 0, "short_reads": 0}
+        self.faults = {"read_errors": 0, "short_reads": 0, "read_timeouts": 0}
+        # reads given up on at the timeout, with the keys and slots they may still write: those
+        # slots stay pinned (never reused) and those keys fail their requests until they finish
+        self._stuck: list[tuple[object, np.ndarray, np.ndarray]] = []
+        self._stuck_keys: set[int] = set()
         self._problem, self._watched = "", -WATCH_S
 
     def describe(self) -> str:
@@ -92,6 +107,8 @@ class RamTier:
         Hits come first; misses are admitted (evicting by CLOCK, never a slot used by this
         wave) and read from the source. Experts left out (more distinct experts than slots)
         are for the caller's next wave."""
+        if self._stuck:
+            self._reap()
         base = self.moe_index[layer] * self.num_experts
         picks = (experts.astype(np.int32) + base).astype(np.int32)
         _, n_hits, n_admitted = self.clock.batch_into(picks, self._keys, self._slots, self._evicted)
@@ -103,21 +120,52 @@ class RamTier:
             )
         keys = self._keys[:count].copy()
         slots = self._slots[:count].copy()
+        if self._stuck_keys:
+            stuck = [int(k) for k in keys[:n_hits] if int(k) in self._stuck_keys]
+            if stuck:
+                for key in keys[n_hits:]:  # admitted for this wave, not read: take them back
+                    self.clock.remove(int(key))
+                expert = stuck[0] - base
+                raise ReadFault(
+                    f"layer {layer} expert {expert}: its read from {self.source.describe()} has "
+                    f"not finished since it timed out after {self.read_timeout_s:g} s (the disk "
+                    "or mount under it stopped answering)",
+                    layer,
+                    expert,
+                )
         loads = []
         for key, slot in zip(keys[n_hits:], slots[n_hits:], strict=True):
             loads.append((layer, int(key) - base, self.record(int(slot))))
-        bytes_read = self._read(loads, keys[n_hits:]) if loads else 0
+        bytes_read = self._read(loads, keys[n_hits:], slots[n_hits:]) if loads else 0
         for (lyr, expert, record), slot in zip(loads, slots[n_hits:], strict=True):
             views = record_views(record, self.source.layouts[(lyr, expert)])
             self.table.set(int(slot), *views)
         return Resident(keys - base, slots, n_hits, n_admitted, bytes_read)
 
-    def _read(self, loads: list[tuple[int, int, np.ndarray]], keys: np.ndarray) -> int:
+    def _read(
+        self, loads: list[tuple[int, int, np.ndarray]], keys: np.ndarray, slots: np.ndarray
+    ) -> int:
         """Read admitted misses into their slots. A failed read un-admits all of them (their
-        slots hold partial bytes), counts the fault, logs it, and raises ReadFault."""
+        slots hold partial bytes), counts the fault, logs it, and raises ReadFault. A read past
+        the timeout does the same, except that the misses stay admitted with their slots pinned
+        until the reads given up on finish (they may still write those slots; see _reap)."""
         self._watch_source()
         try:
-            return self.source.read(loads)
+            return self.source.read(loads, timeout=self.read_timeout_s)
+        except ExpertReadTimeout as exc:
+            # the reads still out may land in their slots later: those stay admitted and pinned;
+            # the rest of the wave finished, but unread bytes sit in their slots: un-admitted
+            out = {self.moe_index[layer] * self.num_experts + e for layer, e in exc.experts}
+            held = np.array([k in out for k in keys.tolist()], dtype=bool)
+            for key in keys[~held]:
+                self.clock.remove(int(key))
+            for slot in slots[held]:
+                self.clock.pin(int(slot))
+            self._stuck.append((exc.stuck, keys[held].copy(), slots[held].copy()))
+            self._stuck_keys.update(int(k) for k in keys[held])
+            self.faults["read_timeouts"] += 1
+            log.error("expert read timed out: %s", exc.strerror)
+            raise ReadFault(exc.strerror, exc.layer, exc.expert) from None
         except ExpertReadError as exc:
             for key in keys:
                 self.clock.remove(int(key))
@@ -130,6 +178,76 @@ class RamTier:
                 exc.layer,
                 exc.expert,
             ) from None
+
+    def heat_list(self) -> list[int]:
+        """The resident keys hottest first (the reverse of CLOCK's eviction order from its hand;
+        vram_cache.clock_heat_order), leaving out experts whose reads timed out."""
+        from glm53.tiers.vram_cache import clock_heat_order
+
+        slots = range(self.num_slots)
+        keys = [self.clock.key_of(s) for s in slots]
+        refs = [self.clock.ref_bit(s) if keys[s] >= 0 else 0 for s in slots]
+        order = clock_heat_order(keys, refs, self.clock.hand)
+        return [k for k in order if k not in self._stuck_keys]
+
+    def seed(self, keys, batch: int = 64) -> dict:
+        """Warm start an empty tier from a heat list (hottest first): as many keys as there are
+        slots are placed (Clock.seed: the coldest is evicted first) and read from the source
+        in batches. A read fault stops it there: the batch that failed and the keys not read
+        yet are taken back out, and what was read stays. Returns what it did."""
+        if self.clock.n_used:
+            raise TierError("the RAM tier can be seeded only while it is empty")
+        wanted = [k for k in dict.fromkeys(int(k) for k in keys) if 0 <= k < self.num_keys]
+        wanted = wanted[: self.num_slots]
+        placed = self.clock.seed(np.array(wanted, dtype=np.int32)) if wanted else 0
+        start, read, bytes_read, error = time.monotonic(), 0, 0, ""
+        for i in range(0, placed, batch):
+            part = np.array(wanted[i : i + batch], dtype=np.int32)
+            slots = np.array([self.clock.slot_of(int(k)) for k in part], dtype=np.int32)
+            loads = [
+                (
+                    self.source.moe_layers[int(k) // self.num_experts],
+                    int(k) % self.num_experts,
+                    self.record(int(slot)),
+                )
+                for k, slot in zip(part, slots, strict=True)
+            ]
+            try:
+                bytes_read += self._read(loads, part, slots)
+            except ReadFault as exc:
+                error = str(exc)
+                for key in wanted[i + batch : placed]:
+                    self.clock.remove(key)
+                break
+            for (layer, expert, record), slot in zip(loads, slots, strict=True):
+                views = record_views(record, self.source.layouts[(layer, expert)])
+                self.table.set(int(slot), *views)
+            read += len(part)
+        return {
+            "wanted": len(wanted),
+            "seeded": read,
+            "bytes_read": bytes_read,
+            "seconds": round(time.monotonic() - start, 3),
+            "error": error,
+        }
+
+    def _reap(self) -> None:
+        """Release what reads given up on held, once they finished: their slots are unpinned
+        and their keys un-admitted (whatever the late reads wrote is not trusted; a later miss
+        reads the expert again)."""
+        left = []
+        for stuck, keys, slots in self._stuck:
+            if not stuck.finished():
+                left.append((stuck, keys, slots))
+                continue
+            for key, slot in zip(keys, slots, strict=True):
+                self.clock.unpin(int(slot))
+                self.clock.remove(int(key))
+                self._stuck_keys.discard(int(key))
+            log.warning(
+                "%d expert reads that had timed out finished; their slots are free", len(keys)
+            )
+        self._stuck = left
 
     def _watch_source(self) -> None:
         """Log once when the source's files went away (deleted, replaced, unreadable): reads
