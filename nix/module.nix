@@ -170,8 +170,9 @@ in
       default = null;
       example = "124G";
       description = ''
-        MemoryMax= of the service. It must cover what the mode keeps in RAM: exact 111.1 GiB
-        (124G), fast 217.4 GiB (240G), nvme with ramCap 32G 44.5 GiB (50G).
+        MemoryMax= of the service. It must cover what the mode keeps in RAM: exact and fast
+        111.1 GiB (124G; fast's CPU lane reads the pinned experts in place, with no second
+        copy), nvme with ramCap 32G 44.5 GiB (50G).
       '';
     };
 

@@ -28,6 +28,7 @@ def test_defaults_are_the_documented_ones():
         1.0,
     )
     assert (settings.model, settings.api_key, settings.reasoning_field) == (None, None, False)
+    assert settings.ct_swz is False  # fast mode keeps no second (swizzled) copy of the experts
     assert set(sources.values()) == {"default"}
 
 
@@ -58,7 +59,7 @@ def test_seed_variable_names_are_kept():
         "GLM53_EC_ELASTIC_GB": "8",
         "GLM53_EC_STAGE_GB": "2.6",
         "GLM53_CT_B": "0.2",
-        "GLM53_CT_SWZ": "0",
+        "GLM53_CT_SWZ": "1",
         "GLM53_TRITON_PIN": "/x/pin.json",
         "GLM53_API_KEY": "k",
     }
@@ -78,21 +79,19 @@ def test_seed_variable_names_are_kept():
         8.0,
         2.6,
     )
-    assert (s.ct_b, s.ct_swz, s.triton_pin, s.api_key) == (0.2, False, "/x/pin.json", "k")
+    assert (s.ct_b, s.ct_swz, s.triton_pin, s.api_key) == (0.2, True, "/x/pin.json", "k")
 
 
 def test_aliases_and_boolean_flags():
     s, sources = resolve(
-        parse(
-            ["--cpus", "0,2", "--cpu-threads", "2", "--demo", "--no-ct-swz", "--reasoning-field"]
-        ),
+        parse(["--cpus", "0,2", "--cpu-threads", "2", "--demo", "--ct-swz", "--reasoning-field"]),
         {},
     )
     assert (s.cpus, s.cpu_threads, s.demo, s.ct_swz, s.reasoning_field) == (
         "0,2",
         2,
         True,
-        False,
+        True,
         True,
     )
     assert sources["ct_swz"] == "flag"
@@ -185,7 +184,7 @@ def test_serve_help_lists_the_settings():
     "argv, flag",
     [
         (["--ct-b", "0.2"], "--ct-b"),
-        (["--no-ct-swz"], "--no-ct-swz"),
+        (["--ct-swz"], "--ct-swz"),
         (["--triton-pin", "/x/pin.json"], "--triton-pin"),
         (["--ec-elastic-gb", "4"], "--ec-elastic-gb"),
     ],
@@ -203,3 +202,12 @@ def test_defaults_of_parts_not_built_pass_the_refusal():
 
     s, _ = resolve(parse(["--engine", "scripted"]), {})
     refuse_unbuilt(s)
+
+
+def test_the_swizzled_copy_is_refused_from_the_environment_too():
+    from glm53.engine import refuse_unbuilt
+
+    s, sources = resolve(parse(["--engine", "scripted"]), {"GLM53_CT_SWZ": "1"})
+    assert s.ct_swz is True and sources["ct_swz"] == "env"
+    with pytest.raises(ConfigurationError, match=r"--ct-swz \(.*doubles their RAM"):
+        refuse_unbuilt(s)

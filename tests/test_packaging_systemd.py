@@ -73,7 +73,7 @@ def test_unit_passes_systemd_analyze_verify(tmp_path):
 def test_unit_with_every_example_uncommented_passes_verify(tmp_path):
     lines = UNIT.read_text().splitlines()
     examples = [EXAMPLE.sub(r"\1", line) for line in lines]
-    assert sum(a != b for a, b in zip(lines, examples, strict=True)) >= 9
+    assert sum(a != b for a, b in zip(lines, examples, strict=True)) >= 7
     verify(tmp_path, "\n".join(examples) + "\n")
 
 
@@ -118,11 +118,9 @@ def _example_blocks() -> list[tuple[str, dict[str, int]]]:
 
 
 def test_memory_examples_cover_what_each_mode_keeps_in_ram():
-    experts = 12096 * expert_trellis_bytes(3)
     nvme_32g = nvme_process_bytes(32 * GIB // expert_trellis_bytes(3))
     needs = {
-        "# exact": all_ram_bytes(),
-        "# fast (GLM53_CT_SWZ=1": all_ram_bytes() + experts,
+        "# exact, fast": all_ram_bytes(),  # fast keeps no swizzled second copy (--ct-swz is off)
         "# nvme, nvme-exact with GLM53_RAM_CAP=32G": nvme_32g,
     }
     for (comment, limits), (prefix, need) in zip(_example_blocks(), needs.items(), strict=True):

@@ -286,7 +286,23 @@ def _cpu_checks(host: HostProbe, plan: Plan) -> list[Check]:
         )
     else:
         out.append(_ok("cpu-lane", f"{shape}; {vector}; lane on {len(lane)} cores"))
-    if cpu.numa_nodes > 1:
+    gpu = next((g for g in host.gpus or [] if g.index == plan.gpu_index), None)
+    layout = plan.lane_layout
+    if cpu.numa_nodes > 1 and gpu and layout and gpu.numa_node is not None:
+        if layout.node == gpu.numa_node:
+            where = f"the lane is on GPU {gpu.index}'s, node {gpu.numa_node}"
+            out.append(_ok("numa", f"{cpu.numa_nodes} NUMA nodes: {where}"))
+        else:
+            out.append(
+                Check(
+                    "numa",
+                    Verdict.WARN,
+                    f"the lane's CPUs are not all on GPU {gpu.index}'s NUMA node "
+                    f"{gpu.numa_node}: threads on a far node read experts across the interconnect",
+                    f"give --cpus cores of node {gpu.numa_node}, or leave --cpus out",
+                )
+            )
+    elif cpu.numa_nodes > 1:
         out.append(
             Check(
                 "numa",

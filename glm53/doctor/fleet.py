@@ -2,10 +2,11 @@
 (packaging/systemd/glm53@.service, the NixOS module's `instances`), and a warning when the
 instances' pinned RAM does not fit in the host's memory budget together.
 
-Each instance gets its own share of the CPU lane's CPUs: the single-GPU plan's lane CPUs are
-split into contiguous, equal runs, one per GPU in index order. The probes do not record which
-NUMA node each GPU hangs off, so the split does not follow the nodes; on a multi-socket host
-pick each instance's CPUs from its GPU's node (`nvidia-smi topo -m`) and pass them with --cpus.
+Each instance gets its own share of the CPU lane's CPUs: the GPUs are grouped by the NUMA node
+sysfs gives for them, and the lane CPUs of each group's node (those of a single-GPU plan for its
+first GPU) are split into contiguous, equal runs, one per GPU of the group in index order. GPUs
+whose node sysfs does not tell form one group on node 0; give those instances CPUs of their
+GPU's node (`nvidia-smi topo -m`) with --cpus.
 """
 
 from __future__ import annotations
@@ -56,15 +57,23 @@ def plan_per_gpu(host: HostProbe, req: PlanRequest) -> FleetPlan:
     if not gpus:
         raise ValueError("--per-gpu: this host has no NVIDIA GPU to plan an instance for")
     whole = make_plan(host, msgspec.structs.replace(req, gpu_index=gpus[0].index))
-    lane_cpus = req.cpus or whole.lane_cpus
-    shares = _split(lane_cpus, len(gpus))
+    groups: dict[int | None, list] = {}
+    for gpu in gpus:
+        groups.setdefault(None if req.cpus else gpu.numa_node, []).append(gpu)
+    share_of = {}
+    for group in groups.values():
+        first = make_plan(host, msgspec.structs.replace(req, gpu_index=group[0].index))
+        lane_cpus = req.cpus or first.lane_cpus
+        for gpu, cpus in zip(group, _split(lane_cpus, len(group)), strict=True):
+            if not cpus:
+                raise ValueError(
+                    f"--per-gpu: {len(lane_cpus)} lane CPUs cannot be shared by {len(group)} "
+                    "instances; list more with --cpus"
+                )
+            share_of[gpu.index] = cpus
     plans = []
-    for gpu, cpus in zip(gpus, shares, strict=True):
-        if not cpus:
-            raise ValueError(
-                f"--per-gpu: {len(lane_cpus)} lane CPUs cannot be shared by {len(gpus)} "
-                "instances; list more with --cpus"
-            )
+    for gpu in gpus:
+        cpus = share_of[gpu.index]
         plan = make_plan(host, msgspec.structs.replace(req, gpu_index=gpu.index, cpus=cpus))
         plans.append(
             GpuPlan(gpu.index, f"glm53@{gpu.index}", FIRST_PORT + gpu.index, plan, _pinned(plan))

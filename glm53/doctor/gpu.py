@@ -109,6 +109,42 @@ def parse_smi_query(csv_text: str, banner: str) -> list[Gpu]:
     return gpus
 
 
+def sysfs_pci_address(bus_id: str) -> str | None:
+    """NVML's and nvidia-smi's "00000000:41:00.0" in the form of /sys/bus/pci/devices names,
+    "0000:41:00.0"; None for text that is not a PCI address."""
+    m = re.fullmatch(
+        r"([0-9a-f]{4,8}):([0-9a-f]{2}):([0-9a-f]{2})\.([0-7])", bus_id.strip().lower()
+    )
+    return f"{m[1][-4:]}:{m[2]}:{m[3]}.{m[4]}" if m else None
+
+
+def parse_smi_bus_ids(csv_text: str) -> dict[int, str]:
+    """`nvidia-smi --query-gpu=index,pci.bus_id --format=csv,noheader`: GPU index -> address."""
+    found = {}
+    for line in csv_text.splitlines():
+        index, _, bus_id = (x.strip() for x in line.partition(","))
+        if index.isdigit() and (address := sysfs_pci_address(bus_id)):
+            found[int(index)] = address
+    return found
+
+
+def with_numa_nodes(source: Source, gpus: list[Gpu]) -> list[Gpu]:
+    """Each GPU with its NUMA node, read from sysfs for its PCI address (-1 there: the host
+    does not say, left None)."""
+    out = []
+    for g in gpus:
+        address = sysfs_pci_address(g.pci_bus_id) if g.pci_bus_id else None
+        node = None
+        if address:
+            try:
+                text = source.read(f"/sys/bus/pci/devices/{address}/numa_node").strip()
+                node = int(text) if re.fullmatch(r"\d+", text) else None
+            except Unavailable:
+                pass  # no such sysfs file (a container without /sys): the node stays unknown
+        out.append(msgspec.structs.replace(g, pci_bus_id=address, numa_node=node))
+    return out
+
+
 def parse_nvml_json(text: str) -> list[Gpu]:
     """The JSON list nvml_dump.py prints."""
     return msgspec.json.decode(text, type=list[Gpu])
@@ -119,7 +155,7 @@ def probe_gpus(source: Source) -> tuple[list[Gpu], str]:
     (with the reason in the note); a probe that answered nothing useful raises Unavailable."""
     try:
         text = source.run("nvml", [sys.executable, "-P", str(HERE / "nvml_dump.py")])
-        return parse_nvml_json(text), "NVML"
+        return with_numa_nodes(source, parse_nvml_json(text)), "NVML"
     except Unavailable as e:
         nvml_reason = str(e)
     try:
@@ -132,4 +168,15 @@ def probe_gpus(source: Source) -> tuple[list[Gpu], str]:
         if "not found" in str(e):
             return [], f"no NVIDIA GPU: {e}; NVML: {nvml_reason}"
         raise Unavailable(f"NVML: {nvml_reason}; nvidia-smi: {e}") from None
-    return parse_smi_query(query, banner), f"nvidia-smi (NVML: {nvml_reason})"
+    gpus = parse_smi_query(query, banner)
+    try:
+        bus_ids = parse_smi_bus_ids(
+            source.run(
+                "nvidia-smi-pci",
+                ["nvidia-smi", "--query-gpu=index,pci.bus_id", "--format=csv,noheader"],
+            )
+        )
+        gpus = [msgspec.structs.replace(g, pci_bus_id=bus_ids.get(g.index)) for g in gpus]
+    except Unavailable:
+        pass  # the GPUs' NUMA nodes stay unknown; the lane layout says so
+    return with_numa_nodes(source, gpus), f"nvidia-smi (NVML: {nvml_reason})"

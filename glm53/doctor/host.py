@@ -30,6 +30,8 @@ class Gpu(msgspec.Struct, frozen=True):
     memory_bandwidth_gbps: float | None  # from bus width x memory clock, when known
     processes: list[GpuProcess]
     source: str  # "nvml" or "nvidia-smi"
+    pci_bus_id: str | None = None  # sysfs form, 0000:41:00.0
+    numa_node: int | None = None  # from /sys/bus/pci/devices/<pci_bus_id>/numa_node
 
 
 class CpuFlags(msgspec.Struct, frozen=True):

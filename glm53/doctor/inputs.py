@@ -45,10 +45,42 @@ def choose_gpu(gpus: list[Gpu], index: int | None) -> Gpu | None:
     return max(idle or gpus, key=lambda g: g.memory_free_mib)
 
 
-def lane_cpus(cpu: Cpu, requested: list[int] | None) -> list[int]:
-    """One logical CPU per physical core inside the allowed set, skipping the first two cores
-    (the OS, the controller and the Python thread), as the seed's auto layout does (§3.4)."""
+# The cores of the lane's node left out of the lane, in core order, and what each is kept for.
+RESERVED_CORE_ROLES = ("the OS and the server's event loop", "the engine thread (drives the GPU)")
+
+
+class ReservedCore(msgspec.Struct, frozen=True):
+    cpu: int
+    kept_for: str
+
+
+class LeftOut(msgspec.Struct, frozen=True):
+    cpus: list[int]
+    why: str
+
+
+class LaneLayout(msgspec.Struct, frozen=True):
+    """Where the CPU lane's threads would run: one thread pinned to each CPU of `cpus`."""
+
+    cpus: list[int]
+    node: int | None  # the NUMA node of the lane; None: --cpus spans nodes, or no node held one
+    node_why: str  # how that node was chosen
+    reserved: list[ReservedCore]  # cores of the node kept out of the lane, and for what
+    left_out: list[LeftOut]  # the other CPUs the lane does not use, and why
+
+
+def _node_of(cpu: Cpu) -> dict[int, int]:
+    return {t.cpu: t.node for t in cpu.topology}
+
+
+def lane_layout(cpu: Cpu, requested: list[int] | None, gpu: Gpu | None = None) -> LaneLayout:
+    """The lane's CPUs: one logical CPU (the lowest SMT sibling) per physical core of the GPU's
+    NUMA node (node 0 when sysfs does not say) inside the allowed set, but the node's first two
+    cores, which stay with the OS, the event loop and the engine thread, as the seed's auto
+    layout keeps two (§3.4). Threads on a far node would read the pinned experts across the
+    interconnect. --cpus (`requested`) is taken as given, inside the allowed set."""
     allowed = set(cpu.allowed_cpus)
+    node_of = _node_of(cpu)
     if requested is not None:
         outside = sorted(set(requested) - allowed)
         if outside:
@@ -56,12 +88,54 @@ def lane_cpus(cpu: Cpu, requested: list[int] | None) -> list[int]:
                 f"--cpus has CPUs {outside} outside this process's allowed set; "
                 "pick CPUs from the allowed list (a container's --cpuset-cpus)"
             )
-        return sorted(set(requested))
+        nodes = {node_of.get(c, 0) for c in requested}
+        node = nodes.pop() if len(nodes) == 1 else None
+        return LaneLayout(sorted(set(requested)), node, "from --cpus", [], [])
     first_of_core: dict[tuple[int, int], int] = {}
     for t in sorted(cpu.topology, key=lambda t: t.cpu):
         if t.cpu in allowed:
             first_of_core.setdefault((t.socket, t.core), t.cpu)
-    return sorted(first_of_core.values())[2:]
+    cores = sorted(first_of_core.values())
+    if gpu is not None and gpu.numa_node is not None:
+        node = gpu.numa_node
+        node_why = f"GPU {gpu.index}'s, from sysfs numa_node of PCI device {gpu.pci_bus_id}"
+    elif gpu is None:
+        node, node_why = 0, "no GPU to place it near"
+    else:
+        node = 0
+        node_why = f"GPU {gpu.index}'s node unknown: " + (
+            f"no numa_node in sysfs for PCI device {gpu.pci_bus_id}"
+            if gpu.pci_bus_id
+            else "the GPU probe gave no PCI address"
+        )
+    on_node = [c for c in cores if node_of.get(c, 0) == node]
+    if not on_node:
+        node_why += f"; node {node} has no CPU this process may run on, so every node's"
+        on_node, node = cores, None
+    left_out = []
+    lane_or_reserved = set(cores)
+    siblings = sorted(
+        c for c in allowed - lane_or_reserved if node is None or node_of.get(c, 0) == node
+    )
+    if siblings:
+        left_out.append(LeftOut(siblings, "SMT siblings (one lane thread per physical core)"))
+    far = sorted(c for c in allowed if node is not None and node_of.get(c, 0) != node)
+    if far:
+        left_out.append(
+            LeftOut(
+                far, f"on other NUMA nodes than {node} (far from the GPU and the experts it pins)"
+            )
+        )
+    barred = sorted(set(node_of) - allowed)
+    if barred:
+        left_out.append(LeftOut(barred, "outside this process's allowed CPUs (its cpuset)"))
+    reserved = [ReservedCore(c, r) for c, r in zip(on_node, RESERVED_CORE_ROLES, strict=False)]
+    return LaneLayout(on_node[len(RESERVED_CORE_ROLES) :], node, node_why, reserved, left_out)
+
+
+def lane_cpus(cpu: Cpu, requested: list[int] | None, gpu: Gpu | None = None) -> list[int]:
+    """The CPUs of lane_layout."""
+    return lane_layout(cpu, requested, gpu).cpus
 
 
 def lane_simd(cpu: Cpu) -> str | None:

@@ -67,6 +67,7 @@ def dump() -> list:
             cc = _try(pynvml.nvmlDeviceGetCudaComputeCapability, h)
             bus_bits = _try(pynvml.nvmlDeviceGetMemoryBusWidth, h)
             mem_mhz = _try(pynvml.nvmlDeviceGetMaxClockInfo, h, pynvml.NVML_CLOCK_MEM)
+            pci = _try(pynvml.nvmlDeviceGetPciInfo, h)
             bandwidth = None
             if bus_bits and mem_mhz:
                 # NVML's memory clock counts one edge: bytes/s = bus bytes x clock x 2
@@ -89,6 +90,7 @@ def dump() -> list:
                     "memory_bandwidth_gbps": bandwidth,
                     "processes": _processes(h),
                     "source": "nvml",
+                    "pci_bus_id": None if pci is None else _text(pci.busId),
                 }
             )
         return gpus

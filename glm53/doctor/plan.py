@@ -39,7 +39,6 @@ from glm53.doctor.sweep import SweepResult, read_sweep
 
 EB = expert_trellis_bytes(3)
 DEFAULT_CT_B_MS = 0.104  # serve's --ct-b default (glm53/config.py)
-SEED_FAST_LANE = (0.11, 0.104)  # seed §3.5: swizzled-copy lane, a and b at 22 threads
 DESKTOP_EC_MAX_SLOTS = 1376  # seed §2.3: cap when a desktop shares the GPU
 SEED_STORE_LATENCY_MS = 1.3  # seed §4.3: mean record read latency under load, 1.2-1.4 ms
 CHECKPOINT_DIRNAME = "GLM-5.3-Flash-exl3-3.05bpw"
@@ -150,6 +149,7 @@ class Plan(msgspec.Struct):
     proposals: list[Proposal]
     comparison: Comparison | None = None
     geometry: Geometry = GLM53_FLASH  # what the predictions are for
+    lane_layout: hi.LaneLayout | None = None  # how lane_cpus were chosen, and what is left out
 
 
 def _gpu_inputs(gpu: Gpu, host: HostProbe) -> list[InputValue]:
@@ -184,7 +184,9 @@ def _gpu_inputs(gpu: Gpu, host: HostProbe) -> list[InputValue]:
     return [pcie, vram, tflops]
 
 
-def _lane_inputs(mode: Mode, host: HostProbe, threads: int, swizzled: bool) -> list[InputValue]:
+def _lane_inputs(host: HostProbe, threads: int) -> list[InputValue]:
+    """The lane's cost: calibrated here, else the seed's in-place lane (§3.6). Not its swizzled
+    one (§3.5): glm53 keeps no second copy of the experts (--ct-swz is off and not built)."""
     m = host.measured
     if m.lane is not None:
         src = f"measured: glm53.tiers.cpu_lane calibration at {m.lane.threads} threads"
@@ -193,15 +195,10 @@ def _lane_inputs(mode: Mode, host: HostProbe, threads: int, swizzled: bool) -> l
             InputValue("lane_b_ms", m.lane.b_ms, src),
         ]
     why = m.notes.get("lane", "not calibrated: the lane calibration was not run")
-    if mode == Mode.FAST and swizzled:
-        a, b22 = SEED_FAST_LANE
-        b = b22 * 22 / max(1, threads)
-        src = f"{why}; seed §3.5 swizzled lane, b = 0.104 ms x 22 / {threads} threads"
-    else:
-        a, b = seed_lane(threads, m.dram_gbps)
-        src = f"{why}; seed §3.6 in-place lane, b = 0.165 ms x 22 / {threads} threads"
-        if m.dram_gbps:
-            src += f", no faster than 66 % of {m.dram_gbps:.0f} GB/s DRAM allows"
+    a, b = seed_lane(threads, m.dram_gbps)
+    src = f"{why}; seed §3.6 in-place lane, b = 0.165 ms x 22 / {threads} threads"
+    if m.dram_gbps:
+        src += f", no faster than 66 % of {m.dram_gbps:.0f} GB/s DRAM allows"
     return [InputValue("lane_a_ms", round(a, 4), src), InputValue("lane_b_ms", round(b, 4), src)]
 
 
@@ -371,13 +368,6 @@ def _options(host: HostProbe, req: PlanRequest, gpu: Gpu, lane: list[int], budge
                     )
                 )
                 continue
-        swizzled = False
-        if mode == Mode.FAST:
-            swizzled = host_ram + experts <= budget.bytes
-            if swizzled:
-                host_ram += experts  # --ct-swz (serve's default) keeps a second copy
-            else:
-                flags["--no-ct-swz"] = ""
         if mode not in STORE_MODES and host_ram > budget.bytes:
             options.append(
                 ModeOption(
@@ -390,7 +380,7 @@ def _options(host: HostProbe, req: PlanRequest, gpu: Gpu, lane: list[int], budge
             )
             continue
         if mode in LANE_MODES:
-            lane_in = _lane_inputs(mode, host, len(lane), swizzled)
+            lane_in = _lane_inputs(host, len(lane))
             values += lane_in
             flags["--cpus"] = format_cpu_list(lane)
             b = float(_value(lane_in, "lane_b_ms"))
@@ -509,7 +499,8 @@ def make_plan(host: HostProbe, req: PlanRequest) -> Plan:
     if host.memory is None:
         return _demo("memory probe unavailable: demo only", "memory probe unavailable")
     budget = hi.memory_budget(host.memory)
-    lane = hi.lane_cpus(host.cpu, req.cpus) if host.cpu else []
+    layout = hi.lane_layout(host.cpu, req.cpus, gpu) if host.cpu else None
+    lane = layout.cpus if layout else []
     all_spots = hi.spots(host.storage) if host.storage else []
     store_path, spot, store_why = _store_location(host, req, all_spots)
     ec_max_slots = desktop_ec_max_slots(gpu, req.ec_max_slots)
@@ -532,6 +523,7 @@ def make_plan(host: HostProbe, req: PlanRequest) -> Plan:
         options=options,
         proposals=_proposals(host, spot),
         geometry=geo,
+        lane_layout=layout,
     )
     if not feasible:
         plan.headline = "no mode fits this host: demo only (see the checks)"

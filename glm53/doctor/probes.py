@@ -14,7 +14,7 @@ from glm53.doctor import measure
 from glm53.doctor.cpu import probe_cpu
 from glm53.doctor.gpu import probe_gpus
 from glm53.doctor.host import HostProbe, Measured, Versions
-from glm53.doctor.inputs import lane_cpus
+from glm53.doctor.inputs import choose_gpu, lane_cpus
 from glm53.doctor.memory import probe_memory
 from glm53.doctor.source import FixtureSource, LiveSource, Source, Unavailable, bounded
 from glm53.doctor.storage import probe_storage
@@ -123,7 +123,7 @@ def probe_host(
         lane: list[int] = []
         if host.cpu is not None:
             try:
-                lane = lane_cpus(host.cpu, cpus)
+                lane = lane_cpus(host.cpu, cpus, choose_gpu(host.gpus or [], None))
             except ValueError:
                 lane = []  # the plan reports the bad --cpus
         host.measured = _measure(source, host, store, lane, measure_timeout_s)

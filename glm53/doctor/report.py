@@ -11,8 +11,9 @@ from rich.table import Table
 
 from glm53.doctor.checks import Check, Verdict
 from glm53.doctor.costmodel import GIB
+from glm53.doctor.cpu import format_cpu_list
 from glm53.doctor.host import HostProbe
-from glm53.doctor.inputs import spots
+from glm53.doctor.inputs import LaneLayout, spots
 from glm53.doctor.plan import ModeOption, Plan
 
 VERDICT_STYLE = {Verdict.OK: "green", Verdict.WARN: "yellow", Verdict.FAIL: "bold red"}
@@ -168,6 +169,24 @@ def _prefill_table(option: ModeOption) -> Table:
     return t
 
 
+def _lane_table(layout: LaneLayout) -> Table:
+    """Where the CPU lane's threads would run (fast and nvme modes), and what it leaves alone."""
+    node = "several NUMA nodes" if layout.node is None else f"NUMA node {layout.node}"
+    t = Table(title=f"CPU lane layout: {node} ({layout.node_why})", title_justify="left")
+    for col in ("CPUs", "use"):
+        t.add_column(col)
+    if layout.cpus:
+        _row(t, format_cpu_list(layout.cpus), f"the lane: {len(layout.cpus)} threads, one pinned "
+                                              "to each, one per physical core")  # fmt: skip
+    else:
+        _row(t, "-", "the lane: no core left for it")
+    for r in layout.reserved:
+        _row(t, str(r.cpu), f"left out for {r.kept_for}")
+    for o in layout.left_out:
+        _row(t, format_cpu_list(o.cpus), f"left out: {o.why}")
+    return t
+
+
 def _plan_tables(plan: Plan) -> list:
     out: list = []
     t = Table(title="Modes (predicted, concurrency 1)", title_justify="left")
@@ -238,6 +257,8 @@ def _plan_tables(plan: Plan) -> list:
             str(c.prefill_measured_tok_s),
         )
         out.append(t)
+    if plan.lane_layout:
+        out.append(_lane_table(plan.lane_layout))
     for prop in plan.proposals:
         body = f"{escape(prop.why)}\n\n" + "\n".join(f"  {escape(cmd)}" for cmd in prop.commands)
         body += f"\n\n[bold red]WARNING: {escape(prop.warning)}[/bold red]"

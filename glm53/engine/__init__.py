@@ -97,7 +97,10 @@ def engine_kind(settings: Settings) -> str:
 # that a value never silently does nothing.
 NOT_BUILT = {
     "ct_b": ("--ct-b", "the fast mode's CPU-lane planner"),
-    "ct_swz": ("--no-ct-swz", "the fast mode's swizzled expert copy"),
+    "ct_swz": (
+        "--ct-swz",
+        "a swizzled second copy of the experts: it doubles their RAM and was not measured to pay",
+    ),
     "triton_pin": ("--triton-pin", "pinned Triton kernel configurations"),
     "ec_elastic_gb": ("--ec-elastic-gb", "lending part of the VRAM expert cache to prefill"),
 }
