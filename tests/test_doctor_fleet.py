@@ -48,7 +48,8 @@ def test_two_3090s_on_the_reference_host_split_the_lane_and_fit():
 
 
 @pytest.mark.parametrize(
-    ("host_dir", "count"), [("reference-3090-epyc-raid0", 5), ("desktop-4090-gen4-64g", 2)]
+    ("host_dir", "count"),
+    [("reference-3090-epyc-raid0", 5), ("blackwell-5090-192g-idle-nvme", 2)],
 )
 def test_instances_whose_pinned_ram_does_not_fit_draw_a_warning(host_dir, count):
     fleet = plan_per_gpu(host_with_gpus(host_dir, count), PlanRequest())

@@ -132,7 +132,7 @@ def test_doctor_json_gives_every_mode_its_prefill_outlook(capsys):
 def test_doctor_report_labels_layer_major_as_planned(capsys):
     assert main(["doctor", "--replay", str(REF)]) == 0
     out = capsys.readouterr().out
-    assert "Prefill of fast by prompt length (predicted tok/s, 2,048-token chunks)" in out
+    assert "Prefill of exact by prompt length (predicted tok/s, 2,048-token chunks)" in out
     assert "layer-major*" in out and "planned (issue 18)" in out
     assert "not in the GPU engine yet" in " ".join(out.split())
 

@@ -36,6 +36,9 @@ from glm53.doctor.gpu import spec_of
 from glm53.doctor.host import Gpu, HostProbe
 from glm53.doctor.prefill import PrefillOutlook, prefill_outlook
 from glm53.doctor.sweep import SweepResult, read_sweep
+from glm53.engine.gpu import SERVED_MODES
+
+NOT_SERVED = "this build's GPU engine does not serve it yet"
 
 EB = expert_trellis_bytes(3)
 DEFAULT_CT_B_MS = 0.104  # serve's --ct-b default (glm53/config.py)
@@ -150,6 +153,9 @@ class Plan(msgspec.Struct):
     comparison: Comparison | None = None
     geometry: Geometry = GLM53_FLASH  # what the predictions are for
     lane_layout: hi.LaneLayout | None = None  # how lane_cpus were chosen, and what is left out
+    # the fastest mode that fits when this build's GPU engine does not serve it yet (it is
+    # predicted and shown, never recommended: `glm53 serve` would refuse it)
+    planned: Mode | None = None
 
 
 def _gpu_inputs(gpu: Gpu, host: HostProbe) -> list[InputValue]:
@@ -529,8 +535,22 @@ def make_plan(host: HostProbe, req: PlanRequest) -> Plan:
         plan.headline = "no mode fits this host: demo only (see the checks)"
         plan.steps = ["glm53 serve --demo"]
         return plan
-    best = max(feasible, key=lambda o: o.prediction.decode_tok_s)
-    exact = [o for o in feasible if o.mode in BIT_EXACT_MODES]
+    fastest = max(feasible, key=lambda o: o.prediction.decode_tok_s)
+    served = [o for o in feasible if o.mode in SERVED_MODES]
+    planned = (
+        f"{fastest.mode} would give {fastest.prediction.decode_tok_s:.1f} tok/s, but {NOT_SERVED}"
+    )
+    if fastest.mode not in SERVED_MODES:
+        plan.planned = fastest.mode
+    if not served:
+        why = "; ".join(
+            f"{o.mode}: {o.reason}" for o in options if o.mode in SERVED_MODES and not o.feasible
+        )
+        plan.headline = f"no mode this build serves fits this host ({why}); {planned}: demo only"
+        plan.steps = ["glm53 serve --demo"]
+        return plan
+    best = max(served, key=lambda o: o.prediction.decode_tok_s)
+    exact = [o for o in served if o.mode in BIT_EXACT_MODES]
     if best.mode not in BIT_EXACT_MODES and exact:
         plan.exact_alternative = max(exact, key=lambda o: o.prediction.decode_tok_s).mode
     plan.mode = best.mode
@@ -539,6 +559,8 @@ def make_plan(host: HostProbe, req: PlanRequest) -> Plan:
         f"{best.mode}: {p.decode_tok_s:.1f} tok/s decode at concurrency 1, "
         f"{p.prefill_tok_s:.0f} tok/s prefill (predicted) on GPU {gpu.index}, {gpu.name}"
     )
+    if plan.planned:
+        plan.headline += f"; {planned}"
     if geo != GLM53_FLASH:
         plan.headline += (
             f", for {geo.name}: {geo.num_layers} layers, {geo.num_moe_layers} MoE x "

@@ -533,12 +533,17 @@ def generator_settings(max_batch: int, chunk: int, recurrent_cache_gb: float) ->
     }
 
 
+# The tier modes this build's GPU engine serves (glm53 doctor recommends only these): fast and
+# nvme need the CPU lane and the store wired into it, which has not landed.
+SERVED_MODES = ("exact",)
+
+
 def create(settings, checkpoint_dir) -> GpuEngine:
     """The GPU engine for these Settings (not loaded)."""
     from glm53.config import ConfigurationError
 
     mode = "exact" if settings.mode in ("auto", "exact") else settings.mode
-    if mode != "exact":
+    if mode not in SERVED_MODES:
         raise ConfigurationError(
             f"--mode {settings.mode}: this build's GPU engine serves exact mode only (VRAM cache + "
             "pinned RAM, bit-identical to stock exllamav3); fast and nvme modes need the CPU lane "
