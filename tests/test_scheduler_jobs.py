@@ -186,7 +186,9 @@ def test_a_failing_job_fails_alone_and_a_failing_iteration_fails_all(checkpoint)
         refused = await collect(s.submit(request([999, 1], 4)))
         assert refused[2].finish_reason == "error" and "refuses" in refused[2].error
         engine.fail_iterate.add(engine.iterations + 2)
-        a, b = s.submit(request([20], 10)), s.submit(request([21], 10))
+        # one group, so both are in the engine by then (two submits race the engine thread:
+        # it can start the first and reach the failing iteration before the second arrives)
+        a, b = s.submit_many([request([20], 10), request([21], 10)])
         ra, rb = await asyncio.gather(collect(a), collect(b))
         assert ra[2].finish_reason == rb[2].finish_reason == "error"
         assert "mock iteration failure" in ra[2].error
