@@ -141,9 +141,10 @@ FORMATS = {
 }
 
 
-def _top_level_branches(pattern: str) -> list[str]:
-    """`pattern` split at its top-level `|` (outside groups and classes, unescaped)."""
-    branches, depth, in_class, start, i = [], 0, False, 0, 0
+def _outside_classes(pattern: str):
+    """(index, char, group depth) of each character of an ECMA-262 regex that is neither
+    escaped nor inside a character class."""
+    depth, in_class, i = 0, False, 0
     while i < len(pattern):
         c = pattern[i]
         if c == "\\":
@@ -153,35 +154,24 @@ def _top_level_branches(pattern: str) -> list[str]:
             in_class = c != "]"
         elif c == "[":
             in_class = True
-        elif c == "(":
-            depth += 1
-        elif c == ")":
-            depth -= 1
-        elif c == "|" and depth == 0:
-            branches.append(pattern[start:i])
-            start = i + 1
+        else:
+            if c == ")":
+                depth -= 1
+            yield i, c, depth
+            if c == "(":
+                depth += 1
         i += 1
-    return [*branches, pattern[start:]]
+
+
+def _top_level_branches(pattern: str) -> list[str]:
+    """`pattern` split at its top-level `|` (outside groups and classes, unescaped)."""
+    cuts = [i for i, c, depth in _outside_classes(pattern) if c == "|" and depth == 0]
+    return [pattern[a + 1 : b] for a, b in zip([-1, *cuts], [*cuts, len(pattern)], strict=True)]
 
 
 def _has_anchor(branch: str) -> bool:
     """Whether an unescaped ^ or $ is left in `branch` outside character classes."""
-    in_class, i = False, 0
-    while i < len(branch):
-        c = branch[i]
-        if c == "\\":
-            i += 2
-            continue
-        if in_class:
-            in_class = c != "]"
-        elif c == "[":
-            in_class = True
-            if branch[i + 1 : i + 2] == "^":
-                i += 1
-        elif c in "^$":
-            return True
-        i += 1
-    return False
+    return any(c in "^$" for _, c, _ in _outside_classes(branch))
 
 
 def _search_regex(pattern: str, path: str) -> str:
