@@ -509,12 +509,9 @@ class GpuEngine:
         """Write the cache's keys, hottest first, as the warm-start heat list."""
         if self.loaded is None or self.loaded.ec is None:
             return None
-        keys = self.loaded.ec.heat_list()
-        os.makedirs(os.path.dirname(self.heat_file), exist_ok=True)
-        tmp = self.heat_file + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({"model": os.path.realpath(self.model_dir), "keys": keys}, f)
-        os.replace(tmp, self.heat_file)
+        from glm53.tiers.heat import write_heat
+
+        write_heat(self.heat_file, self.model_dir, self.loaded.ec.heat_list())
         return self.heat_file
 
 

@@ -341,15 +341,7 @@ class SafetensorsSource:
         try:
             return total + read_coalesced(self.readers, pieces, self._bounce, self._tags, timeout)
         except RunTimedOut as exc:
-            covered = [
-                (layer, expert)
-                for layer, expert, _ in requests
-                if any(
-                    s.path == path and s.offset < offset + length and offset < s.offset + s.length
-                    for path, offset, length in exc.runs
-                    for s in self.layouts[(layer, expert)].spans
-                )
-            ]
+            covered = self._experts_in(requests, exc.runs)
             layer, expert = covered[0]
             raise ExpertReadTimeout(
                 f"reading layer {layer} expert {expert}{with_others(len(covered) - 1)} from "
@@ -359,7 +351,7 @@ class SafetensorsSource:
                 exc.stuck,
             ) from None
         except RunFailed as exc:
-            layer, expert = self._expert_at(requests, exc.key, exc.offset)
+            layer, expert = self._experts_in(requests, [(exc.key, exc.offset, 1)])[0]
             problem = file_problem(exc.key, self.opened[exc.key], self.file_bytes[exc.key])
             raise ExpertReadError(
                 exc.errno,
@@ -369,14 +361,18 @@ class SafetensorsSource:
                 expert,
             ) from None
 
-    def _expert_at(self, requests, path, offset: int) -> tuple[int, int]:
-        """The (layer, expert) of `requests` whose bytes in `path` cover `offset`."""
-        return next(
+    def _experts_in(self, requests, ranges) -> list[tuple[int, int]]:
+        """The (layer, expert) pairs of `requests`, in their order, whose bytes overlap one of
+        the (path, file offset, length) `ranges`."""
+        return [
             (layer, expert)
             for layer, expert, _ in requests
-            for span in self.layouts[(layer, expert)].spans
-            if span.path == path and span.offset <= offset < span.offset + span.length
-        )
+            if any(
+                s.path == path and s.offset < offset + length and offset < s.offset + s.length
+                for path, offset, length in ranges
+                for s in self.layouts[(layer, expert)].spans
+            )
+        ]
 
     def problem(self) -> str:
         """What happened to the shards since they were opened (file_problem), or ""."""

@@ -137,10 +137,13 @@ class RamTier:
         for key, slot in zip(keys[n_hits:], slots[n_hits:], strict=True):
             loads.append((layer, int(key) - base, self.record(int(slot))))
         bytes_read = self._read(loads, keys[n_hits:], slots[n_hits:]) if loads else 0
-        for (lyr, expert, record), slot in zip(loads, slots[n_hits:], strict=True):
-            views = record_views(record, self.source.layouts[(lyr, expert)])
-            self.table.set(int(slot), *views)
+        self._point(loads, slots[n_hits:])
         return Resident(keys - base, slots, n_hits, n_admitted, bytes_read)
+
+    def _point(self, loads: list[tuple[int, int, np.ndarray]], slots: np.ndarray) -> None:
+        """Point the CPU lane's table entry of each slot at the record just read into it."""
+        for (layer, expert, record), slot in zip(loads, slots, strict=True):
+            self.table.set(int(slot), *record_views(record, self.source.layouts[(layer, expert)]))
 
     def _read(
         self, loads: list[tuple[int, int, np.ndarray]], keys: np.ndarray, slots: np.ndarray
@@ -219,9 +222,7 @@ class RamTier:
                 for key in wanted[i + batch : placed]:
                     self.clock.remove(key)
                 break
-            for (layer, expert, record), slot in zip(loads, slots, strict=True):
-                views = record_views(record, self.source.layouts[(layer, expert)])
-                self.table.set(int(slot), *views)
+            self._point(loads, slots)
             read += len(part)
         return {
             "wanted": len(wanted),
