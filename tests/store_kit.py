@@ -208,3 +208,9 @@ class StallingReader:
 
     def __getattr__(self, name):
         return getattr(self.reader, name)
+
+
+def resident_records(engine) -> set[int]:
+    """The keys a CPU engine's RAM tier holds now."""
+    tier = engine.tier
+    return {tier.clock.key_of(s) for s in range(tier.num_slots) if tier.clock.key_of(s) >= 0}

@@ -8,7 +8,7 @@ import json
 
 import numpy as np
 import torch
-from store_kit import FailingReader
+from store_kit import FailingReader, resident_records
 
 from glm53.engine.base import StreamWork
 from glm53.engine.cpu import CpuEngine
@@ -27,11 +27,6 @@ def _engine(demo, store, heat, records=NUM_RECORDS):
     return eng
 
 
-def _resident(engine) -> set[int]:
-    clock = engine.tier.clock
-    return {clock.key_of(s) for s in range(engine.tier.num_slots) if clock.key_of(s) >= 0}
-
-
 def _run(engine):
     first = engine.step([StreamWork(0, PROMPT, 0, True)])[0]
     token = int(first.argmax())
@@ -43,7 +38,7 @@ def test_a_restart_starts_warm_with_the_same_outputs(demo, good_store, tmp_path)
     cold = _engine(demo, good_store, heat)
     assert cold.warm_start == {}  # no list yet
     cold_logits = _run(cold)
-    resident, hottest = _resident(cold), cold.tier.heat_list()
+    resident, hottest = resident_records(cold), cold.tier.heat_list()
     assert sorted(hottest) == sorted(resident) and len(hottest) > 0
     cold.close()
     saved = json.loads(open(heat).read())
@@ -54,7 +49,7 @@ def test_a_restart_starts_warm_with_the_same_outputs(demo, good_store, tmp_path)
         w = warm.warm_start
         assert (w["wanted"], w["seeded"], w["error"]) == (len(hottest), len(hottest), "")
         assert w["bytes_read"] >= len(hottest) * RECORD
-        assert _resident(warm) == resident
+        assert resident_records(warm) == resident
         misses = warm.tier.counters()["misses"]
         warm_logits = _run(warm)
         assert warm.tier.counters()["misses"] == misses  # every expert it needed was there
@@ -73,7 +68,7 @@ def test_a_smaller_cap_takes_the_hottest_of_the_list(demo, good_store, tmp_path)
     small = _engine(demo, good_store, heat, records=8)
     try:
         assert small.warm_start["seeded"] == 8 < len(hottest)
-        assert _resident(small) == set(hottest[:8])
+        assert resident_records(small) == set(hottest[:8])
         # the coldest of the seeded is the first CLOCK evicts
         assert small.tier.heat_list()[-1] == hottest[7]
     finally:
@@ -104,7 +99,7 @@ def test_a_read_fault_stops_the_warm_start_and_keeps_what_was_read(demo, good_st
         got = eng.tier.seed(keys, batch=10)
         eng.tier.source.reader = real
         assert got["seeded"] == 20 and "layer" in got["error"] and "expert" in got["error"]
-        assert _resident(eng) == set(range(20))
+        assert resident_records(eng) == set(range(20))
         # what was read is byte for byte the store's records
         check = eng.verify_tiers(NUM_RECORDS)
         assert check.counts() == {"ram_bad": 0, "vram_bad": 0, "table_bad": 0}

@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 from serving_kit import Server
-from store_kit import FailingReader, StallingReader
+from store_kit import FailingReader, StallingReader, resident_records
 
 from glm53.engine.base import EngineError, StreamWork
 from glm53.engine.cpu import CpuEngine
@@ -55,11 +55,6 @@ def inject(engine, records: list[int]) -> None:
 def heal(engine) -> None:
     source = engine.tier.source
     source.reader = getattr(source.reader, "reader", source.reader)
-
-
-def resident_records(engine) -> set[int]:
-    tier = engine.tier
-    return {tier.clock.key_of(s) for s in range(tier.num_slots) if tier.clock.key_of(s) >= 0}
 
 
 def layer_expert(engine, record: int) -> tuple[int, int]:
