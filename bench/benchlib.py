@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
@@ -66,3 +67,17 @@ def server_top_k(
         top.setdefault(ids[i], lp["token_logprobs"][i])
         out.append(top)
     return out
+
+
+def sse_events(client: httpx.Client, path: str, body: dict):
+    """The decoded events of one streamed POST (server-sent `data:` lines up to `[DONE]`); an
+    in-band error event raises RuntimeError with its message."""
+    with client.stream("POST", path, json=body) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(event["error"]["message"])
+            yield event

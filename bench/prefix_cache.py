@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 import httpx
-from benchlib import host_fields
+from benchlib import host_fields, sse_events
 
 
 def generate(client: httpx.Client, ids: list[int], answer_tokens: int) -> dict:
@@ -51,17 +51,10 @@ def generate(client: httpx.Client, ids: list[int], answer_tokens: int) -> dict:
     }
     start = time.perf_counter()
     ttft_s, last = None, None
-    with client.stream("POST", "/generate", json=body) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(event["error"]["message"])
-            if ttft_s is None and event["output_ids"]:
-                ttft_s = time.perf_counter() - start
-            last = event
+    for event in sse_events(client, "/generate", body):
+        if ttft_s is None and event["output_ids"]:
+            ttft_s = time.perf_counter() - start
+        last = event
     return {
         "ttft_s": ttft_s,
         "output_ids": last["output_ids"],

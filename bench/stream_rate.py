@@ -18,6 +18,7 @@ import statistics
 import time
 
 import httpx
+from benchlib import sse_events
 
 PROMPT = "Write an essay of at least 1200 words on the history of the printing press."
 
@@ -30,36 +31,22 @@ def chat_events(client: httpx.Client, model: str, prompt: str):
         "temperature": 0,
         "chat_template_kwargs": {"enable_thinking": False},
     }
-    with client.stream("POST", "/v1/chat/completions", json=body) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"]["message"])
-            if chunk["choices"]:
-                delta = chunk["choices"][0]["delta"]
-                text = (delta.get("content") or "") + (delta.get("reasoning_content") or "")
-                if text:
-                    yield time.perf_counter(), len(text)
+    for chunk in sse_events(client, "/v1/chat/completions", body):
+        if chunk["choices"]:
+            delta = chunk["choices"][0]["delta"]
+            text = (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+            if text:
+                yield time.perf_counter(), len(text)
 
 
 def generate_events(client: httpx.Client, prompt: str):
     body = {"text": f"[gMASK]<sop><|user|>{prompt}<|assistant|><think></think>", "stream": True}
     body["sampling_params"] = {"temperature": 0}
     seen = 0
-    with client.stream("POST", "/generate", json=body) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(event["error"]["message"])
-            if len(event["text"]) > seen:  # events carry the cumulative text
-                yield time.perf_counter(), len(event["text"]) - seen
-                seen = len(event["text"])
+    for event in sse_events(client, "/generate", body):
+        if len(event["text"]) > seen:  # events carry the cumulative text
+            yield time.perf_counter(), len(event["text"]) - seen
+            seen = len(event["text"])
 
 
 def evenness(arrivals: list[tuple[float, int]]) -> dict:
