@@ -1,8 +1,10 @@
 """The GPU engine's on-device logprobs (glm53.engine.gpu.device_logprobs, run here on torch's CPU
-device) against glm53.engine.logprobs, the host definition the CPU engine and the host sampler
-use: the same token logprob, the same top ids in the same order (ties by the smaller id) and the
+device) against a pure-Python fp64 reference (exactly summed) and glm53.engine.logprobs, the host
+definition the CPU engine and the host sampler use: the same token logprob, the same top ids in the same order (ties by the smaller id) and the
 same values to float64 rounding, on rows with ties at and across the k-th place and masked
 (-inf) tokens."""
+
+import math
 
 import numpy as np
 import pytest
@@ -25,6 +27,16 @@ def _rows():
     return {"plain": plain, "coarse": coarse, "tie_at_k": tie_at_k, "masked": masked}
 
 
+def _reference(row: np.ndarray, token: int, k: int):
+    """Pure Python, exactly summed (math.fsum) fp64 log-softmax and the k largest by (value
+    desc, id asc): the definition, with neither numpy nor torch."""
+    xs = [float(x) for x in row]
+    top = max(xs)
+    log_z = top + math.log(math.fsum(math.exp(x - top) for x in xs))
+    order = sorted(range(len(xs)), key=lambda i: (-xs[i], i))[:k]
+    return xs[token] - log_z, order, [xs[i] - log_z for i in order]
+
+
 @pytest.mark.parametrize("name", list(_rows()))
 @pytest.mark.parametrize("k", [0, 1, 5, 20])
 def test_device_logprobs_match_the_host_definition(name, k):
@@ -33,6 +45,10 @@ def test_device_logprobs_match_the_host_definition(name, k):
     want = token_logprob(log_softmax(row), token, k)
     packed = device_logprobs(torch.from_numpy(row).view(1, 1, -1), torch.tensor([[token]]), k)
     got = unpack_logprobs(packed, token, k)
+    ref_lp, ref_ids, ref_values = _reference(row, token, k)
+    assert got.top_ids == ref_ids
+    np.testing.assert_allclose(got.logprob, ref_lp, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(got.top_logprobs, ref_values, rtol=1e-12, atol=1e-12)
     assert got.token_id == want.token_id
     assert got.top_ids == want.top_ids
     np.testing.assert_allclose(got.logprob, want.logprob, rtol=1e-12, atol=1e-12)
