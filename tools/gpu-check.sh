@@ -8,6 +8,9 @@
 # GLM53_SYNTH picks the checkpoints (default "demo slice slice-resharded"; also "deep"), GLM53_GPU_TESTS narrows the tests (paths or node ids), GLM53_BENCH the benchmarks,
 # GLM53_BENCH_MODES the gpu_slice rows, GLM53_OFFLOAD_TIMEOUT its stock-offload subprocesses,
 # GLM53_GPU_SLICE_ARGS further gpu_slice arguments (e.g. "--model $GLM53_TEST_DEEP --vram-budget 24G").
+# The device tool brings back only a handful of files from $OUT (on 2026-12-01 a call got 8 of its
+# 11 and left tests.log out as "count"), so pack the logs into one tarball in the calling command
+# when many stages run (tools/gpu-bench-serve.sh's own call did: `tar czf logs.tar.gz logs`).
 set -uo pipefail
 DEV=$(realpath "${1:?usage: tools/gpu-check.sh DEVICE_DIR OUT_DIR [STAGES]}")
 OUT=$(realpath -m "${2:?usage: tools/gpu-check.sh DEVICE_DIR OUT_DIR [STAGES]}")
