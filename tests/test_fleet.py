@@ -16,7 +16,9 @@ def test_fleet_survives_a_kill_a_restart_and_a_drain(tmp_path):
     plain = [o for o in run.outcomes if o.kind == "plain"]
     streams = [o for o in run.outcomes if o.kind == "stream"]
     assert plain and streams
-    assert [o for o in plain if not o.ok] == []
+    # the kill's time beside a failed one: a plain request in flight on the killed replica is
+    # the suspect of the rare failure seen once on 2026-12-01 (see the issue note)
+    assert [o for o in plain if not o.ok] == [], f"kill at {run.kill_s}, rejoin at {run.rejoin_s}"
     assert all(o.text == "ok fine" and o.finish == "stop" for o in plain)
     for o in streams:
         if o.ok:  # a stream that did not raise is whole: nothing ends silently short
