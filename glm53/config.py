@@ -326,6 +326,17 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
             group="server",
         ),
     ] = 30.0
+    drain_grace: Annotated[
+        NonNegFloat,
+        _s(
+            "Least seconds a SIGTERM keeps the server answering 503 before its port closes, when "
+            "the drain itself is shorter. A router's health check then takes the replica out "
+            "before its connections start failing; behind a router, set it to the router's "
+            "health-check interval times its failure threshold. 0 closes as soon as the drain "
+            "ends.",
+            group="server",
+        ),
+    ] = 0.0
     log_level: Annotated[LogLevel, _s("Log level.", group="server")] = "info"
     access_log: Annotated[bool, _s("Log every HTTP request.", group="server")] = False
 

@@ -143,7 +143,7 @@ def main(args: argparse.Namespace) -> int:
         log_dictconfig=_logging_config(settings.log_level),
         log_access=settings.access_log,
         # granian's main process waits this long for the draining worker, then kills it
-        workers_kill_timeout=math.ceil(settings.drain_timeout) + 30,
+        workers_kill_timeout=math.ceil(settings.drain_timeout + settings.drain_grace) + 30,
     )
     server.serve(
         target_loader=functools.partial(load_app, config.to_json(settings, sources)),

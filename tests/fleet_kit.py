@@ -25,6 +25,8 @@ SCRIPT = {
 }
 NUM_CLIENTS = 6
 DRAIN_TIMEOUT_S = 20.0
+# a drained replica answers 503 this long before its port closes: twice the router's 1 s checks
+DRAIN_GRACE_S = 2.0
 # The router's settings (docs/fleet.md explains each): health checks every second, one failed
 # check takes a replica out and one good check brings it back, failed attempts retried on
 # another replica, and a circuit breaker that lets a restarted replica back within seconds.
@@ -79,6 +81,7 @@ class FleetRun:
     restart_ready_s: float = 0.0  # the restarted replica's /health answered 200
     rejoin_s: float | None = None  # ... to its first chat request routed by the router
     term_s: float = 0.0
+    exit_s: float = 0.0  # the drained replica's exit
     drain_exit_code: int | None = None
     drain_s: float = 0.0  # SIGTERM to exit
     drained_replica_log: str = ""
@@ -106,6 +109,15 @@ class FleetRun:
             "hung_clients": self.hung_clients,
         }
 
+    def timeline(self) -> str:
+        """The steps' times, in seconds after the kill (to place a failed request)."""
+        steps = {
+            "restarted replica ready": self.restart_ready_s,
+            "SIGTERM to the drained replica": self.term_s,
+            "drained replica exited": self.exit_s,
+        }
+        return ", ".join(f"{name} at {t - self.kill_s:+.2f} s" for name, t in steps.items() if t)
+
 
 def _replica(tmp: Path, index: int, port: int | None = None) -> Server:
     return Server(
@@ -120,6 +132,8 @@ def _replica(tmp: Path, index: int, port: int | None = None) -> Server:
             "4",
             "--drain-timeout",
             str(DRAIN_TIMEOUT_S),
+            "--drain-grace",
+            str(DRAIN_GRACE_S),
         ],
         log_path=tmp / f"replica{index}.log",
         port=port,
@@ -280,7 +294,8 @@ def run_fleet(tmp: Path, *, load_s: float = 1.5) -> FleetRun:
         run.term_s = time.monotonic()
         drained.proc.send_signal(signal.SIGTERM)
         run.drain_exit_code = drained.proc.wait(timeout=60)
-        run.drain_s = time.monotonic() - run.term_s
+        run.exit_s = time.monotonic()
+        run.drain_s = run.exit_s - run.term_s
         run.drained_replica_log = drained.log()
         time.sleep(load_s)
     finally:

@@ -112,6 +112,30 @@ def test_idle_server_stops_at_once_on_sigterm(tmp_path):
         server.stop()
 
 
+def test_drain_grace_keeps_answering_503_after_an_idle_drain(tmp_path):
+    # behind a router: the port stays open, answering 503, until the router's check has seen it
+    server = scripted_server(tmp_path, SCRIPT, "--drain-grace", "4")
+    try:
+        server.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while "(--drain-grace)" not in server.log() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert "drained in" in server.log() and "answering 503 for" in server.log(), server.log()
+        health = httpx.get(server.url + "/health", timeout=5)
+        assert (health.status_code, health.json()["error"]["code"]) == (503, "draining")
+        refused = httpx.post(
+            server.url + "/v1/chat/completions",
+            json={"model": "glm-5.3-flash", "messages": [{"role": "user", "content": "hi"}]},
+            timeout=10,
+        )
+        assert (refused.status_code, refused.headers["retry-after"]) == (503, "1")
+        assert server.proc.poll() is None
+        assert server.proc.wait(timeout=60) == 0, server.log()
+        assert "after the SIGTERM" in server.log()
+    finally:
+        server.stop()
+
+
 async def _drain_while_loading(checkpoint):
     gate, drained = threading.Event(), []
     settings, sources = resolve({}, {})

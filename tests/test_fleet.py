@@ -16,9 +16,14 @@ def test_fleet_survives_a_kill_a_restart_and_a_drain(tmp_path):
     plain = [o for o in run.outcomes if o.kind == "plain"]
     streams = [o for o in run.outcomes if o.kind == "stream"]
     assert plain and streams
-    # the kill's time beside a failed one: a plain request in flight on the killed replica is
-    # the suspect of the rare failure seen once on 2026-12-01 (see the issue note)
-    assert [o for o in plain if not o.ok] == [], f"kill at {run.kill_s}, rejoin at {run.rejoin_s}"
+    # a failed one is placed on the run's timeline (one failed on the CI VM 0.5 s after the
+    # drained replica exited, before --drain-grace: docs/fleet.md)
+    failed = [
+        f"{o.start_s - run.kill_s:+.2f} to {o.end_s - run.kill_s:+.2f} s: {o.error}"
+        for o in plain
+        if not o.ok
+    ]
+    assert failed == [], f"after the kill: {run.timeline()}"
     assert all(o.text == "ok fine" and o.finish == "stop" for o in plain)
     for o in streams:
         if o.ok:  # a stream that did not raise is whole: nothing ends silently short

@@ -197,7 +197,19 @@ class App:
             await state.scheduler.close()
             await self._wait_open(time.monotonic() + _ANSWER_ERRORS_S)
         seconds = time.monotonic() - start
-        log.info("drained in %.2f s; stopping", seconds)
+        linger = state.settings.drain_grace - seconds
+        if linger > 0:
+            # still 503 on /health and new requests: the router's next check takes it out
+            log.info(
+                "drained in %.2f s; answering 503 for %.2f s more (--drain-grace) before stopping",
+                seconds,
+                linger,
+            )
+            await asyncio.sleep(linger)
+            seconds = time.monotonic() - start
+            log.info("stopping %.2f s after the SIGTERM", seconds)
+        else:
+            log.info("drained in %.2f s; stopping", seconds)
         if self._on_drained is not None:
             self._on_drained()
         return seconds
