@@ -9,6 +9,7 @@ import hashlib
 
 import numpy as np
 import pytest
+from serving_kit import Server
 from store_kit import FailingReader, StallingReader, flip_byte, make_checkpoint
 
 from glm53.models.checkpoint import Checkpoint
@@ -232,9 +233,10 @@ def test_a_read_past_the_timeout_leaves_its_home_absent_until_it_lands(demo, goo
     update = home.resolve(layer, np.array([11, 12]), np.zeros(2, bool))
     table.apply(update)
     assert table.home[2 * EXPERTS + 11] != ABSENT
-    assert bytes(home_bytes(home, int(table.home[2 * EXPERTS + 11]))) == store_slot_bytes(
-        good_store
-    )[2 * EXPERTS + 11]
+    assert (
+        bytes(home_bytes(home, int(table.home[2 * EXPERTS + 11])))
+        == store_slot_bytes(good_store)[2 * EXPERTS + 11]
+    )
     assert verify_home(home, 16, table.home, seed=2).is_ok
     home.tier.close()
 
@@ -329,3 +331,31 @@ def test_the_home_refuses_a_source_that_is_not_a_store(demo):
     with pytest.raises(TierError, match="not one: pass --store"):
         RamHome(tier, tier.arena.ctypes.data, ABSENT)
     tier.close()
+
+
+# --- through `glm53 serve` (no GPU needed: the refusals come before anything loads) -----------
+
+
+def serve_nvme_exact(model, store, tmp_path, *extra) -> Server:
+    args = ["--model", str(model), "--engine", "gpu", "--mode", "nvme-exact"]
+    args += ["--allow-unrun-modes", "--store", str(store), *extra]
+    return Server(args, log_path=tmp_path / "server.log")
+
+
+def test_serve_refuses_another_checkpoint_s_store_before_loading(good_store, tmp_path):
+    other = make_checkpoint(tmp_path / "other")
+    server = serve_nvme_exact(other, good_store, tmp_path)
+    with pytest.raises(RuntimeError, match="exited with"):
+        server.wait_ready(timeout_s=120)
+    log = server.log()
+    assert "was packed from another checkpoint" in log, log
+    assert "exllamav3 is not installed" not in log  # refused before the GPU stack is needed
+
+
+def test_serve_refuses_a_ram_cap_below_one_layer_before_loading(demo, good_store, tmp_path):
+    server = serve_nvme_exact(demo, good_store, tmp_path, "--ram-cap", str(31 * RECORD))
+    with pytest.raises(RuntimeError, match="exited with"):
+        server.wait_ready(timeout_s=120)
+    log = server.log()
+    assert "nvme-exact on the GPU needs one MoE layer's picks resident at once" in log, log
+    assert "raise --ram-cap to at least" in log

@@ -84,9 +84,7 @@ def check_home_cap(
     )
 
 
-def open_home_source(
-    model_dir, store_dir, ram_cap: int | None, rows: int, threads: int = 4
-):
+def open_home_source(model_dir, store_dir, ram_cap: int | None, rows: int, threads: int = 4):
     """The packed store nvme-exact serves `model_dir` from, opened and checked before anything
     loads: a missing --store, a store of another checkpoint (its fingerprint, with the store's
     own message: glm53.store.errors.StoreMismatchError) and a --ram-cap below one layer's
