@@ -382,8 +382,11 @@ class GpuEngine:
         self.verify_tiers = self._verify_nvme
         result = self.verify_tiers(64)
         (log.info if result.is_ok else log.error)("tier check at start: %s", result.summary())
-        if not result.is_ok:
-            self.close()
+        if not result.is_ok:  # closed without writing heat lists of tiers that failed
+            self.generator.close()
+            self.generator = None
+            self.loaded.close()
+            self.loaded = None
             raise EngineUnavailable(
                 f"the tier check at start failed, so glm53 does not serve: {result.summary()}; "
                 f"check the store with `glm53 store verify --store {self.store}` and repack it"
