@@ -572,8 +572,12 @@ class GpuEngine:
         from glm53.tiers.heat import write_heat
 
         write_heat(self.heat_file, self.model_dir, self.loaded.ec.heat_list())
-        if self.loaded.nvme is not None and self.loaded.nvme.tier.clock.n_used:
-            write_heat(self.ram_heat_file, self.model_dir, self.loaded.nvme.tier.heat_list())
+        nvme = self.loaded.nvme
+        if nvme is not None:
+            with nvme.lock:  # the tier's owner is the engine thread
+                keys = nvme.tier.heat_list() if nvme.tier.clock.n_used else []
+            if keys:
+                write_heat(self.ram_heat_file, self.model_dir, keys)
         return self.heat_file
 
 
