@@ -35,6 +35,7 @@ experts over the link whatever its length, so coarse boundaries cost little (see
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -470,9 +471,13 @@ class GpuEngine:
         untouched. A prompt too long for the card's activations fails this request only."""
         import torch
 
+        nvme = self.loaded.nvme  # nvme-exact: the forward reads the store, under the tiers' lock
         try:
-            ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
-            logits = self.loaded.model.forward(ids, {})[0, :, : self.tokenizer.vocab_size]
+            with nvme.lock if nvme is not None else contextlib.nullcontext():
+                ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
+                logits = self.loaded.model.forward(ids, {})[0, :, : self.tokenizer.vocab_size]
+                if nvme is not None:
+                    nvme.check_table_bad()
             return logits.float().cpu()
         except Exception as exc:
             raise EngineError(f"scoring the prompt (prompt logprobs) failed: {exc}") from exc
