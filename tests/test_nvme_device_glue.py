@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+import glm53
 from glm53.models.checkpoint import Checkpoint
 from glm53.store.reader import ExpertStore
 from glm53.tiers.ram_tier import RamTier, ReadFault, TierError
@@ -90,6 +91,7 @@ def glue(demo, good_store, monkeypatch):
 
     lib = MockCudaLib()
     monkeypatch.setitem(sys.modules, "glm53._cuda", lib)
+    monkeypatch.setattr(glm53, "_cuda", lib, raising=False)  # once imported, the package has it
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(
         cuda_stream=0))  # fmt: skip
     store = ExpertStore(good_store, Checkpoint(demo))
