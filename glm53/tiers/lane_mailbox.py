@@ -1,0 +1,108 @@
+"""Fast mode's GPU <-> CPU-lane hand-off, host side: the mailboxes and the lane that serves them.
+
+A `Mailbox` is one MoE layer-slot's page-aligned host buffer in the layout of
+pyx/lane_mailbox.h (header, picks, fp32 input rows, fp32 partial, done word); `MailboxLane` binds
+one mailbox per layer to that layer's expert table and runs the native poller (glm53._lane) on a
+`CpuLane`'s pool. The device side (cuda/lane.cu: publish, bounded wait + combine, select) reads
+and writes the same bytes through their UVA address once the GPU path registers them
+(`pin`). That device side has not run on a GPU yet; tests/test_lane_mailbox.py drives the lane
+through the same protocol from a host thread that mocks the device.
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Sequence
+
+import numpy as np
+
+from glm53 import _gemv, _lane
+from glm53.tiers.cpu_lane import SWIGLU_LIMIT, CpuLane
+
+PICK_DTYPE = np.dtype([("row", "<i4"), ("expert", "<i4"), ("weight", "<f4")])
+MAX_ROWS = _lane.MAX_ROWS
+MAX_PICKS = _lane.MAX_PICKS
+
+
+class Mailbox:
+    """One layer-slot's mailbox: `hidden`-wide rows, in its own anonymous mapping (page aligned,
+    so cudaHostRegister can pin it as it is). Views name the sections; `addr` is the host
+    address the native lane and the device (through UVA) use."""
+
+    def __init__(self, hidden: int):
+        self.hidden = hidden
+        self.layout = _lane.layout(hidden)
+        nbytes = self.layout["bytes"]
+        self._map = mmap.mmap(-1, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+        self.buf = np.frombuffer(self._map, dtype=np.uint8)[:nbytes]
+        self.addr = self.buf.ctypes.data
+        lay = self.layout
+        self.header = self.buf[: lay["n_miss"] + 4].view(np.int32)  # seq, n_picks, ...
+        self.picks = self.buf[lay["picks"] : lay["picks"] + MAX_PICKS * PICK_DTYPE.itemsize].view(
+            PICK_DTYPE
+        )
+        self.rows = self.buf[lay["rows"] : lay["partial"]].view(np.float32).reshape(MAX_ROWS, -1)
+        self.partial = self.buf[lay["partial"] :].view(np.float32).reshape(MAX_ROWS, -1)
+
+    def word(self, name: str) -> int:
+        """Host address of a uint32 field (seq, done, status, budget, ...)."""
+        return self.addr + self.layout[name]
+
+    def load(self, name: str) -> int:
+        return _lane.load_acquire(self.word(name))
+
+    def store(self, name: str, value: int) -> None:
+        _lane.store_release(self.word(name), value)
+
+    @property
+    def seq(self) -> int:
+        return self.load("seq")
+
+    @property
+    def done(self) -> int:
+        return self.load("done")
+
+    @property
+    def status(self) -> int:
+        return int(self.buf[self.layout["status"] : self.layout["status"] + 4].view(np.int32)[0])
+
+    def set_budget(self, experts: int) -> None:
+        """The router's split for this layer: the most experts the device may send."""
+        if not 0 <= experts <= MAX_PICKS:
+            raise ValueError(f"a lane budget of {experts} experts is outside 0..{MAX_PICKS}")
+        self.store("budget", experts)
+
+
+class MailboxLane:
+    """A mailbox per MoE layer, bound to that layer's experts, served by one poller thread on
+    `lane`'s pool. Owned by the engine thread; the poller owns the mailboxes' host lines."""
+
+    def __init__(
+        self,
+        lane: CpuLane,
+        tables: Sequence[_gemv.ExpertTable],
+        act_limit: float = SWIGLU_LIMIT,
+        spin_ns: int = 200_000,
+        max_sleep_ns: int = 200_000,
+    ):
+        if not tables:
+            raise ValueError("MailboxLane: no layers")
+        self.lane = lane
+        self.tables = list(tables)
+        self.mailboxes = [Mailbox(t.hidden) for t in self.tables]
+        self.poller = _lane.Lane(lane.pool, len(self.tables), spin_ns, max_sleep_ns)
+        for i, (mbox, table) in enumerate(zip(self.mailboxes, self.tables, strict=True)):
+            self.poller.set_slot(i, mbox.buf, table, act_limit, lane.variant, lane.precision)
+        self.poller.start()
+
+    def stats(self) -> dict:
+        return self.poller.stats()
+
+    def close(self) -> None:
+        self.poller.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
