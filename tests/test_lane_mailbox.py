@@ -8,6 +8,7 @@ moves on. The lane under test is the real one: the native poller running the rea
 real CpuLane pool. tests/gpu/test_lane_mailbox_gpu.py runs the real kernels (not yet on a GPU).
 """
 
+import importlib.util
 import threading
 import time
 
@@ -23,7 +24,14 @@ from glm53.tiers.cpu_lane import (
     random_expert,
     reference_moe,
 )
-from glm53.tiers.lane_mailbox import MAX_PICKS, MAX_ROWS, Mailbox, MailboxLane
+from glm53.tiers.lane_mailbox import (
+    LANE_DEV_FIELDS,
+    MAX_PICKS,
+    MAX_ROWS,
+    Mailbox,
+    MailboxLane,
+    lane_dev_dtype,
+)
 
 HIDDEN, INTER = 256, 256
 EXACT_REL_TOL = 1e-5  # the exact lane's fp32 against fp64 (tests/test_gemv.py's REL_TOL)
@@ -250,3 +258,22 @@ def test_layout_is_the_documented_one_and_bad_slots_are_refused(layer):
     with pytest.raises(ValueError, match="slot 3 is outside 0..0"):
         poller.set_slot(3, Mailbox(HIDDEN).buf, table)
     poller.close()
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("glm53._cuda") is None,
+    reason="glm53 was built without nvcc (-Dcuda=disabled or none found)",
+)
+def test_the_cuda_library_reads_the_same_layout():
+    from glm53 import _cuda
+
+    for hidden in (256, 4096, 6144):
+        lay = _lane.layout(hidden)
+        names = ("seq", "done", "budget", "picks", "rows", "partial", "bytes")
+        assert _cuda.lane_mbox_layout(hidden) == [lay[n] for n in names]
+    layout = _cuda.lane_dev_layout()
+    dt = lane_dev_dtype(layout)
+    assert dt.itemsize == layout[-1]
+    assert [dt.fields[n][1] for n, _ in LANE_DEV_FIELDS] == layout[:-1]
+    with pytest.raises(RuntimeError, match="rebuild glm53"):
+        lane_dev_dtype([0, 8])

@@ -22,6 +22,35 @@ from glm53.tiers.cpu_lane import SWIGLU_LIMIT, CpuLane
 PICK_DTYPE = np.dtype([("row", "<i4"), ("expert", "<i4"), ("weight", "<f4")])
 MAX_ROWS = _lane.MAX_ROWS
 MAX_PICKS = _lane.MAX_PICKS
+# cuda/lane_cuda.h's g53_lane_dev, in declaration order: the device state of one layer-slot
+LANE_DEV_FIELDS = [
+    ("mbox", "<u8"),
+    ("seq", "<u4"),
+    ("pending", "<i4"),
+    ("timed_out", "<i4"),
+    ("n_sel", "<i4"),
+    ("published", "<u8"),
+    ("lane_picks", "<u8"),
+    ("fallbacks", "<u8"),
+]
+
+
+def lane_dev_dtype(layout: Sequence[int]) -> np.dtype:
+    """g53_lane_dev as a numpy dtype at the offsets the CUDA library reports (its
+    `_cuda.lane_dev_layout()`: offsets, then the size)."""
+    if len(layout) != len(LANE_DEV_FIELDS) + 1:
+        raise RuntimeError(
+            f"the CUDA library's g53_lane_dev has {len(layout) - 1} fields, this glm53 expects "
+            f"{len(LANE_DEV_FIELDS)}: rebuild glm53 (pip install -e . or reinstall the package)"
+        )
+    return np.dtype(
+        {
+            "names": [n for n, _ in LANE_DEV_FIELDS],
+            "formats": [f for _, f in LANE_DEV_FIELDS],
+            "offsets": list(layout[:-1]),
+            "itemsize": layout[-1],
+        }
+    )
 
 
 class Mailbox:
