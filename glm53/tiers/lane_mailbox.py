@@ -65,6 +65,7 @@ class Mailbox:
         self._map = mmap.mmap(-1, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
         self.buf = np.frombuffer(self._map, dtype=np.uint8)[:nbytes]
         self.addr = self.buf.ctypes.data
+        self.device_addr: int | None = None  # set by pin()
         lay = self.layout
         self.header = self.buf[: lay["n_miss"] + 4].view(np.int32)  # seq, n_picks, ...
         self.picks = self.buf[lay["picks"] : lay["picks"] + MAX_PICKS * PICK_DTYPE.itemsize].view(
@@ -94,6 +95,23 @@ class Mailbox:
     @property
     def status(self) -> int:
         return int(self.buf[self.layout["status"] : self.layout["status"] + 4].view(np.int32)[0])
+
+    def pin(self) -> int:
+        """Register the mailbox with CUDA (pinned, mapped); returns its device (UVA) address.
+        The GPU path only: needs glm53 built with CUDA."""
+        from glm53 import _cuda
+
+        if self.device_addr is None:
+            _cuda.host_register(self.addr, len(self._map))
+            self.device_addr = _cuda.host_device_pointer(self.addr)
+        return self.device_addr
+
+    def unpin(self) -> None:
+        from glm53 import _cuda
+
+        if self.device_addr is not None:
+            _cuda.host_unregister(self.addr)
+            self.device_addr = None
 
     def set_budget(self, experts: int) -> None:
         """The router's split for this layer: the most experts the device may send."""
