@@ -3,9 +3,7 @@ pyx/lane_mailbox.h)."""
 
 from libc.stdint cimport int32_t, uint8_t, uint32_t, uint64_t, uintptr_t
 
-from gemv cimport GEMV_EINVAL, GEMV_ENOMEM, GEMV_MSG_BYTES, GEMV_OK, gemv_expert, gemv_pool
-
-from glm53 import _gemv
+from gemv cimport GEMV_MSG_BYTES, GEMV_OK, gemv_expert, gemv_pool
 
 
 cdef extern from "lane_mailbox.h" nogil:
@@ -96,7 +94,7 @@ cdef class Lane:
     cdef bint _started
 
     def __cinit__(self, pool, int num_slots, long spin_ns=200000, long max_sleep_ns=200000):
-        if not isinstance(pool, _gemv.Pool):
+        if not hasattr(pool, "handle") or not hasattr(pool, "threads"):
             raise TypeError(f"pool must be a glm53._gemv.Pool, got {type(pool).__name__}")
         cdef char msg[GEMV_MSG_BYTES]
         msg[0] = 0
@@ -132,7 +130,7 @@ cdef class Lane:
         """Bind `slot` to `mbox` (a writable, 64-byte aligned uint8 array of
         layout(table.hidden)["bytes"] bytes) and to the layer's experts `table` (an ExpertTable)."""
         cdef g53_lane *lane = self._live()
-        if not isinstance(table, _gemv.ExpertTable):
+        if not all(hasattr(table, a) for a in ("handle", "num_experts", "hidden", "inter", "k2")):
             raise TypeError(f"table must be a glm53._gemv.ExpertTable, got {type(table).__name__}")
         need = G53_MBOX_BYTES(table.hidden)
         if getattr(mbox, "dtype", None) != "uint8" or mbox.ndim != 1 or mbox.size != need \
