@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("exllamav3")
 _cuda = pytest.importorskip("glm53._cuda")
 
+from glm53 import _gemv  # noqa: E402
 from glm53.tiers.cpu_lane import (  # noqa: E402
     FAST_REL_TOL,
     SWIGLU_LIMIT,
@@ -203,3 +204,152 @@ def test_a_stalled_lane_falls_back_to_the_gpu_only_output_and_is_counted(
         assert torch.equal(out, want)  # the fallback call is the GPU-only call
         lane.poller.release()
         mbox.unpin()
+
+
+# --- through exllamav3's own Generator, on a synthetic checkpoint --------------------------------
+# The model-level cases: glm53/tiers/fast_hooks.py around stock exllamav3's BlockSparseMLP of an
+# exact-mode load. A lane that never answers must give exact mode's tokens and logits bit for bit
+# (every layer falls back to the whole-layer GPU call, counted); a working lane must send picks,
+# never fall back, and stay near-exact.
+
+
+def _checkpoint():
+    import os
+
+    path = os.environ.get("GLM53_TEST_SLICE") or os.environ.get("GLM53_TEST_DEMO")
+    if not path or not os.path.isfile(os.path.join(path, "config.json")):
+        pytest.skip("GLM53_TEST_SLICE / GLM53_TEST_DEMO do not name a synthetic checkpoint")
+    return path
+
+
+def lane_tables(loaded):
+    """An ExpertTable per MoE layer over the pinned home's trellis (no copy) and host copies of
+    the experts' suh/svh (exllamav3 keeps those in VRAM)."""
+    home, tables = loaded.home, []
+    geo = home.geo
+    for i, mod in enumerate(loaded.moe):
+        arena = home.arenas[home.moe_layers[i]]
+        first = mod.gates[0].inner
+        k_in, k_mid = first.trellis.shape[0] * 16, first.trellis.shape[1] * 16
+        table = _gemv.ExpertTable(len(mod.gates), k_in, k_mid, first.trellis.shape[2] // 8)
+        for e in range(len(mod.gates)):
+            parts = []
+            for p, lin in enumerate((mod.gates[e], mod.ups[e], mod.downs[e])):
+                off = e * geo.record_bytes + geo.part_off[p]
+                shape = tuple(lin.inner.trellis.shape)
+                trellis = arena.view[off : off + geo.part_bytes[p]].view(np.int16).reshape(shape)
+                parts.append((trellis, lin.inner.suh.cpu().numpy(), lin.inner.svh.cpu().numpy()))
+            table.set(e, *parts)
+        tables.append(table)
+    return tables
+
+
+@pytest.fixture(scope="module")
+def exact_load():
+    from glm53.engine import exl3_load
+
+    path = _checkpoint()
+    with torch.inference_mode():
+        probe = exl3_load.load(path, "stock", cache_tokens=4096, max_batch=4)
+        n_keys = len(probe.geometry.moe_layers) * probe.geometry.n_experts
+        probe.close()
+        loaded = exl3_load.load(
+            path, "exact", cache_tokens=4096, max_batch=4, ec_max_slots=max(8, int(0.114 * n_keys))
+        )
+    yield loaded
+    loaded.close()
+
+
+def _greedy(loaded, prompts, n_new):
+    from exllamav3 import ArgmaxSampler, Generator, Job
+
+    gen = Generator(
+        model=loaded.model, cache=loaded.cache, tokenizer=loaded.tokenizer, max_batch_size=4
+    )
+    tokens = {i: [] for i in range(len(prompts))}
+    logits = {i: [] for i in range(len(prompts))}
+    for i, ids in enumerate(prompts):
+        gen.enqueue(
+            Job(
+                input_ids=ids,
+                max_new_tokens=n_new,
+                sampler=ArgmaxSampler(),
+                stop_conditions=[],
+                return_logits=True,
+                identifier=i,
+            )
+        )
+    while gen.num_remaining_jobs():
+        for r in gen.iterate():
+            if r.get("stage") == "streaming":
+                i = r["identifier"]
+                if "token_ids" in r:
+                    tokens[i] += r["token_ids"].view(-1).tolist()
+                if "logits" in r:
+                    logits[i].append(r["logits"].float().view(-1, r["logits"].shape[-1]).cpu())
+    return tokens, {i: torch.cat(v) for i, v in logits.items()}
+
+
+def _prompts(loaded, batch, seed):
+    g = torch.Generator().manual_seed(seed)
+    vocab = loaded.config.vocab_size
+    return [torch.randint(0, vocab, (1, n), generator=g) for n in [300, 64, 200, 17][:batch]]
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_a_lane_that_never_answers_gives_exact_modes_tokens_and_counts_every_fallback(
+    exact_load, batch
+):
+    from glm53.tiers.fast_hooks import attach_fast, detach_fast, install_fast_hooks
+    from glm53.tiers.lane_mailbox import Mailbox
+
+    prompts = _prompts(exact_load, batch, 16 + batch)
+    with torch.inference_mode():
+        tok_exact, log_exact = _greedy(exact_load, prompts, 64)
+        install_fast_hooks()
+        hidden = exact_load.moe[0].hidden_size
+        mailboxes = [Mailbox(hidden) for _ in exact_load.moe]  # no poller: nobody answers
+        for m in mailboxes:
+            m.set_budget(4)
+        layers = attach_fast(exact_load.moe, mailboxes, exact_load.ec, budget_ns=200_000)
+        try:
+            tok_fast, log_fast = _greedy(exact_load, prompts, 64)
+        finally:
+            detach_fast(exact_load.moe)
+    for i in range(batch):
+        assert tok_fast[i] == tok_exact[i], f"stream {i} diverged"
+        assert torch.equal(log_fast[i], log_exact[i])
+    counts = [layer.counters() for layer in layers]
+    assert sum(c["published"] for c in counts) > 0
+    assert all(c["fallbacks"] == c["published"] for c in counts), counts
+
+
+def test_a_working_lane_takes_picks_without_falling_back_and_stays_near_exact(exact_load):
+    from glm53.tiers.fast_hooks import attach_fast, detach_fast, install_fast_hooks
+
+    prompts = _prompts(exact_load, 2, 7)
+    with torch.inference_mode():
+        tok_exact, log_exact = _greedy(exact_load, prompts, 64)
+        install_fast_hooks()
+        cpu = CpuLane(precision="fast")
+        with MailboxLane(cpu, lane_tables(exact_load)) as lane:
+            for m in lane.mailboxes:
+                m.set_budget(4)
+            layers = attach_fast(exact_load.moe, lane.mailboxes, exact_load.ec, BUDGET_NS)
+            try:
+                tok_fast, log_fast = _greedy(exact_load, prompts, 64)
+            finally:
+                detach_fast(exact_load.moe)
+            stats = lane.stats()
+    counts = [layer.counters() for layer in layers]
+    assert sum(c["lane_picks"] for c in counts) > 0 and stats["jobs"] > 0
+    assert sum(c["fallbacks"] for c in counts) == 0, counts
+    for i in range(2):  # teacher-forced on exact's tokens only at the first divergence
+        a, b = log_exact[i].float(), log_fast[i].float()
+        n = next(
+            (j for j, (x, y) in enumerate(zip(tok_exact[i], tok_fast[i], strict=True)) if x != y),
+            64,
+        )
+        pa, pb = torch.log_softmax(a[: n + 1], -1), torch.log_softmax(b[: n + 1], -1)
+        kl = (pa.exp() * (pa - pb)).sum(-1).mean().item()
+        assert kl < 1e-2, f"stream {i}: KL {kl} over the first {n + 1} tokens"
