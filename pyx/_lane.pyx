@@ -40,6 +40,13 @@ cdef extern from "lane.h" nogil:
         int32_t last_slot
         int32_t last_picks
 
+    ctypedef struct g53_lane_slot_stats:
+        uint64_t jobs
+        uint64_t busy_ns
+        uint64_t last_job_ns
+        int32_t last_picks
+
+    int g53_lane_get_slot_stats(g53_lane *lane, int slot, g53_lane_slot_stats *out)
     g53_lane *g53_lane_create(gemv_pool *pool, int num_slots, long spin_ns, long max_sleep_ns,
                               char *msg, size_t msg_len)
     int g53_lane_set_slot(g53_lane *lane, int slot, uint8_t *mbox, const gemv_expert *experts,
@@ -164,6 +171,14 @@ cdef class Lane:
         return {"jobs": st.jobs, "empty": st.empty, "discarded": st.discarded,
                 "failed": st.failed, "busy_ns": st.busy_ns, "last_job_ns": st.last_job_ns,
                 "last_slot": st.last_slot, "last_picks": st.last_picks}
+
+    def slot_stats(self, int slot):
+        """One slot's (layer's) counters: jobs, busy_ns, last_job_ns, last_picks."""
+        cdef g53_lane_slot_stats st
+        if g53_lane_get_slot_stats(self._live(), slot, &st) != GEMV_OK:
+            raise IndexError(f"slot {slot} is outside 0..{self.num_slots - 1}")
+        return {"jobs": st.jobs, "busy_ns": st.busy_ns, "last_job_ns": st.last_job_ns,
+                "last_picks": st.last_picks}
 
     def stall(self, int slot, uint32_t seq):
         """Test hook: hold the computed result of (slot, seq) before it is published."""

@@ -18,6 +18,7 @@ typedef struct {
     float act_limit;
     uint32_t seen;  /* last seq taken */
     float *scratch; /* [G53_MBOX_MAX_ROWS][hidden] */
+    g53_lane_slot_stats stats; /* under the lane's stats_lock */
 } lane_slot;
 
 struct g53_lane {
@@ -212,6 +213,10 @@ static void take(g53_lane *lane, int i, uint32_t seq, long seen_ns)
     lane->stats.last_job_ns = took;
     lane->stats.last_slot = i;
     lane->stats.last_picks = n_picks;
+    s->stats.jobs++;
+    s->stats.busy_ns += took;
+    s->stats.last_job_ns = took;
+    s->stats.last_picks = n_picks;
     pthread_mutex_unlock(&lane->stats_lock);
 }
 
@@ -282,6 +287,16 @@ void g53_lane_get_stats(g53_lane *lane, g53_lane_stats *out)
     pthread_mutex_lock(&lane->stats_lock);
     *out = lane->stats;
     pthread_mutex_unlock(&lane->stats_lock);
+}
+
+int g53_lane_get_slot_stats(g53_lane *lane, int slot, g53_lane_slot_stats *out)
+{
+    if (slot < 0 || slot >= lane->num_slots)
+        return GEMV_EINVAL;
+    pthread_mutex_lock(&lane->stats_lock);
+    *out = lane->slots[slot].stats;
+    pthread_mutex_unlock(&lane->stats_lock);
+    return GEMV_OK;
 }
 
 void g53_lane_stall(g53_lane *lane, int slot, uint32_t seq)

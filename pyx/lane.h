@@ -38,6 +38,14 @@ typedef struct {
     int32_t last_picks;   /* its picks */
 } g53_lane_stats;
 
+/* Per slot (one MoE layer): what the router reads as the lane's time for that layer. */
+typedef struct {
+    uint64_t jobs;        /* seqs of this slot whose partial was published */
+    uint64_t busy_ns;     /* summed time from seeing a seq to publishing its done */
+    uint64_t last_job_ns; /* that time for the slot's last published job */
+    int32_t last_picks;   /* and its picks */
+} g53_lane_slot_stats;
+
 /* A poller over num_slots mailboxes, running jobs on `pool` (which must outlive it). */
 g53_lane *g53_lane_create(gemv_pool *pool, int num_slots, long spin_ns, long max_sleep_ns,
                           char *msg, size_t msg_len);
@@ -49,6 +57,7 @@ int g53_lane_set_slot(g53_lane *lane, int slot, uint8_t *mbox, const gemv_expert
 int g53_lane_start(g53_lane *lane, char *msg, size_t msg_len);
 void g53_lane_destroy(g53_lane *lane);
 void g53_lane_get_stats(g53_lane *lane, g53_lane_stats *out);
+int g53_lane_get_slot_stats(g53_lane *lane, int slot, g53_lane_slot_stats *out);
 
 /* Test hook, as a slow or descheduled lane: the poller holds a computed result of (slot, seq)
  * before publishing it until g53_lane_release (or destroy). One stall at a time. */

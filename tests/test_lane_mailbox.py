@@ -178,6 +178,7 @@ def test_many_steps_over_layers_lose_and_duplicate_nothing(layer):
     with MailboxLane(cpu, [table] * num_layers) as lane:
         devices = [MockDevice(m, i) for i, m in enumerate(lane.mailboxes)]
         expected_jobs = expected_empty = 0
+        jobs_per_layer = [0] * num_layers
         for _ in range(num_steps):
             num_rows = int(rng.integers(1, MAX_ROWS + 1))
             for device in devices:  # the layers of one decode step, in order
@@ -189,6 +190,7 @@ def test_many_steps_over_layers_lose_and_duplicate_nothing(layer):
                 assert device.mbox.done == seq
                 if num_picks:
                     expected_jobs += 1
+                    jobs_per_layer[device.layer] += 1
                     assert np.array_equal(device.partial(num_rows), cpu.run(table, x, *picks)), (
                         f"layer {device.layer} seq {seq}"
                     )
@@ -202,6 +204,8 @@ def test_many_steps_over_layers_lose_and_duplicate_nothing(layer):
             0,
         )
         assert [d.seq for d in devices] == [num_steps] * num_layers
+        assert [layer["jobs"] for layer in st["layers"]] == jobs_per_layer
+        assert sum(layer["busy_ns"] for layer in st["layers"]) == st["busy_ns"]
         assert sum(d.fallbacks for d in devices) == 0
 
 

@@ -143,7 +143,11 @@ class MailboxLane:
         self.poller.start()
 
     def stats(self) -> dict:
-        return self.poller.stats()
+        """The lane's counters, with each layer's as `layers` (jobs, busy_ns, last_job_ns,
+        last_picks: the lane's time per layer for /stats and the router)."""
+        st = self.poller.stats()
+        st["layers"] = [self.poller.slot_stats(i) for i in range(len(self.mailboxes))]
+        return st
 
     def close(self) -> None:
         self.poller.close()
