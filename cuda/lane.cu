@@ -43,7 +43,7 @@ __device__ __forceinline__ float half_bits_to_float(uint16_t bits)
 // thread copies rows.
 __global__ void publish_kernel(g53_lane_dev *dev, int64_t *sel, uint16_t *rw, const uint16_t *x,
                                int n_rows, int top_k, int hidden, int64_t x_stride,
-                               const int32_t *key_slot, const uint32_t *key_score, int key_base,
+                               const int32_t *key_slot, uint32_t *key_score, int key_base,
                                int n_experts, int64_t *orig_sel, uint16_t *orig_w, int layer)
 {
     __shared__ int n_picks;
@@ -80,6 +80,9 @@ __global__ void publish_kernel(g53_lane_dev *dev, int64_t *sel, uint16_t *rw, co
                 if (miss[u] && !take[u] && (best < 0 || score[u] < score[best])) best = u;
             if (best < 0) break;
             take[best] = true;
+            // one lookup, as the cache's route would have counted it: an expert the lane keeps
+            // taking grows hotter until it is no longer the coldest, and the route sees it again
+            if (key_score && score[best] != 0xffffffffu) key_score[key_base + uniq[best]]++;
         }
         int n = 0;
         int32_t *picks = (int32_t *)(mb + G53_MBOX_PICKS);
@@ -190,7 +193,7 @@ extern "C" {
 
 int g53_lane_publish(g53_lane_dev *dev, int64_t *sel, uint16_t *rw, const uint16_t *x,
                      int n_rows, int top_k, int hidden, int64_t x_stride, const int32_t *key_slot,
-                     const uint32_t *key_score, int key_base, int n_experts, int64_t *orig_sel,
+                     uint32_t *key_score, int key_base, int n_experts, int64_t *orig_sel,
                      uint16_t *orig_w, int layer, uintptr_t stream)
 {
     if (!dev || !sel || !rw || !x || !orig_sel || !orig_w || n_rows < 1 ||

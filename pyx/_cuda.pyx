@@ -137,7 +137,7 @@ def lane_publish(uintptr_t dev, uintptr_t sel, uintptr_t rw, uintptr_t x, int n_
     with nogil:
         rc = g53_lane_publish(<g53_lane_dev *> dev, <int64_t *> sel, <uint16_t *> rw,
                               <const uint16_t *> x, n_rows, top_k, hidden, x_stride,
-                              <const int32_t *> key_slot, <const uint32_t *> key_score, key_base,
+                              <const int32_t *> key_slot, <uint32_t *> key_score, key_base,
                               n_experts, <int64_t *> orig_sel, <uint16_t *> orig_w, layer, stream)
     _check(rc, f"lane publish (layer {layer}, {n_rows} rows x top-{top_k})")
 
