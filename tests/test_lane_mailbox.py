@@ -297,3 +297,31 @@ def test_the_fast_mode_hooks_stay_unreachable_from_serve():
         if "fast_hooks" in p.read_text() and p.name != "fast_hooks.py"
     ]
     assert users == []
+
+
+@pytest.mark.parametrize("lane_ms, sends", [(1e-4, True), (1e3, False)])
+def test_budgets_follow_the_router_on_the_reported_misses(layer, lane_ms, sends):
+    """The device reports a layer's hits and misses in the mailbox; between steps the router
+    turns them into that layer's budget: some misses for a lane much faster than the link, none
+    for one far slower (fast mode then runs as exact mode)."""
+    from glm53.tiers.lane_router import LaneRouter
+
+    experts, table = layer
+    cpu = CpuLane(LaneLayout((0,)))
+    with MailboxLane(cpu, [table, table]) as lane:
+        router = LaneRouter(2, expert_bytes=9_440_000, ct_b=lane_ms)
+        for i, mbox in enumerate(lane.mailboxes):
+            mbox.header[4], mbox.header[5] = 2, 6 + i  # as the device's publish writes them
+        budgets = lane.update_budgets(router)
+        assert [m.load("budget") for m in lane.mailboxes] == budgets
+        if sends:
+            assert all(0 < k <= n for k, n in zip(budgets, (6, 7), strict=True)), budgets
+        else:
+            assert budgets == [0, 0]
+        # a published job's time reaches the router as the lane's time for its layer
+        device = MockDevice(lane.mailboxes[1], 1)
+        device.publish(fp16_rows(np.random.default_rng(7), 1), [0, 0], [1, 2], [0.5, 0.5])
+        assert device.wait(SETTLE_S)
+        lane.update_budgets(router)
+        assert router.layers[1].lane_ms > 0 and router.layers[0].lane_ms == 0
+        assert router.lane_b[0].n + router.lane_a.n == 1  # one observation moved an estimate

@@ -18,6 +18,7 @@ import numpy as np
 
 from glm53 import _gemv, _lane
 from glm53.tiers.cpu_lane import SWIGLU_LIMIT, CpuLane
+from glm53.tiers.lane_router import LaneRouter
 
 PICK_DTYPE = np.dtype([("row", "<i4"), ("expert", "<i4"), ("weight", "<f4")])
 MAX_ROWS = _lane.MAX_ROWS
@@ -141,6 +142,7 @@ class MailboxLane:
         for i, (mbox, table) in enumerate(zip(self.mailboxes, self.tables, strict=True)):
             self.poller.set_slot(i, mbox.buf, table, act_limit, lane.variant, lane.precision)
         self.poller.start()
+        self._observed = [0] * len(self.tables)  # jobs per layer the router has seen
 
     def stats(self) -> dict:
         """The lane's counters, with each layer's as `layers` (jobs, busy_ns, last_job_ns,
@@ -148,6 +150,23 @@ class MailboxLane:
         st = self.poller.stats()
         st["layers"] = [self.poller.slot_stats(i) for i in range(len(self.mailboxes))]
         return st
+
+    def update_budgets(self, router: LaneRouter) -> list[int]:
+        """Between decode steps, on the engine thread: feed `router` the lane's time for each
+        layer's newest job, then set each layer's budget to the router's split of the misses the
+        device last reported (mailbox n_hit / n_miss). Rows per missed expert are not reported,
+        so each miss counts as one row. Returns the budgets."""
+        budgets = []
+        for i, mbox in enumerate(self.mailboxes):
+            st = self.poller.slot_stats(i)
+            if st["jobs"] > self._observed[i]:
+                self._observed[i] = st["jobs"]
+                router.observe_lane(i, [1] * st["last_picks"], st["last_job_ns"] / 1e6)
+            n_hit, n_miss = int(mbox.header[4]), int(mbox.header[5])
+            k = router.split(i, n_hit, [1] * n_miss)
+            mbox.set_budget(min(k, MAX_PICKS))
+            budgets.append(k)
+        return budgets
 
     def close(self) -> None:
         self.poller.close()
