@@ -99,7 +99,8 @@ class Mailbox:
 
     def pin(self) -> int:
         """Register the mailbox with CUDA (pinned, mapped); returns its device (UVA) address.
-        The GPU path only: needs glm53 built with CUDA."""
+        The GPU path only: needs glm53 built with CUDA. unpin() before the mailbox is dropped
+        (every cudaHostRegister has its unregister)."""
         from glm53 import _cuda
 
         if self.device_addr is None:
