@@ -62,6 +62,13 @@ class FastLayer:
         from glm53 import _cuda
 
         bsz, top_k = selected.shape
+        if selected.dtype != torch.long or weights.dtype != torch.half:
+            raise RuntimeError(
+                f"{self.module.key}: the router gave {selected.dtype} ids and {weights.dtype} "
+                "weights; the lane's publish reads int64 ids and fp16 weights (exllamav3 1.6.5)"
+            )
+        if not (selected.is_contiguous() and weights.is_contiguous() and z.stride(1) == 1):
+            raise RuntimeError(f"{self.module.key}: the router's outputs must be contiguous")
         key_slot = key_score = 0
         key_base = 0
         if self.cache is not None:
