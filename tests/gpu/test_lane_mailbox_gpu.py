@@ -354,3 +354,37 @@ def test_a_working_lane_takes_picks_without_falling_back_and_stays_near_exact(ex
         pa, pb = torch.log_softmax(a[: n + 1], -1), torch.log_softmax(b[: n + 1], -1)
         kl = (pa.exp() * (pa - pb)).sum(-1).mean().item()
         assert kl < 1e-2, f"stream {i}: KL {kl} over the first {n + 1} tokens"
+
+
+def test_publish_takes_the_coldest_misses_and_counts_their_lookups(experts, device):
+    """The budget's worth of distinct missed experts with the lowest lookup counts, ties in pick
+    order; every pick of a taken expert goes (rows share it); hits and other misses stay."""
+    rng = np.random.default_rng(5)
+    cpu = CpuLane(LaneLayout((0,)))
+    with MailboxLane(cpu, [expert_table(experts)]) as lane:
+        mbox = lane.mailboxes[0]
+        mbox.set_budget(2)
+        step = Step(mbox, device, 2)
+        sel = torch.tensor([[0, 1, 2, 3], [2, 4, 5, 6]], device=device)
+        rw = torch.full((2, TOP_K), 0.25, dtype=torch.half, device=device)
+        x16 = torch.from_numpy(rng.standard_normal((2, HIDDEN)).astype(np.float16)).to(device)
+        key_slot = torch.full((NUM_EXPERTS,), -1, dtype=torch.int32, device=device)
+        key_slot[0] = 3  # expert 0 is cached
+        score = torch.tensor([0, 9, 1, 7, 1, 5, 4] + [0] * 9, dtype=torch.int32, device=device)
+        stream = torch.cuda.current_stream().cuda_stream
+        _cuda.lane_publish(
+            step.dev.data_ptr(), sel.data_ptr(), rw.data_ptr(), x16.data_ptr(), 2, TOP_K,
+            HIDDEN, HIDDEN, key_slot.data_ptr(), score.data_ptr(), 0, NUM_EXPERTS,
+            step.orig_sel.data_ptr(), step.orig_w.data_ptr(), 0, stream,
+        )  # fmt: skip
+        torch.cuda.synchronize()
+        # misses 1..6 by count: 2 (1) and 4 (1, later) are the coldest two
+        assert sel.tolist() == [[0, 1, -1, 3], [-1, -1, 5, 6]]
+        assert (rw == 0).tolist() == [[False, False, True, False], [True, True, False, False]]
+        assert score[:7].tolist() == [0, 9, 2, 7, 2, 5, 4]
+        assert (int(mbox.header[1]), int(mbox.header[2])) == (3, 2)  # picks, rows
+        assert mbox.picks[:3].tolist() == [(0, 2, 0.25), (1, 2, 0.25), (1, 4, 0.25)]
+        assert (int(mbox.header[4]), int(mbox.header[5])) == (1, 6)  # distinct hits, misses
+        assert np.array_equal(mbox.rows[:2], x16.float().cpu().numpy())
+        assert step.orig_sel.view(2, TOP_K).tolist() == [[0, 1, 2, 3], [2, 4, 5, 6]]
+        mbox.unpin()
