@@ -9,6 +9,7 @@ import itertools
 import json
 import subprocess
 import sys
+from fractions import Fraction
 from pathlib import Path
 
 import msgspec
@@ -114,9 +115,9 @@ def check_invariants(plan, x):
     assert plan.total_slots == sum(p.cache_slots for p in plan.parts)
 
 
-def brute_force(geo, free: list[int]):
-    """Every cut of the layers over len(free) devices, each device's slots from plan_vram:
-    (best total, the set of per-device slot tuples that reach it, by cut)."""
+def brute_force(geo, free: list[int]) -> dict[tuple, tuple]:
+    """Every cut of the layers over len(free) devices that fits: cut -> each device's slots,
+    from plan_vram (the one-GPU planner) for its layer range."""
     layers, _ = geo
     n, found = layers.num_layers, {}
     for cuts in itertools.combinations(range(1, n), len(free) - 1):
@@ -129,12 +130,17 @@ def brute_force(geo, free: list[int]):
             per.append(slots_of(r))
         else:
             found[cuts] = tuple(per)
-    best = max(sum(v) for v in found.values())
-    return best, {c: v for c, v in found.items() if sum(v) == best}
+    return found
 
 
-def balance(plan):
-    return sum(p.cache_slots**2 / len(p.moe_layers) for p in plan.parts if p.moe_layers)
+def worth(layers, cuts, slots):
+    """The rule's score (multi_gpu's docstring), written out here: sum of 2 S - S^2 / (M E)."""
+    bounds = [0, *cuts, layers.num_layers]
+    out = Fraction(0)
+    for k, s in enumerate(slots):
+        m = sum(layers.moe[bounds[k] : bounds[k + 1]])
+        out += 2 * s - Fraction(s * s, m * layers.num_experts) if m else 0
+    return out
 
 
 @pytest.mark.parametrize(
@@ -143,17 +149,18 @@ def balance(plan):
      ([12 * G, 24 * G], "12 + 24 GB"), ([24 * G, 16 * G, 12 * G], "three cards")],
 )  # fmt: skip
 def test_flash_split_is_the_best_cut_by_the_one_gpu_planner(flash, free, label):
+    layers, _ = flash
     x = inputs(flash, tuple(range(len(free))), dict(enumerate(free)))
     plan = mg.plan_split(x)
     check_invariants(plan, x)
-    best, ties = brute_force(flash, free)
-    assert plan.total_slots == best, label
+    found = brute_force(flash, free)
     cuts = tuple(p.first_layer for p in plan.parts[1:])
-    assert ties[cuts] == tuple(p.cache_slots for p in plan.parts)
-    # among the cuts with the most slots, the one whose parts cache the most even share
-    bal = {c: sum(s * s / sum(flash[0].moe[i] for i in range(a, b)) for s, a, b in
-                  zip(v, (0, *c), (*c, flash[0].num_layers), strict=True)) for c, v in ties.items()}  # fmt: skip
-    assert balance(plan) == pytest.approx(min(bal.values()))
+    assert found[cuts] == tuple(p.cache_slots for p in plan.parts), label
+    assert worth(layers, cuts, found[cuts]) == max(worth(layers, c, v) for c, v in found.items())
+    # the most slots any cut gets, less flooring (a slot and staging's rounding, per part)
+    assert plan.total_slots >= max(sum(v) for v in found.values()) - 3 * len(free)
+    shares = [p.expert_share for p in plan.parts]
+    assert max(shares) - min(shares) < 0.03, shares  # even, to about a layer's granularity
     assert plan.boundaries == len(free) - 1
     assert plan.total_experts == 42 * 288
 
@@ -221,7 +228,9 @@ def test_slice_on_two_cards_caches_every_expert(slice_):
     small = inputs(slice_, (0, 1), {0: 8 * G, 1: 8 * G})
     p2 = mg.plan_split(small)
     check_invariants(p2, small)
-    assert p2.total_slots == brute_force(slice_, [8 * G, 8 * G])[0] < p2.total_experts
+    found = brute_force(slice_, [8 * G, 8 * G])
+    assert p2.total_slots >= max(sum(v) for v in found.values()) - 6
+    assert p2.total_slots < p2.total_experts
 
 
 def test_max_slots_caps_the_total_in_proportion(flash):
@@ -308,6 +317,8 @@ def test_module_devices_follow_the_plan(slice_):
     mods += [Module(f"{p}.norm"), Module("lm_head")]
     cut = plan.parts[1].first_layer
     assert module_devices(mods, plan) == [0] + [0] * cut + [1] * (8 - cut) + [1, 1]
+    with pytest.raises(RuntimeError, match="layer 8 is outside the plan's layers 0-7"):
+        module_devices([*mods, Module(f"{p}.layers.8")], plan)
 
 
 class StandInCache:

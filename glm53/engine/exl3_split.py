@@ -62,7 +62,13 @@ def module_devices(modules, plan: multi_gpu.SplitPlan) -> list[int]:
     for mod in modules:
         m = LAYER_MODULE.search(getattr(mod, "key", "") or "")
         if m is not None:
-            out.append(plan.part_of_layer(int(m[1])).device)
+            layer = int(m[1])
+            if not plan.parts[0].first_layer <= layer < plan.parts[-1].end_layer:
+                raise RuntimeError(
+                    f"exllamav3 module {mod.key}: layer {layer} is outside the plan's layers "
+                    f"0-{plan.parts[-1].end_layer - 1} (num_hidden_layers of config.json)"
+                )
+            out.append(plan.part_of_layer(layer).device)
             seen_layer = True
         else:
             out.append(plan.parts[-1].device if seen_layer else plan.parts[0].device)
@@ -114,6 +120,7 @@ def load_split(
     exl3_hooks.install_hooks()
     from exllamav3 import Cache, Config, Model, Tokenizer
     from exllamav3.util.memory import free_mem
+    from exllamav3.util.tensor import g_tensor_cache
 
     count = torch.cuda.device_count()
     free: dict[int, int] = {}
@@ -177,6 +184,7 @@ def load_split(
                     False, torch.device("cuda", device), config, model.modules[a:b], False
                 )
             free_mem()
+            g_tensor_cache.drop_all()  # as Model.load_gen does after loading
         model.output_device = model.modules[-1].device
         model.active_devices = list(dict.fromkeys(p.device for p in plan.parts))
     except Exception:
