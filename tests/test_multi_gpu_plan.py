@@ -23,7 +23,7 @@ from glm53.doctor.probes import probe_host
 from glm53.doctor.source import FixtureSource
 from glm53.engine import exl3_load
 from glm53.engine import multi_gpu as mg
-from glm53.engine.exl3_split import module_devices
+from glm53.engine.exl3_split import module_devices, planned_devices
 from glm53.models.tokenizer import token_ids
 from glm53.synth.layout import plan as synth_plan
 from glm53.synth.layout import text_config as synth_text_config
@@ -319,6 +319,32 @@ def test_module_devices_follow_the_plan(slice_):
     assert module_devices(mods, plan) == [0] + [0] * cut + [1] * (8 - cut) + [1, 1]
     with pytest.raises(RuntimeError, match="layer 8 is outside the plan's layers 0-7"):
         module_devices([*mods, Module(f"{p}.layers.8")], plan)
+
+
+class LoadingModule(Module):
+    """A stand-in module whose load records the device it was given (exllamav3's own loader
+    calls `module.load(device)` on each top-level module)."""
+
+    def __init__(self, key):
+        super().__init__(key)
+        self.loaded_on = None
+
+    def load(self, device, **kwargs):
+        self.loaded_on = str(device)
+
+
+def test_planned_devices_shadow_each_modules_load_and_go_away():
+    import torch
+
+    mods = [LoadingModule(f"m{i}") for i in range(3)]
+    with planned_devices(mods, [0, 1, 1]):
+        mods[0].load(torch.device("cuda", 0))
+        mods[1].load(torch.device("cuda", 0), max_chunk_size=2048)
+        mods[2].load(torch.device("cpu"))  # a module that prefers host memory keeps it
+    assert [m.loaded_on for m in mods] == ["cuda:0", "cuda:1", "cpu"]
+    assert all("load" not in m.__dict__ for m in mods)
+    mods[1].load("cuda:0")
+    assert mods[1].loaded_on == "cuda:0"
 
 
 class StandInCache:

@@ -6,12 +6,15 @@ allocate on their attention module's device), tested on CPU only through the pla
 (glm53.engine.multi_gpu). tests/gpu/test_multi_gpu.py is the check to run on the H200.
 
 How it loads. The plan (multi_gpu.plan_split, from each device's free VRAM or --vram-budget
-per device) gives each entry a contiguous layer range. exllamav3's own single-device loader
-(`Model._load_single`, the loop `Model.load(device)` runs) is called once per range with that
-range's device, in layer order, under inference mode, so every module is loaded by exllamav3
-exactly as on one GPU, only on its part's device; the embedding keeps preferring host memory,
-and the final norm and lm_head go with the last part. exllamav3's autosplit (`use_per_device`)
-is not used: it cuts where a measuring forward runs out of memory, not where the plan says.
+per device) gives each entry a contiguous layer range. exllamav3's own `Model.load(device)` then
+runs as on one GPU (its gc freeze, deferred loads with per-device slab arenas, free_mem, the
+shared-tensor release and marking the cache initialized all stay exllamav3's), except that each
+top-level module's `load` is shadowed, on that instance only and for the duration of the load,
+by one that passes its part's device instead (`planned_devices`); a module that prefers host
+memory (the embedding) still gets the CPU. The final norm, hc_head and lm_head go with the last
+part. exllamav3's autosplit (`use_per_device`) is not used: it cuts where a measuring forward
+runs out of memory, not where the plan says. With `--gpus 0,0` every module gets GPU 0: the
+exllamav3 load is then the one-GPU load itself.
 
 The experts. The one PinnedExpertHome (pinned, portable, mapped; glm53.tiers.exl3_hooks) takes
 every routed expert's trellis, whatever device its module is on; each module's pointer tables
@@ -24,6 +27,7 @@ with both parts on GPU 0 (exllamav3 then places every module on GPU 0, as one GP
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 from glm53.engine import multi_gpu
@@ -77,15 +81,30 @@ def module_devices(modules, plan: multi_gpu.SplitPlan) -> list[int]:
     return out
 
 
-def _runs(devices: list[int]) -> list[tuple[int, int, int]]:
-    """(device, first, end) runs of equal consecutive devices."""
-    runs: list[tuple[int, int, int]] = []
-    for i, d in enumerate(devices):
-        if runs and runs[-1][0] == d:
-            runs[-1] = (d, runs[-1][1], i + 1)
-        else:
-            runs.append((d, i, i + 1))
-    return runs
+@contextlib.contextmanager
+def planned_devices(modules, devices: list[int]):
+    """While inside, each module's `load(device, ...)` loads on its planned CUDA device instead
+    of the one exllamav3 passes (a CPU device, for a module that prefers host memory, is kept).
+    Instance attributes only: exllamav3's classes are untouched, and the shadows are removed on
+    the way out."""
+    import torch
+
+    def shadow(load, planned):
+        def load_on_plan(device, *args, **kwargs):
+            device = torch.device(device)
+            return load(planned if device.type == "cuda" else device, *args, **kwargs)
+
+        return load_on_plan
+
+    if len(modules) != len(devices):
+        raise ValueError(f"{len(devices)} devices for {len(modules)} modules")
+    try:
+        for mod, d in zip(modules, devices, strict=True):
+            mod.__dict__["load"] = shadow(mod.load, torch.device("cuda", d))
+        yield
+    finally:
+        for mod in modules:
+            mod.__dict__.pop("load", None)
 
 
 def load_split(
@@ -105,7 +124,6 @@ def load_split(
     vram_budget: int | None = None,
 ) -> Loaded:
     """exl3_load.load over `gpus` (two or more entries). vram_budget applies to each device."""
-    import inspect
     import json
     import os
 
@@ -119,8 +137,6 @@ def load_split(
     exl3_hooks.check_exllamav3(allow_unsupported)
     exl3_hooks.install_hooks()
     from exllamav3 import Cache, Config, Model, Tokenizer
-    from exllamav3.util.memory import free_mem
-    from exllamav3.util.tensor import g_tensor_cache
 
     count = torch.cuda.device_count()
     free: dict[int, int] = {}
@@ -163,29 +179,14 @@ def load_split(
     )
     model = Model.from_config(config)
     cache = Cache(model, max_num_tokens=cache_tokens, max_batch_size=max_batch)
-    if list(inspect.signature(model._load_single).parameters)[:5] != [
-        "progressbar", "device", "config", "modules", "verbose",
-    ]:  # fmt: skip
-        raise exl3_hooks.UnsupportedExllamaV3(
-            "this exllamav3's Model._load_single takes other arguments than 1.6.5's; the layer "
-            "split is written for exllamav3 1.6.5 only"
-        )
     first = torch.device("cuda", plan.parts[0].device)
     home = exl3_hooks.PinnedExpertHome(
         model_dir, geo.moe_layers, geo.n_experts, geo.part_bytes, first
     )
     exl3_hooks.register_home(home)
     try:
-        devices = module_devices(model.modules, plan)
-        with torch.inference_mode():
-            free_mem()
-            for device, a, b in _runs(devices):
-                model._load_single(
-                    False, torch.device("cuda", device), config, model.modules[a:b], False
-                )
-            free_mem()
-            g_tensor_cache.drop_all()  # as Model.load_gen does after loading
-        model.output_device = model.modules[-1].device
+        with planned_devices(model.modules, module_devices(model.modules, plan)):
+            model.load(first, max_chunk_size=max_chunk)
         model.active_devices = list(dict.fromkeys(p.device for p in plan.parts))
     except Exception:
         home.close()
