@@ -15,7 +15,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from glm53.config import ConfigurationError, resolve
+from glm53.config import ConfigurationError, from_json, resolve, to_json
 from glm53.doctor import multi_gpu as doctor_mg
 from glm53.doctor.costmodel import GIB
 from glm53.doctor.plan import PlanRequest, make_plan
@@ -292,6 +292,8 @@ def test_gpus_setting_from_flag_and_environment():
     assert resolve({}, {})[0].gpus is None
     assert resolve({"gpus": "0,1"}, {})[0].gpus == (0, 1)
     assert resolve({}, {"GLM53_GPUS": "0, 0"})[0].gpus == (0, 0)
+    settings, sources = resolve({"gpus": "1,0"}, {})
+    assert from_json(to_json(settings, sources))[0].gpus == (1, 0)  # the hand-off to the worker
     with pytest.raises(ConfigurationError, match="GLM53_GPUS='0,x': write indices separated"):
         resolve({}, {"GLM53_GPUS": "0,x"})
 
@@ -426,6 +428,8 @@ def test_doctor_leaves_one_gpu_alone_and_plans_gpus_given():
     assert o.split.boundaries == 0 and o.hop_ms_per_token == 0
     with pytest.raises(ValueError, match="GPU 2, which this host does not have"):
         make_plan(host, PlanRequest(gpus=[0, 2]))
+    with pytest.raises(ValueError, match="GPU 3, which this host does not have .GPUs: 0."):
+        make_plan(host, PlanRequest(gpus=[3]))
 
 
 def test_doctor_names_why_a_host_gets_no_split():

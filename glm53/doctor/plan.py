@@ -503,9 +503,10 @@ def multi_gpu_outlook(
         return None
     listed = [gpus[i] for i in dict.fromkeys(req.gpus or sorted(gpus)) if i in gpus]
     values = [{v.name: float(v.value) for v in _gpu_inputs(g, host)} for g in listed]
-    link = {k: min(v[k] for v in values) for k in ("pcie_gbps", "vram_gbps", "gpu_fp16_tflops")}
-    if not values:
-        link = {"pcie_gbps": 25.0, "vram_gbps": REF_VRAM_GBPS, "gpu_fp16_tflops": REF_FP16_TFLOPS}
+    # no listed GPU is on this host: outlook's planner refuses the list and names the index
+    link = {"pcie_gbps": 25.0, "vram_gbps": REF_VRAM_GBPS, "gpu_fp16_tflops": REF_FP16_TFLOPS}
+    if values:
+        link = {k: min(v[k] for v in values) for k in link}
     free = {i: g.memory_free_mib * 2**20 for i, g in gpus.items()}
     return outlook(free, req.gpus, req.model_dir, link, ec_max_slots)
 

@@ -266,7 +266,8 @@ def load(
     mode's expert cache and staging with plan_vram, as on a card with that much free, so that
     a small card can be emulated on a large one; the other arguments behave as without it.
     `gpus` with two or more entries (--gpus) splits the layers over them (exl3_split; `device`
-    is then unused); None or one entry is the one-GPU load below."""
+    is then unused); None, or one entry (the caller passes it as `device`), is the one-GPU load
+    below, unchanged."""
     import torch
 
     if mode not in ("stock", "zerocopy", "exact"):
