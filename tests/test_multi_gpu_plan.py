@@ -166,21 +166,23 @@ def test_flash_split_is_the_best_cut_by_the_one_gpu_planner(flash, free, label):
 
 
 @pytest.mark.parametrize("stage_gb", [None, 0.5])
-def test_split_total_is_one_card_of_the_same_total_less_the_stated_overheads(flash, stage_gb):
-    free = {0: 24 * G, 1: 24 * G}
-    x = inputs(flash, (0, 1), free, stage_gb)
+@pytest.mark.parametrize("free", [[24 * G, 24 * G], [24 * G, 12 * G], [24 * G, 16 * G, 12 * G]])
+def test_split_total_is_one_card_less_the_stated_overheads(flash, stage_gb, free):
+    free = dict(enumerate(free))
+    x = inputs(flash, tuple(free), free, stage_gb)
     plan = mg.plan_split(x)
-    # one card holding both GPUs' VRAM less the second GPU's activations and reserve
-    budget = sum(free.values()) - x.activation_bytes - x.reserve_bytes
+    extra_devices = len(free) - 1
+    # one card holding all the GPUs' VRAM less the other GPUs' activations and reserves
+    budget = sum(free.values()) - extra_devices * (x.activation_bytes + x.reserve_bytes)
     one = one_gpu(flash, budget, stage_gb=stage_gb)
-    assert one.cache_slots < plan.total_experts  # not capped: the formula below is exact
+    assert one.cache_slots < plan.total_experts  # not capped: the bounds below are exact
     extra_staging = sum(2 * p.stage_slots for p in plan.parts) - 2 * one.stage_slots
     floors = len(plan.parts) - 1  # each GPU floors its own slot count
     assert plan.total_slots >= one.cache_slots - extra_staging - floors
     assert plan.total_slots <= one.cache_slots - extra_staging
-    # and never below one of the GPUs alone
+    # and never below the first GPU alone
     alone = mg.plan_split(msgspec.structs.replace(x, gpus=(0,)))
-    assert alone.total_slots == one_gpu(flash, 24 * G, stage_gb=stage_gb).cache_slots
+    assert alone.total_slots == one_gpu(flash, free[0], stage_gb=stage_gb).cache_slots
     assert plan.total_slots > alone.total_slots
 
 
