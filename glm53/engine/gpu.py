@@ -256,6 +256,7 @@ class GpuEngine:
         allow_unsupported: bool = False,
         heat_file: str | None = None,
         warmup: bool = False,
+        gpus: tuple[int, ...] | None = None,
     ):
         if mode not in ("exact", "stock", "zerocopy"):
             raise ValueError(
@@ -280,7 +281,15 @@ class GpuEngine:
         self.heat_file = heat_file
         self.warmup = warmup
         self.warmup_failed: list[str] = []  # labels of exllamav3 warm-up passes that raised
+        if gpus is not None and len(gpus) == 1:
+            device = f"cuda:{gpus[0]}"  # one entry: the one-GPU path on that GPU
+        self.device = device
+        # two or more entries: the layers split over them (glm53.engine.exl3_split; not yet
+        # run on a GPU)
+        self.gpus = tuple(gpus) if gpus is not None and len(gpus) > 1 else None
         self.description = f"GPU engine (exllamav3 1.6.5 Generator, mode {mode}) on {model_dir}"
+        if self.gpus:
+            self.description += f", layers split over GPUs {','.join(map(str, self.gpus))}"
         self.generation_defaults: dict[str, float] = {}
         self.loaded = None
         self.generator = None
@@ -320,6 +329,7 @@ class GpuEngine:
             ec_freq_window=self.ec_freq_window,
             allow_unsupported=self.allow_unsupported,
             vram_budget=self.vram_budget,
+            gpus=list(self.gpus) if self.gpus else None,
         )
         if self.warmup:
             # exllamav3 picks its GEMM kernels (the cooperative autotuner, keyed by row count up to
@@ -568,4 +578,5 @@ def create(settings, checkpoint_dir) -> GpuEngine:
         ec_freq_window=settings.ec_freq_window,
         vram_budget=settings.vram_budget,
         warmup=settings.warmup,
+        gpus=settings.gpus,
     )
