@@ -227,6 +227,18 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
             kind="size",
         ),
     ] = None
+    gpus: Annotated[
+        tuple[NonNegInt, ...] | None,
+        _s(
+            "GPU engine: the GPUs (CUDA indices) to split the model's layers over, in layer "
+            "order, e.g. 0,1: each holds a contiguous range of layers and an expert cache of its "
+            "own over its MoE layers, all reading misses from the one pinned RAM home. A GPU "
+            "listed twice (0,0) runs the split with both halves on that GPU. Default: GPU 0 "
+            "alone. Not yet run on a GPU (docs/multi-gpu.md).",
+            group="tiers",
+            kind="int_list",
+        ),
+    ] = None
     ec_max_slots: Annotated[
         NonNegInt | None,
         _s("Most VRAM expert slots; default: as many as the VRAM budget allows.", group="tiers"),
@@ -460,6 +472,13 @@ def _convert(info: SettingInfo, raw: Any, origin: str) -> Any:
                 raw = parse_size(raw)
             except ValueError as exc:
                 raise ConfigurationError(f"{where}: {exc}") from None
+        elif info.kind == "int_list":
+            items = [t.strip() for t in raw.split(",")]
+            if not all(re.fullmatch(r"\d+", t) for t in items):
+                raise ConfigurationError(
+                    f"{where}={raw!r}: write indices separated by commas, e.g. 0,1 ({info.description})"
+                )
+            raw = [int(t) for t in items]
     try:
         return msgspec.convert(raw, info.type, strict=False)
     except msgspec.ValidationError as exc:

@@ -102,7 +102,7 @@ buildPython {
   # build checks that every native module imports.
   doCheck = false;
   pythonImportsCheck = [ "glm53" "glm53._clock" "glm53._odirect" "glm53._gemv" "glm53._handoff"
-    "glm53._sample" "glm53.notify" ]
+    "glm53._sample" "glm53._lane" "glm53.notify" ]
     ++ lib.optionals cudaSupport [ "glm53._cuda" ];
 
   meta = {

@@ -9,6 +9,12 @@ from cuda cimport (
     g53_host_device_pointer, g53_host_register, g53_host_unregister, g53_memcpy_async,
     g53_stream_sync,
 )
+# the fast-mode hand-off (cuda/lane_cuda.h)
+from cuda cimport (
+    g53_lane_dev, g53_lane_dev_layout, g53_lane_mbox_layout, g53_lane_publish, g53_lane_select,
+    g53_lane_wait,
+)
+from libc.stdint cimport uint16_t, uint32_t
 
 MAX_PICKS = G53_EC_MAX_PICKS
 
@@ -136,4 +142,62 @@ def ec_layout():
     cdef int64_t offs[64]
     cdef int n = g53_ec_layout(offs, 64)
     _check(0 if n > 0 else n, "g53_ec_layout")
+    return [offs[i] for i in range(n)]
+
+
+# --- fast mode's CPU-lane hand-off (cuda/lane.cu; NOT YET RUN ON A GPU) -----------------------
+
+def lane_publish(uintptr_t dev, uintptr_t sel, uintptr_t rw, uintptr_t x, int n_rows, int top_k,
+                 int hidden, int64_t x_stride, uintptr_t key_slot, uintptr_t key_score,
+                 int key_base, int n_experts, uintptr_t orig_sel, uintptr_t orig_w, int layer,
+                 uintptr_t stream):
+    """Publish a layer's coldest misses to its mailbox and mask them in the selection (see
+    cuda/lane_cuda.h); key_slot / key_score 0 for none."""
+    cdef int rc
+    with nogil:
+        rc = g53_lane_publish(<g53_lane_dev *> dev, <int64_t *> sel, <uint16_t *> rw,
+                              <const uint16_t *> x, n_rows, top_k, hidden, x_stride,
+                              <const int32_t *> key_slot, <uint32_t *> key_score, key_base,
+                              n_experts, <int64_t *> orig_sel, <uint16_t *> orig_w, layer, stream)
+    _check(rc, f"lane publish (layer {layer}, {n_rows} rows x top-{top_k})")
+
+
+def lane_wait(uintptr_t dev, uintptr_t out, int n_rows, int hidden, int64_t out_stride,
+              uintptr_t acc, uintptr_t fb_sel, uintptr_t fb_w, uintptr_t orig_sel,
+              uintptr_t orig_w, int64_t budget_ns, uintptr_t stream):
+    """Bounded device-side wait for the lane's done; acc = out (+ the partial), fallback
+    selection written (see cuda/lane_cuda.h)."""
+    cdef int rc
+    with nogil:
+        rc = g53_lane_wait(<g53_lane_dev *> dev, <const float *> out, n_rows, hidden, out_stride,
+                           <float *> acc, <int64_t *> fb_sel, <uint16_t *> fb_w,
+                           <const int64_t *> orig_sel, <const uint16_t *> orig_w, budget_ns,
+                           stream)
+    _check(rc, f"lane wait ({n_rows} rows)")
+
+
+def lane_select(uintptr_t dev, uintptr_t out, uintptr_t acc, int n_rows, int hidden,
+                int64_t out_stride, uintptr_t stream):
+    """out = acc unless the last wait timed out."""
+    cdef int rc
+    with nogil:
+        rc = g53_lane_select(<g53_lane_dev *> dev, <float *> out, <const float *> acc, n_rows,
+                             hidden, out_stride, stream)
+    _check(rc, f"lane select ({n_rows} rows)")
+
+
+def lane_dev_layout():
+    """Byte offsets of the g53_lane_dev fields in declaration order, then sizeof(g53_lane_dev)."""
+    cdef int64_t offs[16]
+    cdef int n = g53_lane_dev_layout(offs, 16)
+    _check(0 if n > 0 else n, "g53_lane_dev_layout")
+    return [offs[i] for i in range(n)]
+
+
+def lane_mbox_layout(int hidden):
+    """The mailbox offsets compiled into the CUDA library: seq, done, budget, picks, rows,
+    partial, bytes."""
+    cdef int64_t offs[16]
+    cdef int n = g53_lane_mbox_layout(hidden, offs, 16)
+    _check(0 if n > 0 else n, "g53_lane_mbox_layout")
     return [offs[i] for i in range(n)]

@@ -17,6 +17,7 @@ from glm53.doctor.plan import PlanRequest, make_plan
 from glm53.doctor.probes import probe_host
 from glm53.doctor.report import DoctorReport, render, to_json
 from glm53.doctor.source import FixtureSource, LiveSource
+from glm53.engine.multi_gpu import parse_gpus
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
@@ -63,6 +64,13 @@ def add_parser(sub) -> None:
     p.add_argument("--ec-max-slots", metavar="N", type=int, help="most VRAM expert slots")
     p.add_argument("--gpu", metavar="N", type=int, help="plan for this GPU (nvidia-smi index)")
     p.add_argument(
+        "--gpus",
+        metavar="LIST",
+        help="plan serve's --gpus layer split over these GPUs, e.g. 0,1 (0,0: both halves on "
+        "GPU 0); shown per GPU with a predicted decode rate. Default: every GPU when the host "
+        "has two or more",
+    )
+    p.add_argument(
         "--per-gpu",
         action="store_true",
         help="one plan per GPU, for one instance per GPU (glm53@N.service), each with its share "
@@ -97,6 +105,7 @@ def _request(args) -> PlanRequest:
         ec_max_slots=args.ec_max_slots,
         gpu_index=args.gpu,
         compare=args.compare,
+        gpus=list(parse_gpus(args.gpus)) if args.gpus else None,
     )
 
 

@@ -34,6 +34,7 @@ from glm53.doctor.cpu import format_cpu_list
 from glm53.doctor.geometry import GLM53_FLASH, Geometry, geometry_of
 from glm53.doctor.gpu import spec_of
 from glm53.doctor.host import Gpu, HostProbe
+from glm53.doctor.multi_gpu import MultiGpuOutlook, outlook
 from glm53.doctor.prefill import PrefillOutlook, prefill_outlook
 from glm53.doctor.sweep import SweepResult, read_sweep
 from glm53.engine.gpu import SERVED_MODES
@@ -55,6 +56,7 @@ class PlanRequest(msgspec.Struct, frozen=True):
     ec_max_slots: int | None = None
     gpu_index: int | None = None
     compare: str | None = None
+    gpus: list[int] | None = None  # --gpus: plan the layer split over these (multi_gpu.py)
 
 
 class InputValue(msgspec.Struct, frozen=True):
@@ -156,6 +158,8 @@ class Plan(msgspec.Struct):
     # the fastest mode that fits when this build's GPU engine does not serve it yet (it is
     # predicted and shown, never recommended: `glm53 serve` would refuse it)
     planned: Mode | None = None
+    # two or more GPUs on the host, or --gpus: the layer split per GPU and its prediction
+    multi_gpu: MultiGpuOutlook | None = None
 
 
 def _gpu_inputs(gpu: Gpu, host: HostProbe) -> list[InputValue]:
@@ -489,6 +493,24 @@ def model_geometry(model_dir: str | None) -> Geometry:
     return GLM53_FLASH
 
 
+def multi_gpu_outlook(
+    host: HostProbe, req: PlanRequest, ec_max_slots: int | None
+) -> MultiGpuOutlook | None:
+    """The layer split over --gpus, or over every GPU when the host has two or more; None
+    for one GPU without --gpus. The cost-model inputs are the slowest listed GPU's."""
+    gpus = {g.index: g for g in host.gpus or []}
+    if not req.gpus and len(gpus) < 2:
+        return None
+    listed = [gpus[i] for i in dict.fromkeys(req.gpus or sorted(gpus)) if i in gpus]
+    values = [{v.name: float(v.value) for v in _gpu_inputs(g, host)} for g in listed]
+    # no listed GPU is on this host: outlook's planner refuses the list and names the index
+    link = {"pcie_gbps": 25.0, "vram_gbps": REF_VRAM_GBPS, "gpu_fp16_tflops": REF_FP16_TFLOPS}
+    if values:
+        link = {k: min(v[k] for v in values) for k in link}
+    free = {i: g.memory_free_mib * 2**20 for i, g in gpus.items()}
+    return outlook(free, req.gpus, req.model_dir, link, ec_max_slots)
+
+
 def make_plan(host: HostProbe, req: PlanRequest) -> Plan:
     gpus = host.gpus or []
     if host.gpus is None:
@@ -531,6 +553,7 @@ def make_plan(host: HostProbe, req: PlanRequest) -> Plan:
         geometry=geo,
         lane_layout=layout,
     )
+    plan.multi_gpu = multi_gpu_outlook(host, req, ec_max_slots)
     if not feasible:
         plan.headline = "no mode fits this host: demo only (see the checks)"
         plan.steps = ["glm53 serve --demo"]

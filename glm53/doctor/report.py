@@ -14,6 +14,7 @@ from glm53.doctor.costmodel import GIB
 from glm53.doctor.cpu import format_cpu_list
 from glm53.doctor.host import HostProbe
 from glm53.doctor.inputs import LaneLayout, spots
+from glm53.doctor.multi_gpu import MultiGpuOutlook
 from glm53.doctor.plan import ModeOption, Plan
 
 VERDICT_STYLE = {Verdict.OK: "green", Verdict.WARN: "yellow", Verdict.FAIL: "bold red"}
@@ -187,6 +188,37 @@ def _lane_table(layout: LaneLayout) -> Table:
     return t
 
 
+def _multi_gpu_table(o: MultiGpuOutlook) -> Table:
+    """The layer split per GPU (serve --gpus) and its predicted decode, labelled a prediction."""
+    gpus = ",".join(map(str, o.gpus))
+    if o.split is None:
+        t = Table(title=f"Layer split over GPUs {gpus} ({o.chosen_by}): none", title_justify="left")
+        t.add_column("why")
+        _row(t, o.reason)
+        return t
+    s = o.split
+    caption = (
+        f"{o.label}. Exact mode at {s.total_slots:,} slots in all ({s.total_slots / s.total_experts:.1%} "
+        f"of {s.total_experts:,} experts): {o.decode_tok_s} tok/s decode, c1, with "
+        f"{s.boundaries} hop(s) of {s.hop_bytes_per_token // 1024} KiB per token "
+        f"({o.hop_ms_per_token} ms); one GPU with the same cache {o.same_cache_decode_tok_s} "
+        f"tok/s (ratio {o.two_gpu_vs_one_gpu_same_cache}); GPU {o.gpus[0]} alone "
+        f"{o.one_gpu_slots if o.one_gpu_slots is not None else '-'} slots, "
+        f"{o.one_gpu_decode_tok_s if o.one_gpu_decode_tok_s is not None else '-'} tok/s. "
+        f"VRAM planned at {o.settings}."
+    )
+    t = Table(title=f"Layer split over GPUs {gpus} ({o.chosen_by}; serve --gpus {gpus})",
+              title_justify="left", caption=caption, caption_justify="left")  # fmt: skip
+    for col in ("entry", "GPU", "layers", "MoE layers", "non-expert", "KV + state", "staging",
+                "cache slots", "share of its experts"):  # fmt: skip
+        t.add_column(col)
+    for p in s.parts:
+        _row(t, p.entry, p.device, f"{p.first_layer}-{p.end_layer - 1}", len(p.moe_layers),
+             _gib(p.weight_bytes), _gib(p.kv_bytes + p.state_bytes), _gib(p.stage_bytes),
+             f"{p.cache_slots:,}", f"{p.expert_share:.1%}")  # fmt: skip
+    return t
+
+
 def _plan_tables(plan: Plan) -> list:
     out: list = []
     t = Table(title="Modes (predicted, concurrency 1)", title_justify="left")
@@ -259,6 +291,8 @@ def _plan_tables(plan: Plan) -> list:
             str(c.prefill_measured_tok_s),
         )
         out.append(t)
+    if plan.multi_gpu:
+        out.append(_multi_gpu_table(plan.multi_gpu))
     if plan.lane_layout:
         out.append(_lane_table(plan.lane_layout))
     for prop in plan.proposals:

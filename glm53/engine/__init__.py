@@ -126,6 +126,12 @@ def create_engine(settings: Settings) -> Engine:
     is not in this install; never substitutes another one."""
     refuse_unbuilt(settings)
     kind = engine_kind(settings)
+    if settings.gpus is not None and kind != "gpu":
+        raise ConfigurationError(
+            f"--gpus {','.join(map(str, settings.gpus))}: the {kind} engine runs on no GPU, so "
+            "the split would do nothing; leave --gpus (GLM53_GPUS) out, or serve a real "
+            "checkpoint with --engine gpu"
+        )
     if kind == "scripted":
         from glm53.engine.scripted import ScriptedEngine, read_script
 

@@ -79,6 +79,7 @@ class Loaded:
     stager: object | None = None
     vram_plan: VramPlan | None = None  # with a VRAM budget: where the budget went
     resident_bytes: int | None = None  # VRAM the load took (weights, cache), measured
+    split: object | None = None  # --gpus with two or more entries: the SplitPlan (exl3_split)
     nvme: object | None = None  # nvme-exact: glm53.tiers.nvme_device.NvmeHome
 
     def close(self) -> None:
@@ -184,18 +185,25 @@ def plan_vram(x: VramInputs) -> VramPlan:
 
 def cache_geometry(text_config: dict) -> tuple[int, int]:
     """(KV bytes per token, recurrent-state bytes per sequence) of a glm5_next text model in
-    exllamav3's fp16 cache: each DSA layer keeps its MLA latent (kv_lora_rank) and its indexer
-    key (index_head_dim) per token; each KDA layer keeps an fp32 heads x head_dim x head_dim
-    state and the (kernel - 1) last q/k/v conv inputs in fp16 per sequence."""
+    exllamav3's fp16 cache: the sums over its layers of layer_cache_geometry."""
+    per_layer = layer_cache_geometry(text_config)
+    return sum(kv for kv, _ in per_layer), sum(state for _, state in per_layer)
+
+
+def layer_cache_geometry(text_config: dict) -> list[tuple[int, int]]:
+    """Per layer, (KV bytes per token, recurrent-state bytes per sequence) in exllamav3's fp16
+    cache: a DSA layer keeps its MLA latent (kv_lora_rank) and its indexer key (index_head_dim)
+    per token; a KDA layer keeps an fp32 heads x head_dim x head_dim state and the (kernel - 1)
+    last q/k/v conv inputs in fp16 per sequence."""
     tc = text_config
-    types = tc["layer_types"][: tc["num_hidden_layers"]]
-    num_dsa = sum(t != "linear_attention" for t in types)
-    num_kda = len(types) - num_dsa
-    kv = num_dsa * 2 * (tc["kv_lora_rank"] + tc["index_head_dim"])
     la = tc["linear_attn_config"]
     heads, hd, conv = la["num_heads"], la["head_dim"], la["short_conv_kernel_size"]
-    state = num_kda * (4 * heads * hd * hd + 2 * (conv - 1) * 3 * heads * hd)
-    return kv, state
+    kv = 2 * (tc["kv_lora_rank"] + tc["index_head_dim"])
+    state = 4 * heads * hd * hd + 2 * (conv - 1) * 3 * heads * hd
+    return [
+        (0, state) if t == "linear_attention" else (kv, 0)
+        for t in tc["layer_types"][: tc["num_hidden_layers"]]
+    ]
 
 
 def chunk_activation_bytes(text_config: dict, chunk_tokens: int) -> int:
@@ -258,6 +266,7 @@ def load(
     stage_dma: bool | None = None,
     allow_unsupported: bool = False,
     vram_budget: int | None = None,
+    gpus: list[int] | None = None,
     store: str | None = None,
     ram_cap: int | None = None,
     read_timeout_s: float | None = 30.0,
@@ -265,11 +274,25 @@ def load(
     """Load model_dir in `mode`. vram_budget (bytes; None: the device's free VRAM) plans exact
     mode's expert cache and staging with plan_vram, as on a card with that much free, so that
     a small card can be emulated on a large one; the other arguments behave as without it.
-    nvme-exact also takes the store, --ram-cap and the read timeout."""
+    `gpus` with two or more entries (--gpus) splits the layers over them (exl3_split; `device`
+    is then unused); None, or one entry (the caller passes it as `device`), is the one-GPU load
+    below, unchanged. nvme-exact also takes the store, --ram-cap and the read timeout (one GPU)."""
     import torch
 
     if mode not in ("stock", "zerocopy", "exact", "nvme-exact"):
         raise ValueError(f"unknown load mode {mode!r}: stock, zerocopy, exact or nvme-exact")
+    if gpus is not None and len(gpus) > 1:
+        if mode == "nvme-exact":
+            raise ValueError("nvme-exact runs on one GPU: --gpus names more than one")
+        from glm53.engine import exl3_split
+
+        return exl3_split.load_split(
+            model_dir, mode, list(gpus), cache_tokens=cache_tokens, max_batch=max_batch,
+            max_chunk=max_chunk, ec_max_slots=ec_max_slots, ec_reserve_gb=ec_reserve_gb,
+            ec_stage_gb=ec_stage_gb, ec_freq_window=ec_freq_window,
+            stage_min_rows=stage_min_rows, stage_dma=stage_dma,
+            allow_unsupported=allow_unsupported, vram_budget=vram_budget,
+        )  # fmt: skip
     nvme_src = None
     if mode == "nvme-exact":  # refusals (store, fingerprint, --ram-cap) before anything loads
         from glm53.tiers.gpu_home import open_home_source

@@ -257,6 +257,7 @@ class GpuEngine:
         allow_unsupported: bool = False,
         heat_file: str | None = None,
         warmup: bool = False,
+        gpus: tuple[int, ...] | None = None,
         store: str | None = None,
         ram_cap: int | None = None,
         read_timeout_s: float | None = 30.0,
@@ -288,7 +289,15 @@ class GpuEngine:
         self.store, self.ram_cap, self.read_timeout_s = store, ram_cap, read_timeout_s
         self.tier_check = None  # nvme-exact: the latest glm53.tiers.check.TierCheck
         self.warmup_failed: list[str] = []  # labels of exllamav3 warm-up passes that raised
+        if gpus is not None and len(gpus) == 1:
+            device = f"cuda:{gpus[0]}"  # one entry: the one-GPU path on that GPU
+        self.device = device
+        # two or more entries: the layers split over them (glm53.engine.exl3_split; not yet
+        # run on a GPU)
+        self.gpus = tuple(gpus) if gpus is not None and len(gpus) > 1 else None
         self.description = f"GPU engine (exllamav3 1.6.5 Generator, mode {mode}) on {model_dir}"
+        if self.gpus:
+            self.description += f", layers split over GPUs {','.join(map(str, self.gpus))}"
         self.generation_defaults: dict[str, float] = {}
         self.loaded = None
         self.generator = None
@@ -333,6 +342,7 @@ class GpuEngine:
             ec_freq_window=self.ec_freq_window,
             allow_unsupported=self.allow_unsupported,
             vram_budget=self.vram_budget,
+            gpus=list(self.gpus) if self.gpus else None,
             store=self.store,  # these three: nvme-exact only
             ram_cap=self.ram_cap,
             read_timeout_s=self.read_timeout_s,
@@ -647,6 +657,7 @@ def create(settings, checkpoint_dir) -> GpuEngine:
         ec_freq_window=settings.ec_freq_window,
         vram_budget=settings.vram_budget,
         warmup=settings.warmup,
+        gpus=settings.gpus,
     )
 
 
@@ -660,6 +671,10 @@ def _create_nvme_exact(settings, checkpoint_dir) -> GpuEngine:
             "--mode nvme-exact reads the routed experts from a packed store: pass --store DIR "
             "(`glm53 store pack`)"
         )
+    if settings.gpus is not None and len(settings.gpus) > 1:
+        raise ConfigurationError(
+            f"--gpus {','.join(map(str, settings.gpus))}: nvme-exact runs on one GPU; name one"
+        )
     return GpuEngine(
         str(checkpoint_dir),
         "nvme-exact",
@@ -671,6 +686,7 @@ def _create_nvme_exact(settings, checkpoint_dir) -> GpuEngine:
         ec_freq_window=settings.ec_freq_window,
         vram_budget=settings.vram_budget,
         warmup=settings.warmup,
+        gpus=settings.gpus,
         store=settings.store,
         ram_cap=settings.ram_cap,
         read_timeout_s=settings.read_timeout,

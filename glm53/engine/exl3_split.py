@@ -1,0 +1,249 @@
+"""Loading a glm5_next EXL3 checkpoint split over two or more `--gpus` entries (issue #20).
+
+NOT YET RUN ON A GPU: written against exllamav3 1.6.5's loader as read (each module loads on a
+device of its own; `Module.prepare_for_device` moves the hidden state to it; cache layers
+allocate on their attention module's device), tested on CPU only through the planner
+(glm53.engine.multi_gpu). tests/gpu/test_multi_gpu.py is the check to run on the H200.
+
+How it loads. The plan (multi_gpu.plan_split, from each device's free VRAM or --vram-budget
+per device) gives each entry a contiguous layer range. exllamav3's own `Model.load(device)` then
+runs as on one GPU (its gc freeze, deferred loads with per-device slab arenas, free_mem, the
+shared-tensor release and marking the cache initialized all stay exllamav3's), except that each
+top-level module's `load` is shadowed, on that instance only and for the duration of the load,
+by one that passes its part's device instead (`planned_devices`); a module that prefers host
+memory (the embedding) still gets the CPU. The final norm, hc_head and lm_head go with the last
+part. exllamav3's autosplit (`use_per_device`) is not used: it cuts where a measuring forward
+runs out of memory, not where the plan says. With `--gpus 0,0` every module gets GPU 0: the
+exllamav3 load is then the one-GPU load itself.
+
+The experts. The one PinnedExpertHome (pinned, portable, mapped; glm53.tiers.exl3_hooks) takes
+every routed expert's trellis, whatever device its module is on; each module's pointer tables
+get the home's UVA addresses, which every device can read, so there is no second copy in RAM.
+Each part with MoE layers gets its own DeviceExpertCache (and PrefillStager) on its device over
+its layers' home records and tables; every call into it runs under `torch.cuda.device` of that
+device, because glm53's kernels launch on the current device. `--gpus 0,0` runs all of this
+with both parts on GPU 0 (exllamav3 then places every module on GPU 0, as one GPU does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+from glm53.engine import multi_gpu
+from glm53.engine.exl3_load import GIB, Loaded, _check_tables_point_home, moe_geometry
+from glm53.tiers import exl3_hooks
+
+LAYER_MODULE = re.compile(r"\.layers\.(\d+)$")
+
+
+class OnDevice:
+    """A DeviceExpertCache or PrefillStager whose hook-side calls (route, on_layer) run with
+    its device current; the rest of it is reached through `inner`."""
+
+    def __init__(self, inner, device):
+        self.inner, self.device = inner, device
+        self.min_rows = getattr(inner, "min_rows", None)
+
+    def route(self, layer, selected, admit=True):
+        import torch
+
+        with torch.cuda.device(self.device):
+            self.inner.route(layer, selected, admit=admit)
+
+    def on_layer(self, layer):
+        import torch
+
+        with torch.cuda.device(self.device):
+            self.inner.on_layer(layer)
+
+
+def module_devices(modules, plan: multi_gpu.SplitPlan) -> list[int]:
+    """The device of each of exllamav3's top-level modules: a decoder layer its part's, what
+    comes before the first layer (the embedding) the first part's, what comes after the last
+    (final norm, lm_head) the last part's."""
+    out, seen_layer = [], False
+    for mod in modules:
+        m = LAYER_MODULE.search(getattr(mod, "key", "") or "")
+        if m is not None:
+            layer = int(m[1])
+            if not plan.parts[0].first_layer <= layer < plan.parts[-1].end_layer:
+                raise RuntimeError(
+                    f"exllamav3 module {mod.key}: layer {layer} is outside the plan's layers "
+                    f"0-{plan.parts[-1].end_layer - 1} (num_hidden_layers of config.json)"
+                )
+            out.append(plan.part_of_layer(layer).device)
+            seen_layer = True
+        else:
+            out.append(plan.parts[-1].device if seen_layer else plan.parts[0].device)
+    if not seen_layer:
+        raise RuntimeError("exllamav3's model has no `.layers.N` modules: cannot split it")
+    return out
+
+
+@contextlib.contextmanager
+def planned_devices(modules, devices: list[int]):
+    """While inside, each module's `load(device, ...)` loads on its planned CUDA device instead
+    of the one exllamav3 passes (a CPU device, for a module that prefers host memory, is kept).
+    Instance attributes only: exllamav3's classes are untouched, and the shadows are removed on
+    the way out."""
+    import torch
+
+    def shadow(load, planned):
+        def load_on_plan(device, *args, **kwargs):
+            device = torch.device(device)
+            return load(planned if device.type == "cuda" else device, *args, **kwargs)
+
+        return load_on_plan
+
+    if len(modules) != len(devices):
+        raise ValueError(f"{len(devices)} devices for {len(modules)} modules")
+    try:
+        for mod, d in zip(modules, devices, strict=True):
+            mod.__dict__["load"] = shadow(mod.load, torch.device("cuda", d))
+        yield
+    finally:
+        for mod in modules:
+            mod.__dict__.pop("load", None)
+
+
+def load_split(
+    model_dir: str,
+    mode: str,
+    gpus: list[int],
+    cache_tokens: int = 8192,
+    max_batch: int = 4,
+    max_chunk: int = 2048,
+    ec_max_slots: int | None = None,
+    ec_reserve_gb: float = 1.0,
+    ec_stage_gb: float | None = None,
+    ec_freq_window: int | None = None,
+    stage_min_rows: int = 256,
+    stage_dma: bool | None = None,
+    allow_unsupported: bool = False,
+    vram_budget: int | None = None,
+) -> Loaded:
+    """exl3_load.load over `gpus` (two or more entries). vram_budget applies to each device."""
+    import json
+    import os
+
+    import torch
+
+    if mode == "stock":
+        raise ValueError(
+            "--gpus with two or more entries runs modes exact and zerocopy (routed experts in "
+            "the pinned home); stock mode places every expert in VRAM and is the one-GPU reference"
+        )
+    exl3_hooks.check_exllamav3(allow_unsupported)
+    exl3_hooks.install_hooks()
+    from exllamav3 import Cache, Config, Model, Tokenizer
+
+    count = torch.cuda.device_count()
+    free: dict[int, int] = {}
+    for g in dict.fromkeys(gpus):
+        if not 0 <= g < count:
+            raise RuntimeError(
+                f"--gpus names GPU {g}, but torch sees {count} CUDA device(s) (0..{count - 1}); "
+                "check CUDA_VISIBLE_DEVICES"
+            )
+        have = torch.cuda.mem_get_info(torch.device("cuda", g))[0]
+        if vram_budget is not None and vram_budget > have:
+            raise RuntimeError(
+                f"--vram-budget {vram_budget / GIB:.2f} GiB is more than the {have / GIB:.2f} "
+                f"GiB free on cuda:{g}; pass at most that"
+            )
+        free[g] = have if vram_budget is None else vram_budget
+
+    config = Config.from_directory(model_dir)
+    geo = moe_geometry(config.stc)
+    sizes = {}
+    for key, filename in config.stc.tensor_file_map.items():
+        beg, end = config.stc.file_headers[filename][key]["data_offsets"]
+        sizes[key] = end - beg
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        text_config = json.load(f)["text_config"]
+    layers = multi_gpu.model_layers(sizes, text_config)
+    plan = multi_gpu.plan_split(
+        multi_gpu.split_inputs(
+            layers,
+            gpus,
+            free,
+            text_config,
+            cache_tokens,
+            max_batch,
+            max_chunk,
+            ec_reserve_gb,
+            ec_stage_gb,
+            ec_max_slots,
+        )  # fmt: skip
+    )
+    model = Model.from_config(config)
+    cache = Cache(model, max_num_tokens=cache_tokens, max_batch_size=max_batch)
+    first = torch.device("cuda", plan.parts[0].device)
+    home = exl3_hooks.PinnedExpertHome(
+        model_dir, geo.moe_layers, geo.n_experts, geo.part_bytes, first
+    )
+    exl3_hooks.register_home(home)
+    try:
+        with planned_devices(model.modules, module_devices(model.modules, plan)):
+            model.load(first, max_chunk_size=max_chunk)
+        model.active_devices = list(dict.fromkeys(p.device for p in plan.parts))
+    except Exception:
+        home.close()
+        raise
+    finally:
+        exl3_hooks.unregister_home(home)
+    tokenizer = Tokenizer.from_config(config)
+    moe = exl3_hooks.moe_modules(model)
+    loaded = Loaded(mode, config, model, cache, tokenizer, geo, moe, home, split=plan)
+    home_addr = home.home_addresses()
+    _check_tables_point_home(moe, home_addr, home.geo)
+    if mode == "exact":
+        loaded.ec = _attach_caches(
+            plan, moe, geo, home, home_addr, ec_freq_window, stage_min_rows, stage_dma,
+            ec_reserve_gb,
+        )  # fmt: skip
+    return loaded
+
+
+def _attach_caches(plan, moe, geo, home, home_addr, freq_window, min_rows, dma, reserve_gb):
+    """One DeviceExpertCache (+ PrefillStager) per part with MoE layers, over its layers'
+    home records and pointer tables; the planned slots, fewer where the device has less free
+    now than planned (shared in proportion among the parts on one device)."""
+    import torch
+
+    from glm53.tiers.vram_cache import CacheGeometry, DeviceExpertCache, PrefillStager
+
+    rb, n_e = home.geo.record_bytes, home.geo.n_experts
+    index = {layer: i for i, layer in enumerate(geo.moe_layers)}
+    slots_of = {}
+    for dev in plan.devices:
+        parts = [p for p in plan.parts if p.device == dev.device]
+        torch.cuda.synchronize(dev.device)
+        room = torch.cuda.mem_get_info(torch.device("cuda", dev.device))[0]
+        room -= int(reserve_gb * GIB) + sum(p.stage_bytes for p in parts)
+        fit = max(0, room // rb)
+        want = sum(p.cache_slots for p in parts)
+        got = multi_gpu._share(min(fit, want), [p.cache_slots for p in parts])
+        slots_of.update({p.entry: s for p, s in zip(parts, got, strict=True)})
+    caches = []
+    for part in plan.parts:
+        slots = slots_of[part.entry]
+        if not part.moe_layers or slots < 1:
+            caches.append(None)  # its MoE layers (if any) read every expert zero-copy
+            continue
+        mods = [moe[index[layer]] for layer in part.moe_layers]
+        first = index[part.moe_layers[0]]
+        keys = slice(first * n_e, (first + len(mods)) * n_e)
+        dev = torch.device("cuda", part.device)
+        with torch.cuda.device(dev):
+            ec = DeviceExpertCache(
+                CacheGeometry(len(mods), n_e, home.geo.part_bytes), slots, home_addr[keys],
+                exl3_hooks.table_addresses(mods), dev, freq_window=freq_window,
+            )  # fmt: skip
+            stager = None
+            if part.stage_slots > 0:
+                stager = OnDevice(PrefillStager(ec, part.stage_slots, min_rows, dma), dev)
+        exl3_hooks.attach_cache(mods, OnDevice(ec, dev), stager)
+        caches.append(ec)
+    return multi_gpu.SplitCaches(plan, caches, n_e, guard=torch.cuda.device)

@@ -1,0 +1,180 @@
+"""Fast mode's hooks around stock exllamav3 1.6.5's MoE decode forward (cuda/lane_cuda.h's
+sequence). NOT REACHABLE FROM `glm53 serve` (`--mode fast` stays refused on the GPU engine) AND
+NOT YET RUN ON A GPU: this is the wiring a later change would call from the engine.
+
+Two class-level hooks, on top of exl3_hooks' (install those first):
+
+- `BlockSparseMLP.routing_fn`: for a decode call (bsz <= 8) on a module with a `FastLayer`
+  attached, the router's picks go through `g53_lane_publish` before the VRAM cache's route, so
+  the lane's picks (masked as id -1, weight 0) are neither computed on the GPU nor admitted.
+  Prefill calls go through exl3_hooks' routing as before.
+- `BlockSparseMLP.cpu_split_combine`, which exllamav3 calls with the fp32 routed sum right after
+  its MoE call and before the shared expert and post norms: after a publish, it runs the bounded
+  wait + combine, exllamav3's MoE call again on the fallback selection (`bc.run_bszN`), and
+  select, all on the current stream.
+
+A module qualifies only when its routed input is the router's input (no router or routed
+pre-norm, no latent projection) and it has exllamav3's fused decode object (`bc`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from glm53.tiers.exl3_hooks import DECODE_MAX_ROWS
+from glm53.tiers.lane_mailbox import Mailbox, lane_dev_dtype
+
+DEFAULT_BUDGET_NS = 2_000_000  # the device's wait for the lane before it falls back
+
+
+class FastLayer:
+    """The device-side buffers of one MoE module's hand-off: g53_lane_dev, the saved and the
+    fallback selections, the combine scratch. Owned by the engine thread."""
+
+    def __init__(self, module, moe_index: int, mailbox: Mailbox, cache=None, budget_ns=None):
+        import torch
+
+        from glm53 import _cuda
+
+        odd = [n for n in ("router_pre_norm", "routed_pre_norm", "latent_in") if getattr(module, n)]
+        if odd or module.bc is None:
+            raise RuntimeError(
+                f"{module.key}: fast mode needs exllamav3's fused decode path with the router's "
+                f"input as the experts' ({', '.join(odd) or 'no bc'}); serve it in exact mode"
+            )
+        dev = module.device
+        host = np.zeros(1, lane_dev_dtype(_cuda.lane_dev_layout()))
+        host["mbox"] = mailbox.pin()
+        self.module, self.moe_index, self.mailbox, self.cache = module, moe_index, mailbox, cache
+        self.budget_ns = DEFAULT_BUDGET_NS if budget_ns is None else budget_ns
+        self.state = torch.from_numpy(host.view(np.uint8).copy()).to(dev)
+        n_sel = DECODE_MAX_ROWS * module.num_experts_per_tok
+        self.orig_sel = torch.empty(n_sel, dtype=torch.long, device=dev)
+        self.orig_w = torch.empty(n_sel, dtype=torch.half, device=dev)
+        self.fb_sel = torch.empty(n_sel, dtype=torch.long, device=dev)
+        self.fb_w = torch.empty(n_sel, dtype=torch.half, device=dev)
+        self.acc = torch.empty((DECODE_MAX_ROWS, module.hidden_size), dtype=torch.float, device=dev)
+        self.pending_input = None  # the MoE input of a call that published
+
+    def publish(self, z, selected, weights) -> None:
+        import torch
+
+        from glm53 import _cuda
+
+        bsz, top_k = selected.shape
+        if selected.dtype != torch.long or weights.dtype != torch.half:
+            raise RuntimeError(
+                f"{self.module.key}: the router gave {selected.dtype} ids and {weights.dtype} "
+                "weights; the lane's publish reads int64 ids and fp16 weights (exllamav3 1.6.5)"
+            )
+        if not (selected.is_contiguous() and weights.is_contiguous() and z.stride(1) == 1):
+            raise RuntimeError(f"{self.module.key}: the router's outputs must be contiguous")
+        key_slot = key_score = 0
+        key_base = 0
+        if self.cache is not None:
+            key_slot = self.cache._t["key_slot"].data_ptr()
+            if self.cache.freq_window:  # the admission filter's lookup counts: colder is lower
+                key_score = self.cache._t["key_freq"].data_ptr()
+            key_base = self.moe_index * self.cache.geo.n_experts
+        _cuda.lane_publish(
+            self.state.data_ptr(), selected.data_ptr(), weights.data_ptr(), z.data_ptr(), bsz,
+            top_k, self.module.hidden_size, z.stride(0), key_slot, key_score, key_base,
+            self.module.num_experts, self.orig_sel.data_ptr(), self.orig_w.data_ptr(),
+            self.moe_index, torch.cuda.current_stream(z.device).cuda_stream,
+        )  # fmt: skip
+        self.pending_input = z
+
+    def combine(self, final_hidden_states) -> None:
+        import torch
+
+        from glm53 import _cuda
+
+        z, self.pending_input = self.pending_input, None
+        bsz, hidden = z.shape[0], self.module.hidden_size
+        top_k = self.module.num_experts_per_tok
+        out = final_hidden_states.view(-1, hidden)
+        stream = torch.cuda.current_stream(z.device).cuda_stream
+        _cuda.lane_wait(
+            self.state.data_ptr(), out.data_ptr(), bsz, hidden, out.stride(0),
+            self.acc.data_ptr(), self.fb_sel.data_ptr(), self.fb_w.data_ptr(),
+            self.orig_sel.data_ptr(), self.orig_w.data_ptr(), self.budget_ns, stream,
+        )  # fmt: skip
+        fb_sel = self.fb_sel[: bsz * top_k].view(bsz, top_k)
+        fb_w = self.fb_w[: bsz * top_k].view(bsz, top_k)
+        self.module.bc.run_bszN(z, fb_sel, fb_w)  # writes the same out_bszn rows
+        _cuda.lane_select(
+            self.state.data_ptr(), out.data_ptr(), self.acc.data_ptr(), bsz, hidden,
+            out.stride(0), stream,
+        )  # fmt: skip
+
+    def counters(self) -> dict:
+        """published, lane_picks, fallbacks (a device read: syncs the stream)."""
+        from glm53 import _cuda
+
+        st = self.state.cpu().numpy().view(lane_dev_dtype(_cuda.lane_dev_layout()))[0]
+        return {k: int(st[k]) for k in ("published", "lane_picks", "fallbacks")}
+
+
+_installed = False
+
+
+def install_fast_hooks() -> None:
+    """Wrap exl3_hooks' routing property and cpu_split_combine (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    from exllamav3.modules.block_sparse_mlp import BlockSparseMLP
+
+    prop = BlockSparseMLP.__dict__["routing_fn"]
+    if not isinstance(prop, property):
+        raise RuntimeError("install exl3_hooks' hooks (install_hooks) before the fast-mode ones")
+    base_get = prop.fget
+
+    def _get(self):
+        routed = base_get(self)
+        fast = self.__dict__.get("_g53_fast")
+        fn = self.__dict__.get("_g53_routing_fn")
+        if fast is None or fn is None:
+            return routed
+        cache = self.__dict__.get("_g53_cache")
+
+        def fast_routed(bsz, cfg, z, params):
+            if bsz > DECODE_MAX_ROWS or params.get("activate_all_experts"):
+                return routed(bsz, cfg, z, params)
+            selected, weights = fn(bsz, cfg, z, params)
+            fast.publish(z.view(bsz, -1), selected, weights)
+            if cache is not None:
+                cache.route(fast.moe_index, selected.reshape(-1), admit=True)
+            return selected, weights
+
+        return fast_routed
+
+    BlockSparseMLP.routing_fn = property(_get, prop.fset)
+    original_combine = BlockSparseMLP.cpu_split_combine
+
+    def cpu_split_combine(self, final_hidden_states, cpu_partial, cpu_pending, shape):
+        fast = self.__dict__.get("_g53_fast")
+        if fast is not None and fast.pending_input is not None:
+            fast.combine(final_hidden_states)
+        return original_combine(self, final_hidden_states, cpu_partial, cpu_pending, shape)
+
+    cpu_split_combine.__wrapped__ = original_combine
+    BlockSparseMLP.cpu_split_combine = cpu_split_combine
+    _installed = True
+
+
+def attach_fast(modules, mailboxes, cache=None, budget_ns=None) -> list[FastLayer]:
+    """One FastLayer per MoE module (moe_index = position), on its layer's mailbox."""
+    layers = []
+    for i, (mod, mbox) in enumerate(zip(modules, mailboxes, strict=True)):
+        layer = FastLayer(mod, i, mbox, cache, budget_ns)
+        mod.__dict__["_g53_fast"] = layer
+        layers.append(layer)
+    return layers
+
+
+def detach_fast(modules) -> None:
+    for mod in modules:
+        layer = mod.__dict__.pop("_g53_fast", None)
+        if layer is not None:
+            layer.mailbox.unpin()

@@ -1,0 +1,179 @@
+"""Fast mode's GPU <-> CPU-lane hand-off, host side: the mailboxes and the lane that serves them.
+
+A `Mailbox` is one MoE layer-slot's page-aligned host buffer in the layout of
+pyx/lane_mailbox.h (header, picks, fp32 input rows, fp32 partial, done word); `MailboxLane` binds
+one mailbox per layer to that layer's expert table and runs the native poller (glm53._lane) on a
+`CpuLane`'s pool. The device side (cuda/lane.cu: publish, bounded wait + combine, select) reads
+and writes the same bytes through their UVA address once the GPU path registers them
+(`pin`). That device side has not run on a GPU yet; tests/test_lane_mailbox.py drives the lane
+through the same protocol from a host thread that mocks the device.
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Sequence
+
+import numpy as np
+
+from glm53 import _gemv, _lane
+from glm53.tiers.cpu_lane import SWIGLU_LIMIT, CpuLane
+from glm53.tiers.lane_router import LaneRouter
+
+PICK_DTYPE = np.dtype([("row", "<i4"), ("expert", "<i4"), ("weight", "<f4")])
+MAX_ROWS = _lane.MAX_ROWS
+MAX_PICKS = _lane.MAX_PICKS
+# cuda/lane_cuda.h's g53_lane_dev, in declaration order: the device state of one layer-slot
+LANE_DEV_FIELDS = [
+    ("mbox", "<u8"),
+    ("seq", "<u4"),
+    ("pending", "<i4"),
+    ("timed_out", "<i4"),
+    ("n_sel", "<i4"),
+    ("published", "<u8"),
+    ("lane_picks", "<u8"),
+    ("fallbacks", "<u8"),
+]
+
+
+def lane_dev_dtype(layout: Sequence[int]) -> np.dtype:
+    """g53_lane_dev as a numpy dtype at the offsets the CUDA library reports (its
+    `_cuda.lane_dev_layout()`: offsets, then the size)."""
+    if len(layout) != len(LANE_DEV_FIELDS) + 1:
+        raise RuntimeError(
+            f"the CUDA library's g53_lane_dev has {len(layout) - 1} fields, this glm53 expects "
+            f"{len(LANE_DEV_FIELDS)}: rebuild glm53 (pip install -e . or reinstall the package)"
+        )
+    return np.dtype(
+        {
+            "names": [n for n, _ in LANE_DEV_FIELDS],
+            "formats": [f for _, f in LANE_DEV_FIELDS],
+            "offsets": list(layout[:-1]),
+            "itemsize": layout[-1],
+        }
+    )
+
+
+class Mailbox:
+    """One layer-slot's mailbox: `hidden`-wide rows, in its own anonymous mapping (page aligned,
+    so cudaHostRegister can pin it as it is). Views name the sections; `addr` is the host
+    address the native lane and the device (through UVA) use."""
+
+    def __init__(self, hidden: int):
+        self.hidden = hidden
+        self.layout = _lane.layout(hidden)
+        nbytes = self.layout["bytes"]
+        self._map = mmap.mmap(-1, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+        self.buf = np.frombuffer(self._map, dtype=np.uint8)[:nbytes]
+        self.addr = self.buf.ctypes.data
+        self.device_addr: int | None = None  # set by pin()
+        lay = self.layout
+        self.header = self.buf[: lay["n_miss"] + 4].view(np.int32)  # seq, n_picks, ...
+        self.picks = self.buf[lay["picks"] : lay["picks"] + MAX_PICKS * PICK_DTYPE.itemsize].view(
+            PICK_DTYPE
+        )
+        self.rows = self.buf[lay["rows"] : lay["partial"]].view(np.float32).reshape(MAX_ROWS, -1)
+        self.partial = self.buf[lay["partial"] :].view(np.float32).reshape(MAX_ROWS, -1)
+
+    def word(self, name: str) -> int:
+        """Host address of a uint32 field (seq, done, status, budget, ...)."""
+        return self.addr + self.layout[name]
+
+    def load(self, name: str) -> int:
+        return _lane.load_acquire(self.word(name))
+
+    def store(self, name: str, value: int) -> None:
+        _lane.store_release(self.word(name), value)
+
+    @property
+    def seq(self) -> int:
+        return self.load("seq")
+
+    @property
+    def done(self) -> int:
+        return self.load("done")
+
+    @property
+    def status(self) -> int:
+        return int(self.buf[self.layout["status"] : self.layout["status"] + 4].view(np.int32)[0])
+
+    def pin(self) -> int:
+        """Register the mailbox with CUDA (pinned, mapped); returns its device (UVA) address.
+        The GPU path only: needs glm53 built with CUDA. unpin() before the mailbox is dropped
+        (every cudaHostRegister has its unregister)."""
+        from glm53 import _cuda
+
+        if self.device_addr is None:
+            _cuda.host_register(self.addr, len(self._map))
+            self.device_addr = _cuda.host_device_pointer(self.addr)
+        return self.device_addr
+
+    def unpin(self) -> None:
+        from glm53 import _cuda
+
+        if self.device_addr is not None:
+            _cuda.host_unregister(self.addr)
+            self.device_addr = None
+
+    def set_budget(self, experts: int) -> None:
+        """The router's split for this layer: the most experts the device may send."""
+        if not 0 <= experts <= MAX_PICKS:
+            raise ValueError(f"a lane budget of {experts} experts is outside 0..{MAX_PICKS}")
+        self.store("budget", experts)
+
+
+class MailboxLane:
+    """A mailbox per MoE layer, bound to that layer's experts, served by one poller thread on
+    `lane`'s pool. Owned by the engine thread; the poller owns the mailboxes' host lines."""
+
+    def __init__(
+        self,
+        lane: CpuLane,
+        tables: Sequence[_gemv.ExpertTable],
+        act_limit: float = SWIGLU_LIMIT,
+        spin_ns: int = 200_000,
+        max_sleep_ns: int = 200_000,
+    ):
+        if not tables:
+            raise ValueError("MailboxLane: no layers")
+        self.lane = lane
+        self.tables = list(tables)
+        self.mailboxes = [Mailbox(t.hidden) for t in self.tables]
+        self.poller = _lane.Lane(lane.pool, len(self.tables), spin_ns, max_sleep_ns)
+        for i, (mbox, table) in enumerate(zip(self.mailboxes, self.tables, strict=True)):
+            self.poller.set_slot(i, mbox.buf, table, act_limit, lane.variant, lane.precision)
+        self.poller.start()
+        self._observed = [0] * len(self.tables)  # jobs per layer the router has seen
+
+    def stats(self) -> dict:
+        """The lane's counters, with each layer's as `layers` (jobs, busy_ns, last_job_ns,
+        last_picks: the lane's time per layer for /stats and the router)."""
+        st = self.poller.stats()
+        st["layers"] = [self.poller.slot_stats(i) for i in range(len(self.mailboxes))]
+        return st
+
+    def update_budgets(self, router: LaneRouter) -> list[int]:
+        """Between decode steps, on the engine thread: feed `router` the lane's time for each
+        layer's newest job, then set each layer's budget to the router's split of the misses the
+        device last reported (mailbox n_hit / n_miss). Rows per missed expert are not reported,
+        so each miss counts as one row. Returns the budgets."""
+        budgets = []
+        for i, mbox in enumerate(self.mailboxes):
+            st = self.poller.slot_stats(i)
+            if st["jobs"] > self._observed[i]:
+                self._observed[i] = st["jobs"]
+                router.observe_lane(i, [1] * st["last_picks"], st["last_job_ns"] / 1e6)
+            n_hit, n_miss = int(mbox.header[4]), int(mbox.header[5])
+            k = router.split(i, n_hit, [1] * n_miss)
+            mbox.set_budget(min(k, MAX_PICKS))
+            budgets.append(k)
+        return budgets
+
+    def close(self) -> None:
+        self.poller.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
