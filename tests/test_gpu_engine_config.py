@@ -46,6 +46,12 @@ def test_nvme_exact_is_refused_until_its_gpu_tests_ran_unless_asked_for(tmp_path
         5.0,
     )
     assert e.ec_max_slots == 50
+    with pytest.raises(ConfigurationError, match="nvme-exact runs on one GPU"):
+        create(
+            settings("--mode", "nvme-exact", "--allow-unrun-modes", "--store", str(tmp_path),
+                     "--gpus", "0,1"),
+            tmp_path,
+        )  # fmt: skip
 
 
 def test_a_store_is_refused_in_exact_mode(tmp_path):
