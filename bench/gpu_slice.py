@@ -123,8 +123,12 @@ def measure(loaded, vocab, quick=False):
     return out
 
 
-# exact_clock: exact mode with the admission filter off (plain CLOCK), for comparison
-ALL_MODES = ("stock", "zerocopy", "exact", "exact_clock", "stock_offload", "stock_offload_arena")
+# exact_clock: exact mode with the admission filter off (plain CLOCK), for comparison;
+# nvme_exact_ramNN: nvme-exact (exact's VRAM cache over the RAM tier capped at NN % of the
+# experts, filled from --store); measured only when --store is given (not yet run on a GPU)
+ALL_MODES = ("stock", "zerocopy", "exact", "exact_clock", "stock_offload", "stock_offload_arena",
+             "nvme_exact_ram70", "nvme_exact_ram40")  # fmt: skip
+NVME_RAM_SHARE = {"nvme_exact_ram70": 0.7, "nvme_exact_ram40": 0.4}
 
 
 def cache_share(args) -> float | None:
@@ -195,13 +199,18 @@ def measure_mode(args, mode) -> dict:
         res = json.loads(lines[-1])["figures"] if lines else {"error": p.stderr[-2000:]}
         info["split"] = split
         return {"mode": mode, "info": info, "row": res}
-    kw = {}
+    kw, load_mode = {}, mode.split("_")[0]
     if mode.startswith("exact"):
         kw = exact_kwargs(args, mode, geo.n_experts, len(geo.moe_layers))
+    if mode in NVME_RAM_SHARE:
+        load_mode = "nvme-exact"
+        kw = exact_kwargs(args, "exact", geo.n_experts, len(geo.moe_layers))
+        kw.update(store=args.store, ram_cap=nvme_ram_cap(args.store, mode))
+        info["ram_share"] = NVME_RAM_SHARE[mode]
     with torch.inference_mode():
         t0 = time.perf_counter()
         loaded = exl3_load.load(
-            args.model, mode.split("_")[0], cache_tokens=CACHE_TOKENS, max_batch=MAX_BATCH,
+            args.model, load_mode, cache_tokens=CACHE_TOKENS, max_batch=MAX_BATCH,
             max_chunk=MAX_CHUNK, **kw,
         )  # fmt: skip
         load_s = time.perf_counter() - t0
@@ -212,10 +221,21 @@ def measure_mode(args, mode) -> dict:
             row["slots"] = loaded.ec.n_slots
             row["freq_window"] = loaded.ec.freq_window
             row["stage_slots"] = loaded.stager.buf_slots if loaded.stager is not None else 0
+        if loaded.nvme is not None:
+            row["ram"] = loaded.nvme.stats()
         loaded.close()
         del loaded
         torch.cuda.empty_cache()
     return {"mode": mode, "info": info, "row": row}
+
+
+def nvme_ram_cap(store: str, mode: str) -> int:
+    """--ram-cap of an nvme_exact row: its share of the store's records."""
+    with open(os.path.join(store, "manifest.json")) as f:
+        m = json.load(f)
+    layers = sum(not layer.get("is_mtp") for layer in m["layers"])
+    records = layers * m["experts_per_layer"]
+    return int(NVME_RAM_SHARE[mode] * records) * m["record_bytes"]
 
 
 def prediction_inputs(args, slots: int) -> costmodel.CostInputs:
@@ -366,6 +386,8 @@ def combine(results: list[dict], args) -> dict:
         "exact_vs_stock_offload": ratio(ex, c1("stock_offload")),
         "exact_vs_best_stock_offload": ratio(ex, max(offload)) if offload else None,
         "exact_vs_exact_clock": ratio(ex, c1("exact_clock")),
+        "nvme_exact_vs_exact_ram70": ratio(c1("nvme_exact_ram70"), ex),
+        "nvme_exact_vs_exact_ram40": ratio(c1("nvme_exact_ram40"), ex),
         "exact_c4_aggregate_vs_c1": ratio(c4_agg, ex),
         "exact_c1_measured_vs_predicted": (vs_predicted.get("exact") or {}).get("decode_c1_tok_s"),
         "measured_vs_predicted": vs_predicted,
@@ -446,8 +468,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--quick", action="store_true", help="32 decode tokens instead of 128")
     ap.add_argument("--plot", default=None)
-    ap.add_argument("--modes", default=",".join(ALL_MODES),
-                    help=f"comma-separated rows to measure, of {','.join(ALL_MODES)}")  # fmt: skip
+    ap.add_argument("--modes", default=None,
+                    help=f"comma-separated rows to measure, of {','.join(ALL_MODES)} (default: "
+                    "all; the nvme_exact rows only with --store)")  # fmt: skip
+    ap.add_argument("--store", default=None,
+                    help="packed store of --model, for the nvme_exact rows")  # fmt: skip
     ap.add_argument("--rows-dir", default=None,
                     help="write each row to DIR/row-MODE.json as soon as it is measured")  # fmt: skip
     ap.add_argument("--combine", default=None, metavar="DIR",
@@ -461,9 +486,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     else:
         if not args.model:
             ap.error("--model (or GLM53_TEST_SLICE) must name a checkpoint directory")
+        if args.modes is None:
+            args.modes = ",".join(m for m in ALL_MODES if args.store or m not in NVME_RAM_SHARE)
         bad = [m for m in args.modes.split(",") if m and m not in ALL_MODES]
         if bad:
             ap.error(f"--modes: unknown {bad}; choose from {', '.join(ALL_MODES)}")
+        if not args.store and any(m in NVME_RAM_SHARE for m in args.modes.split(",")):
+            ap.error("--modes: the nvme_exact rows need --store DIR (a store of --model)")
     return args
 
 

@@ -264,6 +264,35 @@ __global__ void reset_kernel(g53_ec *ec)
         point_tables(ec, key, resident_base(ec, key));
 }
 
+// nvme-exact (the home table is rewritten by the host: home[key] is the key's RAM-tier slot, or
+// `absent`, a poison record, when no RAM slot holds it). check_homes runs before route: every
+// pick in no VRAM slot whose home is absent is counted in *bad (route would copy or point at
+// the poison record: the host fails the step and flushes the cache). point_picks runs after
+// route and copy: every pick's entries go to its slot or its home, since a home moves between
+// RAM slots while exllamav3's entry still names the old one. Grid-stride, any n_sel.
+__global__ void check_homes_kernel(const g53_ec *ec, const int64_t *sel, int n_sel, int layer,
+                                   int64_t absent, unsigned long long *bad)
+{
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n_sel; i += gridDim.x * blockDim.x) {
+        int64_t e = sel[i];
+        if (e < 0 || e >= ec->n_experts) continue;  // masked picks
+        int key = layer * ec->n_experts + (int)e;
+        if (ec->key_slot[key] < 0 && ec->home[key] == absent) atomicAdd(bad, 1ull);
+    }
+}
+
+__global__ void point_picks_kernel(g53_ec *ec, const int64_t *sel, int n_sel, int layer,
+                                   int64_t absent)
+{
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n_sel; i += gridDim.x * blockDim.x) {
+        int64_t e = sel[i];
+        if (e < 0 || e >= ec->n_experts) continue;
+        int key = layer * ec->n_experts + (int)e;
+        int64_t base = resident_base(ec, key);
+        if (base != absent) point_tables(ec, key, base);  // absent: counted by check_homes
+    }
+}
+
 int status(void)
 {
     cudaError_t e = cudaGetLastError();
@@ -333,6 +362,28 @@ extern "C" int g53_copy_jobs(const int64_t *job_src, const int64_t *job_dst, con
     if (!job_src || !job_dst || !n_jobs || bytes <= 0 || bytes % 16 || n_blocks <= 0)
         return G53_CU_EINVAL;
     copy_jobs_kernel<<<n_blocks, 256, 0, (cudaStream_t)stream>>>(job_src, job_dst, n_jobs, bytes);
+    return status();
+}
+
+extern "C" int g53_ec_check_homes(g53_ec *ec, const int64_t *sel, int n_sel, int layer,
+                                  int64_t absent, uint64_t *bad, uintptr_t stream)
+{
+    if (!ec || !sel || !bad || n_sel < 0 || layer < 0) return G53_CU_EINVAL;
+    if (n_sel == 0) return 0;
+    int blocks = (n_sel + 255) / 256;
+    check_homes_kernel<<<blocks < 64 ? blocks : 64, 256, 0, (cudaStream_t)stream>>>(
+        ec, sel, n_sel, layer, absent, reinterpret_cast<unsigned long long *>(bad));
+    return status();
+}
+
+extern "C" int g53_ec_point_picks(g53_ec *ec, const int64_t *sel, int n_sel, int layer,
+                                  int64_t absent, uintptr_t stream)
+{
+    if (!ec || !sel || n_sel < 0 || layer < 0) return G53_CU_EINVAL;
+    if (n_sel == 0) return 0;
+    int blocks = (n_sel + 255) / 256;
+    point_picks_kernel<<<blocks < 64 ? blocks : 64, 256, 0, (cudaStream_t)stream>>>(
+        ec, sel, n_sel, layer, absent);
     return status();
 }
 

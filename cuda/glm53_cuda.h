@@ -87,6 +87,15 @@ int g53_memcpy_async(void *dst, const void *src, size_t nbytes, uintptr_t stream
 int g53_copy_jobs(const int64_t *job_src, const int64_t *job_dst, const int32_t *n_jobs,
                   int64_t bytes, int n_blocks, uintptr_t stream);
 
+/* nvme-exact: home[key] is rewritten by the host (the RAM-tier slot holding the key, or
+ * `absent`). check_homes (before route) adds to *bad (device) one per pick that is in no VRAM
+ * slot and whose home is absent; point_picks (after route and copy) points every pick's table
+ * entries at its slot or its home (not at an absent one). Any n_sel, masked picks skipped. */
+int g53_ec_check_homes(g53_ec *ec_dev, const int64_t *sel, int n_sel, int layer, int64_t absent,
+                       uint64_t *bad, uintptr_t stream);
+int g53_ec_point_picks(g53_ec *ec_dev, const int64_t *sel, int n_sel, int layer, int64_t absent,
+                       uintptr_t stream);
+
 /* Pinned host memory. */
 int g53_host_register(void *ptr, size_t nbytes);
 int g53_host_unregister(void *ptr);

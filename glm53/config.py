@@ -288,6 +288,15 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
             env="GLM53_WARMUP",
         ),
     ] = False
+    allow_unrun_modes: Annotated[
+        bool,
+        _s(
+            "GPU engine: also run --mode nvme-exact, whose device side has been written but not "
+            "yet run on a GPU; for its GPU tests (tests/gpu/test_nvme_exact_gpu.py). Without "
+            "it the GPU engine refuses that mode.",
+            group="tiers",
+        ),
+    ] = False
     triton_pin: Annotated[
         str | None,
         _s(

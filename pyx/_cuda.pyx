@@ -1,10 +1,11 @@
 # Thin launchers over the glm53 CUDA library: raw device addresses and streams in,
 # a RuntimeError naming the operation out.
-from libc.stdint cimport int32_t, int64_t, uint8_t, uintptr_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t, uintptr_t
 
 from cuda cimport (
-    G53_EC_MAX_PICKS, g53_copy_jobs, g53_cuda_strerror, g53_ec, g53_ec_copy, g53_ec_layout,
-    g53_ec_reset_tables, g53_ec_route, g53_ec_stage, g53_ec_stage_layer, g53_ec_unstage,
+    G53_EC_MAX_PICKS, g53_copy_jobs, g53_cuda_strerror, g53_ec, g53_ec_check_homes, g53_ec_copy,
+    g53_ec_layout, g53_ec_point_picks, g53_ec_reset_tables, g53_ec_route, g53_ec_stage,
+    g53_ec_stage_layer, g53_ec_unstage,
     g53_host_device_pointer, g53_host_register, g53_host_unregister, g53_memcpy_async,
     g53_stream_sync,
 )
@@ -86,6 +87,25 @@ def copy_jobs(uintptr_t job_src, uintptr_t job_dst, uintptr_t n_jobs, int64_t nb
         rc = g53_copy_jobs(<const int64_t *> job_src, <const int64_t *> job_dst,
                            <const int32_t *> n_jobs, nbytes, n_blocks, stream)
     _check(rc, "staging copy")
+
+
+def ec_check_homes(uintptr_t ec, uintptr_t sel, int n_sel, int layer, int64_t absent,
+                   uintptr_t bad, uintptr_t stream):
+    """nvme-exact, before route: count picks in no VRAM slot whose home is absent into *bad."""
+    cdef int rc
+    with nogil:
+        rc = g53_ec_check_homes(<g53_ec *> ec, <const int64_t *> sel, n_sel, layer, absent,
+                                <uint64_t *> bad, stream)
+    _check(rc, f"home check of MoE layer {layer} ({n_sel} picks)")
+
+
+def ec_point_picks(uintptr_t ec, uintptr_t sel, int n_sel, int layer, int64_t absent,
+                   uintptr_t stream):
+    """nvme-exact, after route and copy: point every pick's entries at its slot or its home."""
+    cdef int rc
+    with nogil:
+        rc = g53_ec_point_picks(<g53_ec *> ec, <const int64_t *> sel, n_sel, layer, absent, stream)
+    _check(rc, f"pointing MoE layer {layer}'s picks at their homes")
 
 
 def host_register(uintptr_t ptr, size_t nbytes):

@@ -1,5 +1,5 @@
 # C API of the glm53 CUDA library (cuda/glm53_cuda.h), callable without the GIL.
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uintptr_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t, uintptr_t
 
 cdef extern from "glm53_cuda.h" nogil:
     int G53_EC_MAX_PICKS
@@ -16,6 +16,10 @@ cdef extern from "glm53_cuda.h" nogil:
     int g53_memcpy_async(void *dst, const void *src, size_t nbytes, uintptr_t stream)
     int g53_copy_jobs(const int64_t *job_src, const int64_t *job_dst, const int32_t *n_jobs,
                       int64_t nbytes, int n_blocks, uintptr_t stream)
+    int g53_ec_check_homes(g53_ec *ec, const int64_t *sel, int n_sel, int layer, int64_t absent,
+                           uint64_t *bad, uintptr_t stream)
+    int g53_ec_point_picks(g53_ec *ec, const int64_t *sel, int n_sel, int layer, int64_t absent,
+                           uintptr_t stream)
     int g53_host_register(void *ptr, size_t nbytes)
     int g53_host_unregister(void *ptr)
     int g53_host_device_pointer(void *ptr, uintptr_t *dev_ptr)

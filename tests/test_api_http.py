@@ -261,7 +261,7 @@ def test_verify_without_expert_tiers_is_a_409_and_a_bad_n_a_400(http):
     assert error["code"] == "no_expert_tiers"
     assert error["message"] == (
         "the scripted engine has no tier check: it checks the expert tiers of the engines that "
-        "keep them (the CPU engine's RAM tier)"
+        "keep them (the CPU engine's RAM tier; the GPU engine's in nvme-exact)"
     )
     for bad in ("0", "-3", "many", "4097"):
         r = http.get("/admin/verify", params={"n": bad})

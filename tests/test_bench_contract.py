@@ -156,6 +156,34 @@ def test_gpu_slice_combine_of_deep_rows_reports_the_issue_ratios_and_predictions
     assert r["config"]["vram_budget"] == 24 << 30 and r["config"]["share"] is None
 
 
+def test_gpu_slice_nvme_exact_rows_need_a_store_and_give_their_ratios_against_exact(tmp_path):
+    """MOCK rows (made-up figures; the nvme_exact rows have not run on a GPU): the two ratios
+    issue 17 asks for are each row's c1 over exact's, and the rows need --store."""
+    gs = _gpu_slice()
+    with pytest.raises(SystemExit):
+        gs.parse_args(["--model", "/x", "--modes", "exact,nvme_exact_ram40"])
+    assert "nvme_exact_ram" not in gs.parse_args(["--model", "/x"]).modes
+    assert "nvme_exact_ram40" in gs.parse_args(["--model", "/x", "--store", "/s"]).modes
+    from glm53.doctor.geometry import Geometry
+
+    geo = Geometry("slice", 8, 8, 288, 8, 9_437_184, 1_000_000_000, 3)
+    info = {"moe_layers": 8, "experts": 288, "record_bytes": 9_437_184, "device": "MOCK",
+            "geometry": {f: getattr(geo, f) for f in geo.__struct_fields__}}  # fmt: skip
+    rows = {
+        "exact": _mock_row(40.0, 30.0, 20.0, 80.0, 900.0, 3000.0, 6000.0, decode_hit_rate=0.5,
+                           cache={"layer_hit_rate": [0.5] * 8}, slots=262),
+        "nvme_exact_ram70": _mock_row(36.0, 28.0, 18.0, 72.0, 800.0, 2500.0, 5000.0),
+        "nvme_exact_ram40": _mock_row(20.0, 16.0, 10.0, 40.0, 500.0, 1500.0, 3000.0),
+    }  # fmt: skip
+    for mode, row in rows.items():
+        (tmp_path / f"row-{mode}.json").write_text(
+            json.dumps({"mode": mode, "info": info, "row": row})
+        )
+    ratios = run_bench("gpu_slice", "--combine", str(tmp_path))["ratios"]
+    assert ratios["nvme_exact_vs_exact_ram70"] == 36.0 / 40.0
+    assert ratios["nvme_exact_vs_exact_ram40"] == 20.0 / 40.0
+
+
 def test_prefix_cache_contract(tmp_path):
     from glm53.synth.shapes import preset
     from glm53.synth.writer import write_checkpoint

@@ -23,10 +23,35 @@ def test_exact_mode_maps_every_setting(tmp_path):
     assert (e.context_length, e.num_slots) == (4096, 2)
 
 
-@pytest.mark.parametrize("mode", ["fast", "nvme", "nvme-exact"])
+@pytest.mark.parametrize("mode", ["fast", "nvme"])
 def test_modes_the_gpu_engine_cannot_serve_are_refused(tmp_path, mode):
     with pytest.raises(ConfigurationError, match="exact mode only"):
         create(settings("--mode", mode), tmp_path)
+
+
+def test_nvme_exact_is_refused_until_its_gpu_tests_ran_unless_asked_for(tmp_path):
+    with pytest.raises(ConfigurationError, match="not yet run on a GPU.*--allow-unrun-modes"):
+        create(settings("--mode", "nvme-exact", "--store", str(tmp_path)), tmp_path)
+    with pytest.raises(ConfigurationError, match="pass --store DIR"):
+        create(settings("--mode", "nvme-exact", "--allow-unrun-modes"), tmp_path)
+    e = create(
+        settings("--mode", "nvme-exact", "--allow-unrun-modes", "--store", str(tmp_path),
+                 "--ram-cap", "8G", "--read-timeout", "5", "--ec-max-slots", "50"),
+        tmp_path,
+    )  # fmt: skip
+    assert (e.mode, e.store, e.ram_cap, e.read_timeout_s) == (
+        "nvme-exact",
+        str(tmp_path),
+        8 << 30,
+        5.0,
+    )
+    assert e.ec_max_slots == 50
+    with pytest.raises(ConfigurationError, match="nvme-exact runs on one GPU"):
+        create(
+            settings("--mode", "nvme-exact", "--allow-unrun-modes", "--store", str(tmp_path),
+                     "--gpus", "0,1"),
+            tmp_path,
+        )  # fmt: skip
 
 
 def test_a_store_is_refused_in_exact_mode(tmp_path):

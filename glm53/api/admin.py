@@ -46,7 +46,8 @@ async def verify(state: ServerState, query: bytes, send: Send) -> int:
         raise ApiError(
             409,
             f"the {state.engine.name} engine has no tier check: it checks the expert tiers "
-            "of the engines that keep them (the CPU engine's RAM tier)",
+            "of the engines that keep them (the CPU engine's RAM tier; the GPU engine's in "
+            "nvme-exact)",
             code="no_expert_tiers",
         )
     result = await asyncio.to_thread(check, num_samples)

@@ -4,7 +4,10 @@
                 reference that exact mode must match bit for bit);
 - `zerocopy`:   routed experts' trellis in pinned host memory, read over PCIe by the MoE
                 kernels, no cache (the floor);
-- `exact`:      the same pinned home plus the device-side CLOCK cache in VRAM.
+- `exact`:      the same pinned home plus the device-side CLOCK cache in VRAM;
+- `nvme-exact`: the same cache, with the RAM tier (--ram-cap, filled from the packed --store
+                with O_DIRECT) as the experts' home (glm53.tiers.nvme_device; not yet run on
+                a GPU).
 """
 
 from __future__ import annotations
@@ -77,9 +80,12 @@ class Loaded:
     vram_plan: VramPlan | None = None  # with a VRAM budget: where the budget went
     resident_bytes: int | None = None  # VRAM the load took (weights, cache), measured
     split: object | None = None  # --gpus with two or more entries: the SplitPlan (exl3_split)
+    nvme: object | None = None  # nvme-exact: glm53.tiers.nvme_device.NvmeHome
 
     def close(self) -> None:
         exl3_hooks.detach_cache(self.moe)
+        if self.nvme is not None:
+            self.nvme.close()
         self.model.unload()
         if self.home is not None:
             self.home.close()
@@ -261,18 +267,23 @@ def load(
     allow_unsupported: bool = False,
     vram_budget: int | None = None,
     gpus: list[int] | None = None,
+    store: str | None = None,
+    ram_cap: int | None = None,
+    read_timeout_s: float | None = 30.0,
 ) -> Loaded:
     """Load model_dir in `mode`. vram_budget (bytes; None: the device's free VRAM) plans exact
     mode's expert cache and staging with plan_vram, as on a card with that much free, so that
     a small card can be emulated on a large one; the other arguments behave as without it.
     `gpus` with two or more entries (--gpus) splits the layers over them (exl3_split; `device`
     is then unused); None, or one entry (the caller passes it as `device`), is the one-GPU load
-    below, unchanged."""
+    below, unchanged. nvme-exact also takes the store, --ram-cap and the read timeout (one GPU)."""
     import torch
 
-    if mode not in ("stock", "zerocopy", "exact"):
-        raise ValueError(f"unknown load mode {mode!r}: stock, zerocopy or exact")
+    if mode not in ("stock", "zerocopy", "exact", "nvme-exact"):
+        raise ValueError(f"unknown load mode {mode!r}: stock, zerocopy, exact or nvme-exact")
     if gpus is not None and len(gpus) > 1:
+        if mode == "nvme-exact":
+            raise ValueError("nvme-exact runs on one GPU: --gpus names more than one")
         from glm53.engine import exl3_split
 
         return exl3_split.load_split(
@@ -282,12 +293,20 @@ def load(
             stage_min_rows=stage_min_rows, stage_dma=stage_dma,
             allow_unsupported=allow_unsupported, vram_budget=vram_budget,
         )  # fmt: skip
+    nvme_src = None
+    if mode == "nvme-exact":  # refusals (store, fingerprint, --ram-cap) before anything loads
+        from glm53.tiers.gpu_home import open_home_source
+
+        nvme_src = open_home_source(model_dir, store, ram_cap, rows=max(max_chunk, max_batch))
+        ec_stage_gb = 0.0  # staging copies from home on a side stream: off (gpu_home)
     exl3_hooks.check_exllamav3(allow_unsupported)
     exl3_hooks.install_hooks()
     from exllamav3 import Cache, Config, Model, Tokenizer
 
     config = Config.from_directory(model_dir)
     geo = moe_geometry(config.stc)
+    if nvme_src is not None:
+        _check_store_geometry(nvme_src[0], geo)
     dev = torch.device(device)
     free, _ = torch.cuda.mem_get_info(dev)
     free_before = free
@@ -307,7 +326,7 @@ def load(
             f"{'free' if vram_budget is None else 'budget (--vram-budget)'}"
         )
     plan = None
-    if vram_budget is not None and mode == "exact":
+    if vram_budget is not None and mode in ("exact", "nvme-exact"):
         plan = vram_plan_for(
             model_dir, geo, vram_budget, cache_tokens, max_batch, max_chunk, ec_reserve_gb,
             ec_stage_gb,
@@ -316,9 +335,8 @@ def load(
     cache = Cache(model, max_num_tokens=cache_tokens, max_batch_size=max_batch)
     home = None
     if mode != "stock":
-        home = exl3_hooks.PinnedExpertHome(
-            model_dir, geo.moe_layers, geo.n_experts, geo.part_bytes, dev
-        )
+        kind = exl3_hooks.AbsentExpertHome if nvme_src else exl3_hooks.PinnedExpertHome
+        home = kind(model_dir, geo.moe_layers, geo.n_experts, geo.part_bytes, dev)
         exl3_hooks.register_home(home)
     try:
         model.load(dev, max_chunk_size=max_chunk)
@@ -339,7 +357,7 @@ def load(
 
     home_addr = home.home_addresses()
     _check_tables_point_home(moe, home_addr, home.geo)
-    if mode == "exact":
+    if mode in ("exact", "nvme-exact"):  # one admission path; nvme-exact moves the home
         from glm53.tiers.vram_cache import DeviceExpertCache
 
         rb = home.geo.record_bytes
@@ -374,7 +392,54 @@ def load(
             stager = PrefillStager(ec, stage_slots, min_rows=stage_min_rows, dma=stage_dma)
         exl3_hooks.attach_cache(moe, ec, stager)
         loaded.ec, loaded.stager = ec, stager
+    if nvme_src is not None:
+        rows = max(max_chunk, max_batch)
+        loaded.nvme = _start_nvme(loaded, nvme_src, ram_cap, read_timeout_s, rows)
+        exl3_hooks.attach_nvme(moe, loaded.nvme)
     return loaded
+
+
+def _check_store_geometry(store, geo: MoeGeometry) -> None:
+    """The store's records must be this checkpoint's experts as exllamav3 lays them out: the
+    same MoE layers, experts per layer and trellis sizes (the fingerprint already matched)."""
+    from glm53.tiers.vram_cache import CacheGeometry
+
+    m = store.manifest
+    want = CacheGeometry(len(geo.moe_layers), geo.n_experts, geo.part_bytes)
+    got = (store.moe_layers, store.num_experts, tuple(m.trellis_bytes), m.slot_bytes)
+    have = (geo.moe_layers, geo.n_experts, tuple(geo.part_bytes), want.record_bytes)
+    if got != have:
+        raise RuntimeError(
+            f"the store {store.store_dir} holds MoE layers {got[0]}, {got[1]} experts, trellis "
+            f"{got[2]} bytes in slots of {got[3]}; exllamav3 loads {have[0]}, {have[1]}, "
+            f"{have[2]} in {have[3]}: repack the store from this checkpoint"
+        )
+
+
+def _start_nvme(loaded: Loaded, nvme_src, ram_cap, read_timeout_s, rows):
+    """The RAM tier (planned from free memory when --ram-cap is not set), registered with CUDA
+    as the experts' home (glm53.tiers.nvme_device.NvmeHome)."""
+    from glm53.tiers import ram_budget
+    from glm53.tiers.gpu_home import check_home_cap
+    from glm53.tiers.nvme_device import NvmeHome
+    from glm53.tiers.ram_tier import RamTier
+
+    source, working_set, top_k = nvme_src
+    cap = ram_cap
+    num_records = len(source.moe_layers) * source.num_experts
+    if cap is None:
+        memory = ram_budget.host_memory()
+        cap = ram_budget.planned_cap_bytes(memory, source.record_bytes, num_records)
+        check_home_cap(cap, source.record_bytes, working_set, top_k, rows)
+    limit = exl3_hooks.memlock_limit()
+    if 0 <= limit < min(cap, num_records * source.record_bytes):
+        raise RuntimeError(
+            f"the locked-memory limit is {limit} bytes, but pinning the RAM tier (--ram-cap) "
+            f"needs {cap}: raise it (`ulimit -l unlimited`, or LimitMEMLOCK=infinity in the "
+            "systemd unit) or lower --ram-cap"
+        )
+    return NvmeHome(loaded.ec, RamTier(source, cap, read_timeout_s), loaded.home.address,
+                    loaded.ec.device)  # fmt: skip
 
 
 def _check_tables_point_home(moe, home_addr, geo) -> None:

@@ -35,6 +35,7 @@ experts over the link whatever its length, so coarse boundaries cost little (see
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -257,8 +258,13 @@ class GpuEngine:
         heat_file: str | None = None,
         warmup: bool = False,
         gpus: tuple[int, ...] | None = None,
+        store: str | None = None,
+        ram_cap: int | None = None,
+        read_timeout_s: float | None = 30.0,
     ):
-        if mode not in ("exact", "stock", "zerocopy"):
+        # nvme-exact (the RAM tier over --store as the experts' home) is accepted here; serve
+        # runs it only with --allow-unrun-modes until its GPU tests have passed (create)
+        if mode not in ("exact", "stock", "zerocopy", "nvme-exact"):
             raise ValueError(
                 f"the GPU engine runs mode 'exact' (or the reference modes 'stock' and "
                 f"'zerocopy'); mode {mode!r} needs the CPU lane or the NVMe store, which the GPU "
@@ -280,6 +286,8 @@ class GpuEngine:
         self.vram_budget = vram_budget  # bytes: plan the cache, staging and KV as on that card
         self.heat_file = heat_file
         self.warmup = warmup
+        self.store, self.ram_cap, self.read_timeout_s = store, ram_cap, read_timeout_s
+        self.tier_check = None  # nvme-exact: the latest glm53.tiers.check.TierCheck
         self.warmup_failed: list[str] = []  # labels of exllamav3 warm-up passes that raised
         if gpus is not None and len(gpus) == 1:
             device = f"cuda:{gpus[0]}"  # one entry: the one-GPU path on that GPU
@@ -309,6 +317,11 @@ class GpuEngine:
 
     # --- life cycle ----------------------------------------------------------------------------
     def load(self) -> None:
+        if self.mode == "nvme-exact":  # its refusals come first, before anything loads
+            from glm53.tiers.gpu_home import open_home_source
+
+            rows = max(self.chunk_size, self.num_slots)
+            open_home_source(self.model_dir, self.store, self.ram_cap, rows)[0].close()
         from exllamav3 import Generator
 
         from glm53.engine import exl3_load
@@ -330,6 +343,9 @@ class GpuEngine:
             allow_unsupported=self.allow_unsupported,
             vram_budget=self.vram_budget,
             gpus=list(self.gpus) if self.gpus else None,
+            store=self.store,  # these three: nvme-exact only
+            ram_cap=self.ram_cap,
+            read_timeout_s=self.read_timeout_s,
         )
         if self.warmup:
             # exllamav3 picks its GEMM kernels (the cooperative autotuner, keyed by row count up to
@@ -353,9 +369,44 @@ class GpuEngine:
             **generator_settings(self.num_slots, self.chunk_size, self.recurrent_cache_gb),
         )
         self.heat_file = self.heat_file or exl3_load.heat_path(self.model_dir)
-        if self.loaded.ec is not None and os.path.isfile(self.heat_file):
+        if self.loaded.nvme is not None:
+            self._start_nvme()
+        elif self.loaded.ec is not None and os.path.isfile(self.heat_file):
             with open(self.heat_file) as f:
                 self.loaded.ec.seed(json.load(f)["keys"])
+
+    def _start_nvme(self) -> None:
+        """nvme-exact: warm start (the RAM tier's heat list, then the VRAM cache's among the keys
+        now in RAM), then the tier check; a bad count refuses to serve. /admin/verify repeats
+        the check (verify_tiers, an attribute in this mode only: exact mode has no tier check)."""
+        from glm53.engine.base import EngineUnavailable
+        from glm53.tiers.heat import heat_path, read_heat
+
+        nvme = self.loaded.nvme
+        self.ram_heat_file = heat_path(self.model_dir, "ram", self.store)
+        vram = []
+        if os.path.isfile(self.heat_file):
+            with open(self.heat_file) as f:
+                vram = json.load(f)["keys"]
+        warm = nvme.warm_start(read_heat(self.ram_heat_file, nvme.tier.num_keys), vram)
+        log.info("nvme-exact warm start: %s", warm)
+        self.verify_tiers = self._verify_nvme
+        result = self.verify_tiers(64)
+        (log.info if result.is_ok else log.error)("tier check at start: %s", result.summary())
+        if not result.is_ok:  # closed without writing heat lists of tiers that failed
+            self.generator.close()
+            self.generator = None
+            self.loaded.close()
+            self.loaded = None
+            raise EngineUnavailable(
+                f"the tier check at start failed, so glm53 does not serve: {result.summary()}; "
+                f"check the store with `glm53 store verify --store {self.store}` and repack it"
+            )
+
+    def _verify_nvme(self, num_samples: int):
+        with self.loaded.nvme.lock:
+            self.tier_check = self.loaded.nvme.verify(num_samples)
+        return self.tier_check
 
     def close(self) -> None:
         if self.loaded is None:
@@ -430,9 +481,13 @@ class GpuEngine:
         untouched. A prompt too long for the card's activations fails this request only."""
         import torch
 
+        nvme = self.loaded.nvme  # nvme-exact: the forward reads the store, under the tiers' lock
         try:
-            ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
-            logits = self.loaded.model.forward(ids, {})[0, :, : self.tokenizer.vocab_size]
+            with nvme.lock if nvme is not None else contextlib.nullcontext():
+                ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
+                logits = self.loaded.model.forward(ids, {})[0, :, : self.tokenizer.vocab_size]
+                if nvme is not None:
+                    nvme.check_table_bad()
             return logits.float().cpu()
         except Exception as exc:
             raise EngineError(f"scoring the prompt (prompt logprobs) failed: {exc}") from exc
@@ -454,8 +509,14 @@ class GpuEngine:
         import torch
 
         t0 = time.perf_counter()
+        nvme = self.loaded.nvme
         try:
-            results = self.generator.iterate()
+            if nvme is None:
+                results = self.generator.iterate()
+            else:  # the tiers' owner; a read fault names its layer and expert
+                with nvme.lock:
+                    results = self.generator.iterate()
+                    nvme.check_table_bad()
         except Exception as exc:
             raise EngineError(f"exllamav3 Generator.iterate failed: {exc}") from exc
         vocab = self.tokenizer.vocab_size
@@ -513,6 +574,10 @@ class GpuEngine:
         if self.loaded is not None and self.loaded.ec is not None:
             with self._lock:
                 out["tiers"] = {"vram_cache": self.loaded.ec.state()}
+                if self.loaded.nvme is not None:
+                    out["tiers"]["ram"] = self.loaded.nvme.stats()
+                    if self.tier_check is not None:
+                        out["tiers"]["check"] = self.tier_check.counts()
         return out
 
     def save_heat(self) -> str | None:
@@ -522,6 +587,12 @@ class GpuEngine:
         from glm53.tiers.heat import write_heat
 
         write_heat(self.heat_file, self.model_dir, self.loaded.ec.heat_list())
+        nvme = self.loaded.nvme
+        if nvme is not None:
+            with nvme.lock:  # the tier's owner is the engine thread
+                keys = nvme.tier.heat_list() if nvme.tier.clock.n_used else []
+            if keys:
+                write_heat(self.ram_heat_file, self.model_dir, keys)
         return self.heat_file
 
 
@@ -550,6 +621,14 @@ def create(settings, checkpoint_dir) -> GpuEngine:
     from glm53.config import ConfigurationError
 
     mode = "exact" if settings.mode in ("auto", "exact") else settings.mode
+    if mode == "nvme-exact" and settings.allow_unrun_modes:
+        return _create_nvme_exact(settings, checkpoint_dir)
+    if mode == "nvme-exact":
+        raise ConfigurationError(
+            "--mode nvme-exact: the GPU engine's nvme-exact (the RAM tier over --store as the "
+            "experts' home) is written but has not yet run on a GPU, so serve refuses it; "
+            "--allow-unrun-modes runs it anyway (for its GPU tests). Use --mode exact."
+        )
     if mode not in SERVED_MODES:
         raise ConfigurationError(
             f"--mode {settings.mode}: this build's GPU engine serves exact mode only (VRAM cache + "
@@ -579,4 +658,36 @@ def create(settings, checkpoint_dir) -> GpuEngine:
         vram_budget=settings.vram_budget,
         warmup=settings.warmup,
         gpus=settings.gpus,
+    )
+
+
+def _create_nvme_exact(settings, checkpoint_dir) -> GpuEngine:
+    """nvme-exact under --allow-unrun-modes: exact mode's settings plus the store, --ram-cap
+    and the read timeout (the refusals happen at load, before anything loads)."""
+    from glm53.config import ConfigurationError
+
+    if not settings.store:
+        raise ConfigurationError(
+            "--mode nvme-exact reads the routed experts from a packed store: pass --store DIR "
+            "(`glm53 store pack`)"
+        )
+    if settings.gpus is not None and len(settings.gpus) > 1:
+        raise ConfigurationError(
+            f"--gpus {','.join(map(str, settings.gpus))}: nvme-exact runs on one GPU; name one"
+        )
+    return GpuEngine(
+        str(checkpoint_dir),
+        "nvme-exact",
+        context=settings.context,
+        max_batch=settings.max_batch,
+        chunk_size=settings.chunk_size,
+        ec_max_slots=settings.ec_max_slots,
+        ec_reserve_gb=settings.ec_reserve_gb,
+        ec_freq_window=settings.ec_freq_window,
+        vram_budget=settings.vram_budget,
+        warmup=settings.warmup,
+        gpus=settings.gpus,
+        store=settings.store,
+        ram_cap=settings.ram_cap,
+        read_timeout_s=settings.read_timeout,
     )

@@ -135,19 +135,9 @@ class PinnedExpertHome:
         import torch
         from exllamav3.ext import exllamav3_ext as ext
 
-        layer, expert, proj = int(m["layer"]), int(m["expert"]), PROJ_INDEX[m["proj"]]
-        if layer not in self.moe_index or not 0 <= expert < self.geo.n_experts:
-            raise RuntimeError(f"{key}: not a routed expert of the layers this home was built for")
-        filename = stc.tensor_file_map[key]
-        header = stc.file_headers[filename]
-        h = header[key]
+        layer, expert, proj, filename, header, h = _locate(self, stc, key, m)
         beg, end = h["data_offsets"]
         nbytes = end - beg
-        if h["dtype"] != "I16" or nbytes != self.geo.part_bytes[proj]:
-            raise RuntimeError(
-                f"{key}: expected I16 trellis of {self.geo.part_bytes[proj]} bytes, found "
-                f"{h['dtype']} of {nbytes}: every routed expert of a layer must share its shape"
-            )
         arena = self._arena(layer)
         off = expert * self.geo.record_bytes + self.geo.part_off[proj]
         dst = memoryview(arena.buf)[off : off + nbytes]
@@ -175,7 +165,72 @@ class PinnedExpertHome:
         self.arenas.clear()
 
 
-_homes: dict[str, PinnedExpertHome] = {}
+def _locate(home, stc, key: str, m: re.Match):
+    """(layer, expert, projection, shard, its header, the tensor's header) of a routed expert's
+    trellis, checked against the home's geometry."""
+    layer, expert, proj = int(m["layer"]), int(m["expert"]), PROJ_INDEX[m["proj"]]
+    if layer not in home.moe_index or not 0 <= expert < home.geo.n_experts:
+        raise RuntimeError(f"{key}: not a routed expert of the layers this home was built for")
+    filename = stc.tensor_file_map[key]
+    header = stc.file_headers[filename]
+    h = header[key]
+    beg, end = h["data_offsets"]
+    nbytes = end - beg
+    if h["dtype"] != "I16" or nbytes != home.geo.part_bytes[proj]:
+        raise RuntimeError(
+            f"{key}: expected I16 trellis of {home.geo.part_bytes[proj]} bytes, found "
+            f"{h['dtype']} of {nbytes}: every routed expert of a layer must share its shape"
+        )
+    return layer, expert, proj, filename, header, h
+
+
+class AbsentExpertHome:
+    """nvme-exact's loader side: the routed experts stay in the store, so the loader reads none
+    of them. Every expert's trellis is handed to exllamav3 as a view into one poison record in
+    VRAM (zeros, one record of gate|up|down), so its pointer tables start out pointing there;
+    glm53.tiers.nvme_device points each pick's entries at its VRAM slot or RAM-tier home before
+    the MoE kernel reads them. The poison record is also the device home table's `absent`
+    address: a read of it is a table_bad fault, counted. Not yet run on a GPU."""
+
+    def __init__(self, directory: str, moe_layers: list[int], n_experts: int, part_bytes, device):
+        import torch
+
+        from glm53.tiers.vram_cache import CacheGeometry
+
+        self.directory = os.path.realpath(directory)
+        self.moe_layers = list(moe_layers)
+        self.moe_index = {layer: i for i, layer in enumerate(self.moe_layers)}
+        self.geo = CacheGeometry(len(self.moe_layers), n_experts, tuple(part_bytes))
+        self.device = device
+        self.bytes_pinned = 0
+        self.poison = torch.zeros(self.geo.record_bytes, dtype=torch.uint8, device=device)
+        self.address = self.poison.data_ptr()
+        self.loaded: set = set()
+
+    def home_addresses(self) -> np.ndarray:
+        """The absent address for every key (what the device home table starts with)."""
+        want = 3 * self.geo.n_keys
+        if len(self.loaded) != want:
+            raise RuntimeError(
+                f"{len(self.loaded)} of {want} expert trellis tensors reached the absent home; "
+                "the loader bypassed the hook"
+            )
+        return np.full(self.geo.n_keys, self.address, dtype=np.int64)
+
+    def load(self, stc, key: str, m: re.Match, device):
+        import torch
+
+        layer, expert, proj, _, _, h = _locate(self, stc, key, m)
+        off = self.geo.part_off[proj]
+        self.loaded.add((layer, expert, proj))
+        view = self.poison[off : off + self.geo.part_bytes[proj]]
+        return view.view(torch.int16).view(h["shape"])
+
+    def close(self) -> None:
+        self.poison = None
+
+
+_homes: dict[str, PinnedExpertHome | AbsentExpertHome] = {}
 _installed = False
 
 
@@ -215,9 +270,13 @@ def install_hooks() -> None:
         layer = self.__dict__["_g53_moe_index"]
 
         stager = self.__dict__.get("_g53_stager")
+        nvme = self.__dict__.get("_g53_nvme")  # nvme-exact: glm53.tiers.nvme_device.NvmeHome
 
         def routed(bsz, cfg, z, params):
             selected, weights = fn(bsz, cfg, z, params)
+            if nvme is not None:  # every pick's home made resident first (one sync per layer)
+                nvme.route(layer, selected, bsz <= DECODE_MAX_ROWS, params)
+                return selected, weights
             if params.get("activate_all_experts"):
                 return selected, weights
             if bsz <= DECODE_MAX_ROWS:
@@ -282,6 +341,13 @@ def attach_cache(modules, cache, stager=None) -> None:
         mod.__dict__["_g53_stager"] = stager
 
 
+def attach_nvme(modules, nvme) -> None:
+    """nvme-exact: route every call's picks through `nvme` (after attach_cache)."""
+    for mod in modules:
+        mod.__dict__["_g53_nvme"] = nvme
+
+
 def detach_cache(modules) -> None:
     for mod in modules:
         mod.__dict__.pop("_g53_cache", None)
+        mod.__dict__.pop("_g53_nvme", None)

@@ -268,6 +268,10 @@ class RamTier:
             )
         self._problem = problem
 
+    def stuck_keys(self) -> frozenset[int]:
+        """Keys whose reads timed out and may still land (their slots' bytes are not trusted)."""
+        return frozenset(self._stuck_keys)
+
     def counters(self) -> dict[str, int]:
         return self.clock.counters()
 

@@ -1,0 +1,185 @@
+"""nvme-exact, device side: the RAM tier's arena as the pinned home of exllamav3's experts.
+
+WRITTEN, NOT YET RUN ON A GPU (this build's sessions had no GPU time); tests/gpu/
+test_nvme_exact_gpu.py is what will run it. The host logic it drives (glm53.tiers.gpu_home.
+RamHome) is tested in CI with the real RAM tier, store and O_DIRECT reads.
+
+Per MoE layer, in exllamav3's routing hook (glm53.tiers.exl3_hooks):
+
+1. The picks and, gathered on the device, the VRAM slot of each reach the host in one copy: the
+   one sync per layer that nvme modes cannot avoid, since the store read needs the picks.
+2. RamHome.resolve makes every pick the VRAM cache does not hold resident in the RAM tier (one
+   O_DIRECT batch) and returns home-table writes, scattered into the device cache's `home`.
+3. On the stream, in order: `check_homes` (counts picks with neither a VRAM slot nor a home:
+   table_bad), exact mode's own `route` + `copy` (lookup, admission, slot copy from the RAM
+   home), and `point_picks` (each pick's table entries at its slot or its RAM home).
+
+Exact and nvme-exact share the admission path (DeviceExpertCache.route); only the home moves.
+After each Generator iteration the engine reads the table_bad counter: a non-zero rise fails
+that iteration's requests and flushes the VRAM cache (a slot may hold the poison record).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+
+from glm53.tiers.gpu_home import RamHome, verify_home
+from glm53.tiers.ram_tier import RamTier, TierError
+
+log = logging.getLogger("glm53.tiers")
+
+
+class NvmeHome:
+    """Owns the RAM tier's CUDA registration, the RamHome and the table_bad counter."""
+
+    def __init__(self, ec, tier: RamTier, absent_address: int, device):
+        import torch
+
+        from glm53 import _cuda
+
+        self.ec, self.tier, self.device = ec, tier, torch.device(device)
+        self._cuda = _cuda
+        self.lock = threading.Lock()  # the tiers' owner: iterate, and /admin/verify between
+        self.arena_host = tier.arena.ctypes.data
+        _cuda.host_register(self.arena_host, tier.ram_cap_bytes)
+        self.registered = True
+        arena_dev = _cuda.host_device_pointer(self.arena_host)
+        self.home = RamHome(tier, arena_dev, absent_address)
+        self.absent = int(absent_address)
+        self.bad = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.table_bad = 0  # as last read from the device
+        self.moe_layers = tier.source.moe_layers
+        self._home_t = ec._t["home"]
+        self._key_slot = ec._t["key_slot"]
+
+    # --- per layer, from the routing hook --------------------------------------------------
+    def route(self, layer: int, selected, decode: bool, params: dict) -> None:
+        import torch
+
+        n_exp = self.ec.geo.n_experts
+        if params.get("activate_all_experts"):  # every expert of the layer is read
+            sel = torch.arange(n_exp, dtype=torch.int64, device=self.device)
+        else:
+            sel = selected.reshape(-1)
+        if not sel.is_contiguous() or sel.dtype != torch.int64:
+            raise TierError("exllamav3's selected experts are not a contiguous int64 tensor")
+        valid = (sel >= 0) & (sel < n_exp)
+        keys = torch.where(valid, sel + layer * n_exp, torch.zeros_like(sel))
+        slots = torch.where(valid, self._key_slot[keys].long(), torch.full_like(sel, -1))
+        host = torch.cat((sel, slots)).cpu().numpy()  # the one sync of this layer
+        n = sel.numel()
+        picks, in_vram = host[:n], host[n:] >= 0
+        try:
+            update = self.home.resolve(self.moe_layers[layer], picks, in_vram)
+        except Exception:
+            self._write(self.home.take_pending())  # evictions a failed wave made
+            raise
+        self._write(update)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        if decode:
+            run = sel
+        else:  # prefill: the distinct picks only (exact mode's prefill admits nothing)
+            distinct = np.unique(picks[(picks >= 0) & (picks < n_exp)])
+            run = torch.from_numpy(distinct.astype(np.int64)).to(self.device)
+        ptr = self.ec._ptr
+        self._cuda.ec_check_homes(
+            ptr, run.data_ptr(), run.numel(), layer, self.absent, self.bad.data_ptr(), stream
+        )
+        if decode:
+            self.ec.route(layer, run, admit=True)
+        self._cuda.ec_point_picks(ptr, run.data_ptr(), run.numel(), layer, self.absent, stream)
+
+    def _write(self, update) -> None:
+        import torch
+
+        if len(update) == 0:
+            return
+        keys = torch.from_numpy(update.keys).to(self.device)
+        self._home_t[keys] = torch.from_numpy(update.addresses).to(self.device)
+
+    # --- per iteration, from the engine ------------------------------------------------------
+    def check_table_bad(self) -> None:
+        """After an iteration: a pick read the poison record (host and device disagreed on a
+        home). Fail the iteration and flush the VRAM cache, whose slots may hold poison."""
+        now = int(self.bad.item())
+        if now == self.table_bad:
+            return
+        grew, self.table_bad = now - self.table_bad, now
+        self.flush_vram()
+        log.error("table_bad rose by %d: picks found no home; the VRAM cache was flushed", grew)
+        raise TierError(
+            f"{grew} expert picks of this step found neither a VRAM slot nor a RAM-tier home "
+            "(table_bad); the step's output is not trusted and its requests fail; the VRAM "
+            "cache was flushed. Please report this with the server log."
+        )
+
+    def flush_vram(self) -> None:
+        import torch
+
+        t = self.ec._t
+        t["key_slot"].fill_(-1)
+        t["slot_key"].fill_(-1)
+        t["slot_ref"].zero_()
+        off = self.ec._dtype.fields["n_used"][1]
+        self.ec._struct[off : off + 4] = torch.zeros(4, dtype=torch.uint8, device=self.device)
+        self.ec.reset_tables()
+
+    # --- start and checks --------------------------------------------------------------------
+    def warm_start(self, ram_keys, vram_keys) -> dict:
+        """Seed the RAM tier from its heat list, write the homes, then seed the VRAM cache with
+        those of its heat list whose homes are now present (a seed copies from the home)."""
+        out = self.tier.seed(ram_keys) if ram_keys else {"seeded": 0, "error": ""}
+        self._write(self.home.sync_all())
+        present = self.home.home_of != self.absent
+        keys = [int(k) for k in vram_keys if 0 <= int(k) < len(present) and present[int(k)]]
+        out["vram_seeded"] = self.ec.seed(keys) if keys else 0
+        return out
+
+    def verify(self, num_samples: int, seed=None):
+        """The tier check (glm53.tiers.gpu_home.verify_home) with the VRAM slots and the device
+        home table; call it under `lock`."""
+        table = self._home_t.cpu().numpy()
+        return verify_home(
+            self.home, num_samples, table, vram=VramSlots(self.ec, self.moe_layers), seed=seed
+        )
+
+    def stats(self) -> dict:
+        return {
+            "slots": self.tier.num_slots,
+            "cap_bytes": self.tier.ram_cap_bytes,
+            "resident": self.tier.clock.n_used,
+            **self.tier.faults,
+            **self.home.counters,
+            "table_bad": self.table_bad,
+        }
+
+    def close(self) -> None:
+        if self.registered:
+            self._cuda.host_unregister(self.arena_host)
+            self.registered = False
+        self.tier.close()
+
+
+class VramSlots:
+    """The device cache as glm53.tiers.check.VramRecords: its resident (layer, expert, slot)
+    triples and a host copy of a slot (one small device-to-host copy each)."""
+
+    def __init__(self, ec, moe_layers):
+        self.ec, self.moe_layers = ec, moe_layers
+        self.slot_bytes = ec.geo.record_bytes
+
+    def resident(self) -> list[tuple[int, int, int]]:
+        n_exp = self.ec.geo.n_experts
+        keys = self.ec.slot_keys()
+        return [
+            (self.moe_layers[int(k) // n_exp], int(k) % n_exp, s)
+            for s, k in enumerate(keys.tolist())
+            if k >= 0
+        ]
+
+    def slot_copy(self, slot: int) -> np.ndarray:
+        rb = self.slot_bytes
+        return self.ec._t["slots"][slot * rb : (slot + 1) * rb].cpu().numpy()

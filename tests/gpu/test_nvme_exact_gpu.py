@@ -1,0 +1,183 @@
+"""nvme-exact against stock exllamav3 1.6.5's own Generator: greedy tokens and logits identical
+(torch.equal) with the RAM tier capped at 40 % and 70 % of the routed experts and the VRAM cache
+at the 24 GB card's 11.4 % share, in-process and through the real server; the tier check at
+start and on demand (/admin/verify) clean, and a flipped store byte caught by it.
+
+WRITTEN, NOT YET RUN ON A GPU. Needs GLM53_TEST_SLICE (a `glm53 synth --preset slice`
+checkpoint); the store is packed from it into a temporary directory unless
+GLM53_TEST_SLICE_STORE names one already packed from it (about 22 GB). The reference runs in a
+subprocess that never imports glm53 (tools/exl3_reference.py), as in test_generator_parity.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("exllamav3")
+pytest.importorskip("glm53._cuda")
+httpx = pytest.importorskip("httpx")
+
+from glm53.engine.gpu import GpuEngine  # noqa: E402
+from glm53.engine.sampling import SamplingParams  # noqa: E402
+from glm53.engine.scheduler import GenerationRequest  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests"))
+from serving_kit import Server  # noqa: E402
+from store_kit import flip_byte  # noqa: E402
+
+LENGTHS = (1, 9, 257, 2049, 5000)
+N_NEW = int(os.environ.get("GLM53_PARITY_NEW", "48"))
+CHUNK, CONTEXT = 2048, 8192
+VRAM_SHARE = 0.114  # the 24 GB RTX 3090's share of the experts
+RAM_SHARES = (0.4, 0.7)
+
+
+def _config(path):
+    cfg = json.loads(Path(path, "config.json").read_text())
+    return cfg.get("text_config", cfg)
+
+
+def _num_records(path) -> int:
+    tc = _config(path)
+    return sum(t == "sparse" for t in tc["mlp_layer_types"]) * tc["n_routed_experts"]
+
+
+def _ids(vocab, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    path = os.environ.get("GLM53_TEST_SLICE")
+    if not path or not os.path.isfile(os.path.join(path, "config.json")):
+        pytest.skip("no slice checkpoint (GLM53_TEST_SLICE)")
+    tmp = tmp_path_factory.mktemp("nvme-exact")
+    store = os.environ.get("GLM53_TEST_SLICE_STORE")
+    if not store:
+        from glm53.store.pack import pack
+
+        store = str(tmp / "store")
+        pack(path, store, include_mtp=False, io_threads=8)
+    vocab = _config(path)["vocab_size"]
+    prompts = {n: _ids(vocab, n, 3000 + n) for n in LENGTHS}
+    spec = {
+        "model": path, "max_new_tokens": N_NEW, "cache_tokens": 16384, "max_chunk_size": CHUNK,
+        "runs": [{"prompts": [prompts[n] for n in LENGTHS]}],
+    }  # fmt: skip
+    (tmp / "spec.json").write_text(json.dumps(spec))
+    subprocess.run(
+        [sys.executable, str(REPO / "tools" / "exl3_reference.py"), str(tmp / "spec.json"),
+         str(tmp / "ref.pt")],
+        check=True, timeout=1200,
+    )  # fmt: skip
+    ref = torch.load(tmp / "ref.pt")[0]
+    record = json.loads(Path(store, "manifest.json").read_text())["record_bytes"]
+    out = {
+        "path": path,
+        "store": store,
+        "tmp": tmp,
+        "prompts": prompts,
+        "ref": dict(zip(LENGTHS, ref, strict=True)),
+        "slots": max(8, int(VRAM_SHARE * _num_records(path))),
+        "cap": {s: int(s * _num_records(path)) * record for s in RAM_SHARES},
+        "record": record,
+    }
+    yield out
+    if not os.environ.get("GLM53_TEST_SLICE_STORE"):
+        shutil.rmtree(store, ignore_errors=True)
+
+
+def _run(engine, prompt):
+    req = GenerationRequest(prompt_ids=prompt, sampling=SamplingParams(temperature=0.0))
+    engine.start(0, req, N_NEW, return_logits=True)
+    tokens, logits = [], []
+    while engine.has_work():
+        for o in engine.iterate():
+            assert o.finish != "error", o.error
+            tokens.extend(o.token_ids)
+            if o.logits is not None:
+                logits.append(o.logits.cpu())
+    return tokens, torch.cat(logits)
+
+
+@pytest.mark.parametrize("share", RAM_SHARES)
+def test_in_process_nvme_exact_equals_stock_exllamav3(case, share):
+    e = GpuEngine(
+        case["path"], "nvme-exact", context=CONTEXT, max_batch=4, chunk_size=CHUNK,
+        ec_max_slots=case["slots"], heat_file=str(case["tmp"] / f"heat-{share}.json"),
+        store=case["store"], ram_cap=case["cap"][share],
+    )  # fmt: skip
+    e.load()
+    try:
+        for n in LENGTHS:
+            tokens, logits = _run(e, case["prompts"][n])
+            want = case["ref"][n]
+            assert tokens == want["tokens"], f"RAM {share:.0%}, prompt of {n}: tokens differ"
+            diff = (logits - want["logits"]).abs().max().item()
+            assert torch.equal(logits, want["logits"]), f"prompt of {n}: logits differ by {diff}"
+        ram = e.stats()["tiers"]["ram"]
+        assert ram["table_bad"] == 0 and ram["read_errors"] == 0
+        assert ram["ram_reads"] > ram["slots"]  # the cap made the tier evict and read again
+        check = e.verify_tiers(64)
+        assert check.is_ok, check.summary()
+        assert check.vram_checked > 0 and check.table_checked > 0
+    finally:
+        e.close()
+
+
+@pytest.fixture(scope="module", params=RAM_SHARES)
+def server(case, request):
+    share = request.param
+    tmp = case["tmp"] / f"server-{share}"
+    tmp.mkdir()
+    store = tmp / "store"  # a private copy: the last test flips a byte of it
+    shutil.copytree(case["store"], store)
+    args = ["--engine", "gpu", "--mode", "nvme-exact", "--allow-unrun-modes", "--model",
+            case["path"], "--store", str(store), "--ram-cap", str(case["cap"][share]),
+            "--context", str(CONTEXT), "--chunk-size", str(CHUNK), "--max-batch", "4",
+            "--ec-max-slots", str(case["slots"])]  # fmt: skip
+    srv = Server(args, env={"XDG_CACHE_HOME": str(tmp / "cache")}, log_path=tmp / "server.log")
+    srv.wait_ready(timeout_s=900)
+    yield srv, store, share
+    assert srv.stop() == 0, srv.log()
+    shutil.rmtree(store, ignore_errors=True)
+
+
+def test_server_nvme_exact_generates_what_stock_exllamav3_generates(case, server):
+    srv, _, share = server
+    assert "tier check at start: ram_bad=0 vram_bad=0 table_bad=0" in srv.log()
+    for n in LENGTHS:
+        body = {"input_ids": case["prompts"][n], "sampling_params": {
+            "temperature": 0, "max_new_tokens": N_NEW, "ignore_eos": True}}  # fmt: skip
+        r = httpx.post(srv.url + "/generate", json=body, timeout=600)
+        assert r.status_code == 200, r.text
+        assert r.json()["output_ids"] == case["ref"][n]["tokens"], f"RAM {share:.0%}, {n}"
+    ram = httpx.get(srv.url + "/stats", timeout=60).json()["engine"]["tiers"]["ram"]
+    assert ram["table_bad"] == 0 and ram["ram_reads"] > 0
+
+
+def test_verify_on_demand_is_clean_then_reports_a_flipped_store_byte(case, server):
+    srv, store, _ = server
+    r = httpx.get(srv.url + "/admin/verify?n=64", timeout=600)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["ok"] and (body["ram_bad"], body["vram_bad"], body["table_bad"]) == (0, 0, 0)
+    # flip a byte in every record of the first MoE layer: resident or not, the sample finds them
+    experts = _config(case["path"])["n_routed_experts"]
+    for e in range(experts):
+        flip_byte(store / "experts.bin", e * case["record"] + 4097)
+    r = httpx.get(srv.url + "/admin/verify?n=4096", timeout=600)
+    body = r.json()
+    assert not body["ok"] and body["ram_bad"] > 0
+    first_layer = min(b["layer"] for b in body["bad"])
+    assert all(b["layer"] == first_layer for b in body["bad"] if b["tier"] == "ram")
