@@ -291,9 +291,10 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     allow_unrun_modes: Annotated[
         bool,
         _s(
-            "GPU engine: also run --mode nvme-exact, whose device side has been written but not "
-            "yet run on a GPU; for its GPU tests (tests/gpu/test_nvme_exact_gpu.py). Without "
-            "it the GPU engine refuses that mode.",
+            "GPU engine: also run the paths whose device side has been written but not yet run "
+            "on a GPU: --mode nvme-exact and --gpus with two or more entries; for their GPU "
+            "tests (tests/gpu/test_nvme_exact_gpu.py, tests/gpu/test_multi_gpu.py). Without it "
+            "the GPU engine refuses them.",
             group="tiers",
         ),
     ] = False

@@ -193,3 +193,13 @@ def test_the_gpu_engine_takes_the_vram_budget(tmp_path):
     e = create(settings("--vram-budget", "24G"), tmp_path)
     assert e.vram_budget == 24 << 30
     assert create(settings(), tmp_path).vram_budget is None
+
+
+def test_a_split_over_gpus_is_refused_until_its_gpu_tests_have_run(tmp_path):
+    with pytest.raises(ConfigurationError, match="--gpus 0,1: the layer split .* not yet run"):
+        create(settings("--gpus", "0,1"), tmp_path)
+    with pytest.raises(ConfigurationError, match="--gpus 0,0: the layer split"):
+        create(settings("--gpus", "0,0"), tmp_path)
+    assert create(settings("--gpus", "0,1", "--allow-unrun-modes"), tmp_path).gpus == (0, 1)
+    one = create(settings("--gpus", "1"), tmp_path)  # one entry: the one-GPU path on that GPU
+    assert (one.gpus, one.device) == (None, "cuda:1")

@@ -41,7 +41,7 @@ class MultiGpuOutlook(msgspec.Struct):
     one_gpu_decode_tok_s: float | None = None  # the first GPU alone (its own cache)
     same_cache_decode_tok_s: float | None = None  # one GPU with the split's total cache
     two_gpu_vs_one_gpu_same_cache: float | None = None  # the ratio bench/multi_gpu.py measures
-    label: str = "prediction (cost model; the split has not run on a GPU)"
+    label: str = "prediction (cost model; the split has not run on a GPU: serve needs --allow-unrun-modes for it)"
 
 
 @functools.cache

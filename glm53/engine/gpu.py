@@ -621,6 +621,13 @@ def create(settings, checkpoint_dir) -> GpuEngine:
     from glm53.config import ConfigurationError
 
     mode = "exact" if settings.mode in ("auto", "exact") else settings.mode
+    if settings.gpus is not None and len(settings.gpus) > 1 and not settings.allow_unrun_modes:
+        raise ConfigurationError(
+            f"--gpus {','.join(map(str, settings.gpus))}: the layer split over several GPUs "
+            "(docs/multi-gpu.md) is written but has not yet run on a GPU, so serve refuses it; "
+            "--allow-unrun-modes runs it anyway (for its GPU tests). Name one GPU, or run one "
+            "replica per GPU behind a router (docs/fleet.md)."
+        )
     if mode == "nvme-exact" and settings.allow_unrun_modes:
         return _create_nvme_exact(settings, checkpoint_dir)
     if mode == "nvme-exact":

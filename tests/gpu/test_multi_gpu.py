@@ -159,7 +159,7 @@ def test_server_with_halves_on_one_gpu_gives_stock_tokens_and_per_gpu_counters(c
     tmp = case["tmp"]
     args = ["--engine", "gpu", "--mode", "exact", "--model", case["path"], "--context",
             str(CONTEXT), "--chunk-size", str(CHUNK), "--max-batch", "4",
-            "--ec-max-slots", str(_slots(case["path"])), "--gpus", "0,0"]  # fmt: skip
+            "--ec-max-slots", str(_slots(case["path"])), "--gpus", "0,0", "--allow-unrun-modes"]  # fmt: skip
     srv = Server(args, env={"XDG_CACHE_HOME": str(tmp / "cache")}, log_path=tmp / "server.log")
     try:
         srv.wait_ready(timeout_s=900)
