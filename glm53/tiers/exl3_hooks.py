@@ -69,20 +69,25 @@ class _LayerArena:
     filled: set = field(default_factory=set)
 
 
+def _init_home(home, directory: str, moe_layers: list[int], n_experts: int, part_bytes, device):
+    """What every expert home knows: its checkpoint, its MoE layers and the record geometry."""
+    from glm53.tiers.vram_cache import CacheGeometry
+
+    home.directory = os.path.realpath(directory)
+    home.moe_layers = list(moe_layers)
+    home.moe_index = {layer: i for i, layer in enumerate(home.moe_layers)}
+    home.geo = CacheGeometry(len(home.moe_layers), n_experts, tuple(part_bytes))
+    home.device = device
+    home.bytes_pinned = 0
+
+
 class PinnedExpertHome:
     """Routed experts' trellis in pinned, mapped host arenas: one arena per MoE layer,
     record-major (`record = expert`, gate|up|down at `part_off`), registered with CUDA."""
 
     def __init__(self, directory: str, moe_layers: list[int], n_experts: int, part_bytes, device):
-        from glm53.tiers.vram_cache import CacheGeometry
-
-        self.directory = os.path.realpath(directory)
-        self.moe_layers = list(moe_layers)
-        self.moe_index = {layer: i for i, layer in enumerate(self.moe_layers)}
-        self.geo = CacheGeometry(len(self.moe_layers), n_experts, tuple(part_bytes))
-        self.device = device
+        _init_home(self, directory, moe_layers, n_experts, part_bytes, device)
         self.arenas: dict[int, _LayerArena] = {}
-        self.bytes_pinned = 0
         need = self.geo.n_keys * self.geo.record_bytes
         limit = memlock_limit()
         if 0 <= limit < need:
@@ -195,14 +200,7 @@ class AbsentExpertHome:
     def __init__(self, directory: str, moe_layers: list[int], n_experts: int, part_bytes, device):
         import torch
 
-        from glm53.tiers.vram_cache import CacheGeometry
-
-        self.directory = os.path.realpath(directory)
-        self.moe_layers = list(moe_layers)
-        self.moe_index = {layer: i for i, layer in enumerate(self.moe_layers)}
-        self.geo = CacheGeometry(len(self.moe_layers), n_experts, tuple(part_bytes))
-        self.device = device
-        self.bytes_pinned = 0
+        _init_home(self, directory, moe_layers, n_experts, part_bytes, device)
         self.poison = torch.zeros(self.geo.record_bytes, dtype=torch.uint8, device=device)
         self.address = self.poison.data_ptr()
         self.loaded: set = set()

@@ -13,6 +13,8 @@ import torch
 pytest.importorskip("exllamav3")
 pytest.importorskip("glm53._cuda")
 
+from gpu_kit import generator_greedy  # noqa: E402
+
 from glm53.engine import exl3_load  # noqa: E402
 
 CHECKPOINTS = {k: os.environ.get(f"GLM53_TEST_{k.upper()}") for k in ("demo", "slice")}
@@ -38,36 +40,6 @@ def pair(request):
     yield request.param, stock, exact
     exact.close()
     stock.close()
-
-
-def _greedy(loaded, prompts, n_new):
-    from exllamav3 import ArgmaxSampler, Generator, Job
-
-    gen = Generator(
-        model=loaded.model, cache=loaded.cache, tokenizer=loaded.tokenizer, max_batch_size=4
-    )
-    tokens = {i: [] for i in range(len(prompts))}
-    logits = {i: [] for i in range(len(prompts))}
-    for i, ids in enumerate(prompts):
-        gen.enqueue(
-            Job(
-                input_ids=ids,
-                max_new_tokens=n_new,
-                sampler=ArgmaxSampler(),
-                stop_conditions=[],
-                return_logits=True,
-                identifier=i,
-            )
-        )
-    while gen.num_remaining_jobs():
-        for r in gen.iterate():
-            if r.get("stage") == "streaming":
-                i = r["identifier"]
-                if "token_ids" in r:
-                    tokens[i] += r["token_ids"].view(-1).tolist()
-                if "logits" in r:
-                    logits[i].append(r["logits"].float().view(-1, r["logits"].shape[-1]).cpu())
-    return tokens, {i: torch.cat(v) for i, v in logits.items()}
 
 
 def _kl_top1(a, b):
@@ -102,8 +74,8 @@ def test_greedy_decode_identical(pair, batch):
     lengths = [3000, 64, 200, 17][:batch]
     prompts = [torch.randint(0, vocab, (1, n), generator=g) for n in lengths]
     with torch.inference_mode():
-        tok_a, log_a = _greedy(stock, prompts, 256)
-        tok_b, log_b = _greedy(exact, prompts, 256)
+        tok_a, log_a = generator_greedy(stock, prompts, 256)
+        tok_b, log_b = generator_greedy(exact, prompts, 256)
     for i in range(batch):
         assert len(tok_a[i]) == 256
         assert tok_a[i] == tok_b[i], f"stream {i} diverged"

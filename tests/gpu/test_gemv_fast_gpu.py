@@ -10,6 +10,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("exllamav3")
 
+from gpu_kit import exl3_linears  # noqa: E402
+
 from glm53 import _gemv  # noqa: E402
 from glm53.tiers.cpu_lane import (  # noqa: E402
     SWIGLU_LIMIT,
@@ -39,21 +41,7 @@ def errors(got: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
 
 def gpu_expert(expert, x16: np.ndarray, device) -> np.ndarray:
     """One expert on exllamav3's GPU EXL3 kernel: down(act(gate(x), up(x))), fp16 between steps."""
-    from exllamav3.modules.quant.exl3 import LinearEXL3
-
-    marker = torch.tensor(0, dtype=torch.int32, device=device)
-    linears = [
-        LinearEXL3(
-            None,
-            lin.in_features,
-            lin.out_features,
-            mul1=marker,
-            trellis=torch.from_numpy(lin.trellis).to(device),
-            suh=torch.from_numpy(lin.suh).to(device),
-            svh=torch.from_numpy(lin.svh).to(device),
-        )
-        for lin in expert
-    ]
+    linears = exl3_linears(expert, device)
     x = torch.from_numpy(x16).to(device).view(1, -1)
     g = linears[0].forward(x, {}).float()
     u = linears[1].forward(x, {}).float()

@@ -13,25 +13,28 @@ chunk (2,048) edges.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 pytest.importorskip("exllamav3")
 pytest.importorskip("glm53._cuda")
 httpx = pytest.importorskip("httpx")
 
 from glm53.engine.gpu import GpuEngine, generator_settings, standard_region  # noqa: E402
-from glm53.engine.sampling import SamplingParams  # noqa: E402
-from glm53.engine.scheduler import GenerationRequest  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
+from gpu_kit import (  # noqa: E402
+    assert_same,
+    expert_slots,
+    random_ids,
+    run_engine,
+    stock_reference,
+    text_config,
+)
 from serving_kit import Server  # noqa: E402
 
 CHECKPOINTS = {
@@ -46,24 +49,19 @@ SHARE = 0.114  # the 24 GB RTX 3090's share of the experts: 1,376 of 12,096
 BATCH = (300, 2049, 257, 1)  # admitted together
 
 
-def _ids(vocab, n, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (n,), generator=g).tolist()
-
-
 def _prompts(vocab):
-    single = {n: _ids(vocab, n, 1000 + n) for n in LENGTHS}
+    single = {n: random_ids(vocab, n, 1000 + n) for n in LENGTHS}
     a = single[5000]
     follow = {
         # shares 4,500 tokens with the 5,000-token prompt: its standard region reuses 4,096
-        "shared4500": a[:4500] + _ids(vocab, 700, 7),
+        "shared4500": a[:4500] + random_ids(vocab, 700, 7),
         # exactly two chunks shared plus one token: reuse 4,096, prefill nothing, decode
-        "shared4096_plus1": a[:4096] + _ids(vocab, 1, 8),
+        "shared4096_plus1": a[:4096] + random_ids(vocab, 1, 8),
         # one token short of two chunks: reuse only 2,048
-        "shared4095": a[:4095] + _ids(vocab, 300, 9),
+        "shared4095": a[:4095] + random_ids(vocab, 300, 9),
         "repeat5000": list(a),
     }
-    batch = [_ids(vocab, n, 2000 + i) for i, n in enumerate(BATCH)]
+    batch = [random_ids(vocab, n, 2000 + i) for i, n in enumerate(BATCH)]
     return single, follow, batch
 
 
@@ -74,22 +72,10 @@ def _checkpoint(name):
     return path
 
 
-def _vocab(path):
-    cfg = json.loads(Path(path, "config.json").read_text())
-    return cfg.get("text_config", cfg)["vocab_size"]
-
-
-def _slots(path):
-    cfg = json.loads(Path(path, "config.json").read_text())
-    tc = cfg.get("text_config", cfg)
-    moe_layers = sum(t == "sparse" for t in tc["mlp_layer_types"])
-    return max(8, int(SHARE * moe_layers * tc["n_routed_experts"]))
-
-
 @pytest.fixture(scope="module", params=list(CHECKPOINTS))
 def case(request, tmp_path_factory):
     path = _checkpoint(request.param)
-    vocab = _vocab(path)
+    vocab = text_config(path)["vocab_size"]
     single, follow, batch = _prompts(vocab)
     tmp = tmp_path_factory.mktemp(f"ref-{request.param}")
     spec = {
@@ -111,13 +97,7 @@ def case(request, tmp_path_factory):
             },
         ],
     }
-    (tmp / "spec.json").write_text(json.dumps(spec))
-    subprocess.run(
-        [sys.executable, str(REPO / "tools" / "exl3_reference.py"), str(tmp / "spec.json"),
-         str(tmp / "ref.pt")],
-        check=True, timeout=1200,
-    )  # fmt: skip
-    ref = torch.load(tmp / "ref.pt")
+    ref = stock_reference(spec, tmp)
     return {
         "name": request.param,
         "path": path,
@@ -132,55 +112,27 @@ def case(request, tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(case):
     e = GpuEngine(case["path"], "exact", context=CONTEXT, max_batch=4, chunk_size=CHUNK,
-                  ec_max_slots=_slots(case["path"]), heat_file=str(case["tmp"] / "heat.json"))  # fmt: skip
+                  ec_max_slots=expert_slots(case["path"], SHARE), heat_file=str(case["tmp"] / "heat.json"))  # fmt: skip
     e.load()
     yield e
     e.close()
 
 
-def _run(engine, prompts):
-    """Start every prompt at once (admitted together, in order), iterate to the end."""
-    outs = {}
-    for i, p in enumerate(prompts):
-        req = GenerationRequest(prompt_ids=p, sampling=SamplingParams(temperature=0.0))
-        engine.start(i, req, N_NEW, return_logits=True)
-        outs[i] = {"tokens": [], "logits": [], "cached": None}
-    while engine.has_work():
-        for o in engine.iterate():
-            assert o.finish != "error", o.error
-            d = outs[o.key]
-            d["tokens"].extend(o.token_ids)
-            if o.logits is not None:
-                d["logits"].append(o.logits.cpu())
-            if o.cached_tokens is not None:
-                d["cached"] = o.cached_tokens
-    for d in outs.values():
-        d["logits"] = torch.cat(d["logits"])
-    return [outs[i] for i in range(len(prompts))]
-
-
-def _same(got, want, what):
-    assert got["tokens"] == want["tokens"], f"{what}: tokens differ"
-    assert got["logits"].shape == want["logits"].shape, what
-    diff = (got["logits"] - want["logits"]).abs().max().item()
-    assert torch.equal(got["logits"], want["logits"]), f"{what}: logits differ by up to {diff}"
-
-
 def test_batch1_every_length_matches_the_generator(case, engine):
     single = case["prompts"][0]
     for n in LENGTHS:
-        (got,) = _run(engine, [single[n]])
-        _same(got, case["single"][n], f"{case['name']} prompt of {n}")
+        (got,) = run_engine(engine, [single[n]], N_NEW)
+        assert_same(got, case["single"][n], f"{case['name']} prompt of {n}")
 
 
 def test_prefix_hits_change_no_output(case, engine):
     """The 5,000-token prompt ran above; follow-ups reuse its standard region only, and give what
     a cold Generator gives."""
     single, follow, _ = case["prompts"]
-    _run(engine, [single[5000]])  # make sure it is cached, whatever ran before
+    run_engine(engine, [single[5000]], N_NEW)  # make sure it is cached, whatever ran before
     for name, prompt in follow.items():
-        (got,) = _run(engine, [prompt])
-        _same(got, case["follow"][name], f"{case['name']} {name}")
+        (got,) = run_engine(engine, [prompt], N_NEW)
+        assert_same(got, case["follow"][name], f"{case['name']} {name}")
         shared = next(
             (i for i, (x, y) in enumerate(zip(prompt, single[5000], strict=False)) if x != y),
             min(len(prompt), 5000),
@@ -191,9 +143,9 @@ def test_prefix_hits_change_no_output(case, engine):
 
 
 def test_batch_admitted_together_matches_the_generator_at_that_batch(case, engine):
-    got = _run(engine, case["prompts"][2])
+    got = run_engine(engine, case["prompts"][2], N_NEW)
     for i, (g, w) in enumerate(zip(got, case["batch"], strict=True)):
-        _same(g, w, f"{case['name']} batch job {i} ({len(case['prompts'][2][i])} tokens)")
+        assert_same(g, w, f"{case['name']} batch job {i} ({len(case['prompts'][2][i])} tokens)")
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +154,7 @@ def server(case, engine):
     tmp = case["tmp"]
     args = ["--engine", "gpu", "--mode", "exact", "--model", case["path"], "--context",
             str(CONTEXT), "--chunk-size", str(CHUNK), "--max-batch", "4",
-            "--ec-max-slots", str(_slots(case["path"]))]  # fmt: skip
+            "--ec-max-slots", str(expert_slots(case["path"], SHARE))]  # fmt: skip
     srv = Server(args, env={"XDG_CACHE_HOME": str(tmp / "cache")}, log_path=tmp / "server.log")
     srv.wait_ready(timeout_s=900)
     yield srv

@@ -17,6 +17,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("exllamav3")
 _cuda = pytest.importorskip("glm53._cuda")
 
+from gpu_kit import exl3_linears, generator_greedy  # noqa: E402
+
 from glm53 import _gemv  # noqa: E402
 from glm53.tiers.cpu_lane import (  # noqa: E402
     FAST_REL_TOL,
@@ -47,24 +49,7 @@ def experts():
 
 @pytest.fixture(scope="module")
 def gpu_linears(experts, device):
-    from exllamav3.modules.quant.exl3 import LinearEXL3
-
-    marker = torch.tensor(0, dtype=torch.int32, device=device)
-    return [
-        [
-            LinearEXL3(
-                None,
-                lin.in_features,
-                lin.out_features,
-                mul1=marker,
-                trellis=torch.from_numpy(lin.trellis).to(device),
-                suh=torch.from_numpy(lin.suh).to(device),
-                svh=torch.from_numpy(lin.svh).to(device),
-            )
-            for lin in expert
-        ]
-        for expert in experts
-    ]
+    return [exl3_linears(expert, device) for expert in experts]
 
 
 def moe_call(linears, x16, sel, rw, out):
@@ -261,36 +246,6 @@ def exact_load():
     loaded.close()
 
 
-def _greedy(loaded, prompts, n_new):
-    from exllamav3 import ArgmaxSampler, Generator, Job
-
-    gen = Generator(
-        model=loaded.model, cache=loaded.cache, tokenizer=loaded.tokenizer, max_batch_size=4
-    )
-    tokens = {i: [] for i in range(len(prompts))}
-    logits = {i: [] for i in range(len(prompts))}
-    for i, ids in enumerate(prompts):
-        gen.enqueue(
-            Job(
-                input_ids=ids,
-                max_new_tokens=n_new,
-                sampler=ArgmaxSampler(),
-                stop_conditions=[],
-                return_logits=True,
-                identifier=i,
-            )
-        )
-    while gen.num_remaining_jobs():
-        for r in gen.iterate():
-            if r.get("stage") == "streaming":
-                i = r["identifier"]
-                if "token_ids" in r:
-                    tokens[i] += r["token_ids"].view(-1).tolist()
-                if "logits" in r:
-                    logits[i].append(r["logits"].float().view(-1, r["logits"].shape[-1]).cpu())
-    return tokens, {i: torch.cat(v) for i, v in logits.items()}
-
-
 def _prompts(loaded, batch, seed):
     g = torch.Generator().manual_seed(seed)
     vocab = loaded.config.vocab_size
@@ -306,7 +261,7 @@ def test_a_lane_that_never_answers_gives_exact_modes_tokens_and_counts_every_fal
 
     prompts = _prompts(exact_load, batch, 16 + batch)
     with torch.inference_mode():
-        tok_exact, log_exact = _greedy(exact_load, prompts, 64)
+        tok_exact, log_exact = generator_greedy(exact_load, prompts, 64)
         install_fast_hooks()
         hidden = exact_load.moe[0].hidden_size
         mailboxes = [Mailbox(hidden) for _ in exact_load.moe]  # no poller: nobody answers
@@ -314,7 +269,7 @@ def test_a_lane_that_never_answers_gives_exact_modes_tokens_and_counts_every_fal
             m.set_budget(4)
         layers = attach_fast(exact_load.moe, mailboxes, exact_load.ec, budget_ns=200_000)
         try:
-            tok_fast, log_fast = _greedy(exact_load, prompts, 64)
+            tok_fast, log_fast = generator_greedy(exact_load, prompts, 64)
         finally:
             detach_fast(exact_load.moe)
     for i in range(batch):
@@ -330,7 +285,7 @@ def test_a_working_lane_takes_picks_without_falling_back_and_stays_near_exact(ex
 
     prompts = _prompts(exact_load, 2, 7)
     with torch.inference_mode():
-        tok_exact, log_exact = _greedy(exact_load, prompts, 64)
+        tok_exact, log_exact = generator_greedy(exact_load, prompts, 64)
         install_fast_hooks()
         cpu = CpuLane(precision="fast")
         with MailboxLane(cpu, lane_tables(exact_load)) as lane:
@@ -338,7 +293,7 @@ def test_a_working_lane_takes_picks_without_falling_back_and_stays_near_exact(ex
                 m.set_budget(4)
             layers = attach_fast(exact_load.moe, lane.mailboxes, exact_load.ec, BUDGET_NS)
             try:
-                tok_fast, log_fast = _greedy(exact_load, prompts, 64)
+                tok_fast, log_fast = generator_greedy(exact_load, prompts, 64)
             finally:
                 detach_fast(exact_load.moe)
             stats = lane.stats()

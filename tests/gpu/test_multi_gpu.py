@@ -14,9 +14,7 @@ slice (GLM53_TEST_SLICE), the cache at the 24 GB card's 11.4 % share in all.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,11 +26,17 @@ pytest.importorskip("glm53._cuda")
 httpx = pytest.importorskip("httpx")
 
 from glm53.engine.gpu import GpuEngine  # noqa: E402
-from glm53.engine.sampling import SamplingParams  # noqa: E402
-from glm53.engine.scheduler import GenerationRequest  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
+from gpu_kit import (  # noqa: E402
+    assert_same,
+    expert_slots,
+    random_ids,
+    run_engine,
+    stock_reference,
+    text_config,
+)
 from serving_kit import Server  # noqa: E402
 
 LENGTHS = (1, 257, 2049, 5000)
@@ -49,39 +53,15 @@ def _path():
     return path
 
 
-def _text_config(path):
-    cfg = json.loads(Path(path, "config.json").read_text())
-    return cfg.get("text_config", cfg)
-
-
-def _slots(path):
-    tc = _text_config(path)
-    moe_layers = sum(t == "sparse" for t in tc["mlp_layer_types"])
-    return max(8, int(SHARE * moe_layers * tc["n_routed_experts"]))
-
-
-def _prompts(vocab):
-    out = {}
-    for n in LENGTHS:
-        g = torch.Generator().manual_seed(3000 + n)
-        out[n] = torch.randint(0, vocab, (n,), generator=g).tolist()
-    return out
-
-
 @pytest.fixture(scope="module")
 def case(tmp_path_factory):
     path = _path()
-    prompts = _prompts(_text_config(path)["vocab_size"])
+    vocab = text_config(path)["vocab_size"]
+    prompts = {n: random_ids(vocab, n, 3000 + n) for n in LENGTHS}
     tmp = tmp_path_factory.mktemp("multi-gpu-ref")
     spec = {"model": path, "max_new_tokens": N_NEW, "cache_tokens": 16384,
             "max_chunk_size": CHUNK, "runs": [{"prompts": [prompts[n] for n in LENGTHS]}]}  # fmt: skip
-    (tmp / "spec.json").write_text(json.dumps(spec))
-    subprocess.run(
-        [sys.executable, str(REPO / "tools" / "exl3_reference.py"), str(tmp / "spec.json"),
-         str(tmp / "ref.pt")],
-        check=True, timeout=1200,
-    )  # fmt: skip
-    (ref,) = torch.load(tmp / "ref.pt")
+    (ref,) = stock_reference(spec, tmp)
     return {"path": path, "prompts": prompts, "ref": dict(zip(LENGTHS, ref, strict=True)),
             "tmp": tmp}  # fmt: skip
 
@@ -90,36 +70,17 @@ def _engine_run(case, gpus):
     """Every prompt alone through a GpuEngine on `gpus` (None: one GPU), then its stats; the
     engine is closed before returning (one model on the GPU at a time)."""
     e = GpuEngine(case["path"], "exact", context=CONTEXT, max_batch=4, chunk_size=CHUNK,
-                  ec_max_slots=_slots(case["path"]),
+                  ec_max_slots=expert_slots(case["path"], SHARE),
                   heat_file=str(case["tmp"] / f"heat-{gpus}.json"), gpus=gpus)  # fmt: skip
     e.load()
     try:
-        outs = {}
-        for n in LENGTHS:
-            req = GenerationRequest(prompt_ids=case["prompts"][n],
-                                    sampling=SamplingParams(temperature=0.0))  # fmt: skip
-            e.start(n, req, N_NEW, return_logits=True)
-            d = {"tokens": [], "logits": []}
-            while e.has_work():
-                for o in e.iterate():
-                    assert o.finish != "error", o.error
-                    d["tokens"].extend(o.token_ids)
-                    if o.logits is not None:
-                        d["logits"].append(o.logits.cpu())
-            d["logits"] = torch.cat(d["logits"])
-            outs[n] = d
+        outs = {n: run_engine(e, [case["prompts"][n]], N_NEW)[0] for n in LENGTHS}
         stats = e.stats()
         split = e.loaded.split
         devices = sorted({str(getattr(m, "device", None)) for m in e.loaded.model.modules})
     finally:
         e.close()
     return outs, stats, split, devices
-
-
-def _same(got, want, what):
-    assert got["tokens"] == want["tokens"], f"{what}: tokens differ"
-    diff = (got["logits"] - want["logits"]).abs().max().item()
-    assert torch.equal(got["logits"], want["logits"]), f"{what}: logits differ by up to {diff}"
 
 
 @pytest.fixture(scope="module")
@@ -130,8 +91,8 @@ def one_gpu(case):
 def _check_split(case, one_gpu, gpus):
     outs, stats, split, devices = _engine_run(case, gpus)
     for n in LENGTHS:
-        _same(outs[n], case["ref"][n], f"--gpus {gpus} vs stock exllamav3, prompt of {n}")
-        _same(outs[n], one_gpu[0][n], f"--gpus {gpus} vs one GPU, same cache, prompt of {n}")
+        assert_same(outs[n], case["ref"][n], f"--gpus {gpus} vs stock exllamav3, prompt of {n}")
+        assert_same(outs[n], one_gpu[0][n], f"--gpus {gpus} vs one GPU, same cache, prompt of {n}")
     vc = stats["tiers"]["vram_cache"]
     per = vc["per_gpu"]
     assert [g["device"] for g in per] == list(gpus)
@@ -159,7 +120,7 @@ def test_server_with_halves_on_one_gpu_gives_stock_tokens_and_per_gpu_counters(c
     tmp = case["tmp"]
     args = ["--engine", "gpu", "--mode", "exact", "--model", case["path"], "--context",
             str(CONTEXT), "--chunk-size", str(CHUNK), "--max-batch", "4",
-            "--ec-max-slots", str(_slots(case["path"])), "--gpus", "0,0", "--allow-unrun-modes"]  # fmt: skip
+            "--ec-max-slots", str(expert_slots(case["path"], SHARE)), "--gpus", "0,0", "--allow-unrun-modes"]  # fmt: skip
     srv = Server(args, env={"XDG_CACHE_HOME": str(tmp / "cache")}, log_path=tmp / "server.log")
     try:
         srv.wait_ready(timeout_s=900)

@@ -14,23 +14,28 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 pytest.importorskip("exllamav3")
 pytest.importorskip("glm53._cuda")
 httpx = pytest.importorskip("httpx")
 
 from glm53.engine.gpu import GpuEngine  # noqa: E402
-from glm53.engine.sampling import SamplingParams  # noqa: E402
-from glm53.engine.scheduler import GenerationRequest  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
+from gpu_kit import (  # noqa: E402
+    assert_same,
+    expert_slots,
+    num_records,
+    random_ids,
+    run_engine,
+    stock_reference,
+    text_config,
+)
 from serving_kit import Server  # noqa: E402
 from store_kit import flip_byte  # noqa: E402
 
@@ -39,21 +44,6 @@ N_NEW = int(os.environ.get("GLM53_PARITY_NEW", "48"))
 CHUNK, CONTEXT = 2048, 8192
 VRAM_SHARE = 0.114  # the 24 GB RTX 3090's share of the experts
 RAM_SHARES = (0.4, 0.7)
-
-
-def _config(path):
-    cfg = json.loads(Path(path, "config.json").read_text())
-    return cfg.get("text_config", cfg)
-
-
-def _num_records(path) -> int:
-    tc = _config(path)
-    return sum(t == "sparse" for t in tc["mlp_layer_types"]) * tc["n_routed_experts"]
-
-
-def _ids(vocab, n, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (n,), generator=g).tolist()
 
 
 @pytest.fixture(scope="module")
@@ -68,19 +58,13 @@ def case(tmp_path_factory):
 
         store = str(tmp / "store")
         pack(path, store, include_mtp=False, io_threads=8)
-    vocab = _config(path)["vocab_size"]
-    prompts = {n: _ids(vocab, n, 3000 + n) for n in LENGTHS}
+    vocab = text_config(path)["vocab_size"]
+    prompts = {n: random_ids(vocab, n, 3000 + n) for n in LENGTHS}
     spec = {
         "model": path, "max_new_tokens": N_NEW, "cache_tokens": 16384, "max_chunk_size": CHUNK,
         "runs": [{"prompts": [prompts[n] for n in LENGTHS]}],
     }  # fmt: skip
-    (tmp / "spec.json").write_text(json.dumps(spec))
-    subprocess.run(
-        [sys.executable, str(REPO / "tools" / "exl3_reference.py"), str(tmp / "spec.json"),
-         str(tmp / "ref.pt")],
-        check=True, timeout=1200,
-    )  # fmt: skip
-    ref = torch.load(tmp / "ref.pt")[0]
+    ref = stock_reference(spec, tmp)[0]
     record = json.loads(Path(store, "manifest.json").read_text())["record_bytes"]
     out = {
         "path": path,
@@ -88,26 +72,13 @@ def case(tmp_path_factory):
         "tmp": tmp,
         "prompts": prompts,
         "ref": dict(zip(LENGTHS, ref, strict=True)),
-        "slots": max(8, int(VRAM_SHARE * _num_records(path))),
-        "cap": {s: int(s * _num_records(path)) * record for s in RAM_SHARES},
+        "slots": expert_slots(path, VRAM_SHARE),
+        "cap": {s: int(s * num_records(path)) * record for s in RAM_SHARES},
         "record": record,
     }
     yield out
     if not os.environ.get("GLM53_TEST_SLICE_STORE"):
         shutil.rmtree(store, ignore_errors=True)
-
-
-def _run(engine, prompt):
-    req = GenerationRequest(prompt_ids=prompt, sampling=SamplingParams(temperature=0.0))
-    engine.start(0, req, N_NEW, return_logits=True)
-    tokens, logits = [], []
-    while engine.has_work():
-        for o in engine.iterate():
-            assert o.finish != "error", o.error
-            tokens.extend(o.token_ids)
-            if o.logits is not None:
-                logits.append(o.logits.cpu())
-    return tokens, torch.cat(logits)
 
 
 @pytest.mark.parametrize("share", RAM_SHARES)
@@ -120,11 +91,8 @@ def test_in_process_nvme_exact_equals_stock_exllamav3(case, share):
     e.load()
     try:
         for n in LENGTHS:
-            tokens, logits = _run(e, case["prompts"][n])
-            want = case["ref"][n]
-            assert tokens == want["tokens"], f"RAM {share:.0%}, prompt of {n}: tokens differ"
-            diff = (logits - want["logits"]).abs().max().item()
-            assert torch.equal(logits, want["logits"]), f"prompt of {n}: logits differ by {diff}"
+            (got,) = run_engine(e, [case["prompts"][n]], N_NEW)
+            assert_same(got, case["ref"][n], f"RAM {share:.0%}, prompt of {n}")
         ram = e.stats()["tiers"]["ram"]
         assert ram["table_bad"] == 0 and ram["read_errors"] == 0
         assert ram["ram_reads"] > ram["slots"]  # the cap made the tier evict and read again
@@ -173,7 +141,7 @@ def test_verify_on_demand_is_clean_then_reports_a_flipped_store_byte(case, serve
     body = r.json()
     assert body["ok"] and (body["ram_bad"], body["vram_bad"], body["table_bad"]) == (0, 0, 0)
     # flip a byte in every record of the first MoE layer: resident or not, the sample finds them
-    experts = _config(case["path"])["n_routed_experts"]
+    experts = text_config(case["path"])["n_routed_experts"]
     for e in range(experts):
         flip_byte(store / "experts.bin", e * case["record"] + 4097)
     r = httpx.get(srv.url + "/admin/verify?n=4096", timeout=600)
