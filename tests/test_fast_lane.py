@@ -90,6 +90,13 @@ def test_each_step_sets_the_routers_budgets_and_stats_show_the_split(table, ct_b
             assert layer["split"] == k / n and layer["to_lane"] == k
         # no device layers here: only the device knows its fallbacks, so none are claimed
         assert st["fallbacks"] is None and "fallbacks" not in st["layers"][0]
+        # an iteration without a decode call (prefill only) reports nothing: the budgets stay
+        # and the router counts no step
+        assert fast.step() == budgets
+        assert [layer.steps for layer in fast.router.layers] == [1, 1]
+        MockDevice(lane.mailboxes[0], 0).report(0, 1)  # a new report for layer 0 only
+        fast.step()
+        assert [layer.steps for layer in fast.router.layers] == [2, 1]
 
 
 def test_the_lanes_jobs_and_time_reach_the_router_and_the_stats(table):
