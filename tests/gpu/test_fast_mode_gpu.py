@@ -102,6 +102,7 @@ def test_a_stalled_lane_gives_exact_modes_tokens_and_logits_and_counts_every_fal
         for i, prompt in enumerate(case["prompts"]):  # c1: each alone
             (got,) = run_engine(e, [prompt], N_NEW)
             assert_same(got, case["ref"][1][i], f"stalled lane, c1, prompt {i}")
+        assert lane.poller.held  # the stall engaged: layer 0 published and was held
         for i, got in enumerate(run_engine(e, case["prompts"], N_NEW)):  # c4: together
             assert_same(got, case["ref"][4][i], f"stalled lane, c4, prompt {i}")
         st = e.stats()["lane"]
