@@ -211,3 +211,60 @@ def test_metrics_export_the_lanes_fallbacks_as_a_counter():
     text = Metrics().prometheus({}, {"lane": {"fallbacks": None, "jobs": 1}}).decode()
     assert "glm53_lane_fallbacks_total" not in text
     assert "glm53_lane_" not in Metrics().prometheus({}, {"iterations": 1}).decode()
+
+
+# --- the engine's plumbing ---------------------------------------------------------------------
+
+
+class MockGenerator:
+    """A mock of exllamav3's Generator (needs a GPU): an iteration that produced nothing."""
+
+    def __init__(self):
+        self.iterations = 0
+
+    def iterate(self):
+        self.iterations += 1
+        return []
+
+
+class MockCache:
+    """A mock of the VRAM cache's state() (the real one reads the device)."""
+
+    def state(self):
+        return {"slots": 8}
+
+
+class MockLoaded:
+    """A mock of exl3_load's Loaded: the VRAM cache, no nvme tier."""
+
+    ec, nvme = MockCache(), None
+
+
+class MockTokenizer:
+    vocab_size = 32
+
+
+def test_the_gpu_engine_steps_the_lane_after_every_iteration_and_shows_it_in_stats(table):
+    """GpuEngine.iterate calls FastLane.step after each Generator iteration, and stats() carries
+    the lane's section beside the tiers (the Generator and the load are mocks: they need a GPU;
+    the lane and the router are real)."""
+    import argparse
+
+    from glm53.config import add_arguments, resolve
+    from glm53.engine.gpu import create
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    s = resolve(parser.parse_args(["--mode", "fast", "--allow-unrun-modes"]), environ={})[0]
+    e = create(s, "/nonexistent")
+    with MailboxLane(CpuLane(LaneLayout((0,))), [table, table]) as lane:
+        e.loaded, e.generator, e.tokenizer = MockLoaded(), MockGenerator(), MockTokenizer()
+        e.fast = FastLane(lane, LaneRouter(2, EXPERT_BYTES, ct_b=1e-4))
+        MockDevice(lane.mailboxes[0], 0).report(1, 3)
+        assert e.iterate() == []
+        assert e.fast.steps == 1 and e.fast.budgets[0] > 0 and e.fast.budgets[1] == 0
+        e.iterate()
+        st = e.stats()
+        assert st["iterations"] == 2 and st["tiers"]["vram_cache"] == {"slots": 8}
+        assert st["lane"]["steps"] == 2 and st["lane"]["layers"][0]["budget"] > 0
+        e.loaded = e.fast = None  # nothing real to close
