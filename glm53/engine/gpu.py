@@ -649,8 +649,9 @@ def generator_settings(max_batch: int, chunk: int, recurrent_cache_gb: float) ->
     }
 
 
-# The tier modes this build's GPU engine serves (glm53 doctor recommends only these): fast and
-# nvme need the CPU lane and the store wired into it, which has not landed.
+# The tier modes this build's GPU engine serves (glm53 doctor recommends only these): fast is
+# wired in but has not yet run on a GPU (only with --allow-unrun-modes); nvme needs the CPU lane
+# and the store wired in together, which has not landed.
 SERVED_MODES = ("exact",)
 
 
