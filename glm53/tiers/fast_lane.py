@@ -139,6 +139,7 @@ def start_fast(
         layers = fast_hooks.attach_fast(loaded.moe, lane.mailboxes, loaded.ec, budget_ns)
     except Exception:
         fast_hooks.detach_fast(loaded.moe)
+        fast_hooks.unmark_prefill_exact(loaded.model)
         lane.close()
         raise
     router = LaneRouter(len(loaded.moe), loaded.home.geo.record_bytes, ct_b=ct_b)
