@@ -5,7 +5,8 @@ Rows: stock with every expert in VRAM (the ceiling); stock with every routed exp
 zero-copy from pinned RAM (the floor); glm53 exact with a VRAM expert cache of --share of
 the experts (default 11.4 %, the 24 GB RTX 3090's 1,376 / 12,096), with its admission
 filter (exact) and without (exact_clock: plain CLOCK); stock exllamav3's own offload at the
-same VRAM budget, without and with its pinned arena. Decode tok/s at concurrency 1, 2, 4
+same VRAM budget, without and with its pinned arena; glm53 fast (exact's tiers + the CPU lane
+and its router, `--modes ...,fast` only: not yet run on a GPU). Decode tok/s at concurrency 1, 2, 4
 (512-token prompts, 128 greedy tokens), prefill tok/s at 512 and 8k (8k at 2,048-token
 chunks and as one chunk), hit rate per MoE layer, and the roofline of exact mode at its
 measured hit rate.
@@ -46,7 +47,9 @@ H200_VRAM_GBPS = 4800.0
 H200_FP16_TFLOPS = 989.0
 
 
-def decode_run(loaded, vocab, batch, prompt_len=512, n_new=128, seed=0):
+def decode_run(loaded, vocab, batch, prompt_len=512, n_new=128, seed=0, step=None):
+    """`step`: called after each Generator iteration (fast mode's FastLane.step, as the
+    engine calls it)."""
     from exllamav3 import ArgmaxSampler, Generator, Job
 
     gen = Generator(
@@ -59,7 +62,10 @@ def decode_run(loaded, vocab, batch, prompt_len=512, n_new=128, seed=0):
                         stop_conditions=[], identifier=i))  # fmt: skip
     first, last, count = {}, {}, {}
     while gen.num_remaining_jobs():
-        for r in gen.iterate():
+        results = gen.iterate()
+        if step is not None:
+            step()
+        for r in results:
             if r.get("stage") != "streaming" or "token_ids" not in r:
                 continue
             i, now = r["identifier"], time.perf_counter()
@@ -97,13 +103,14 @@ def prefill_run(loaded, vocab, n_tokens, seed=1, chunk=2048):
 PREFILL = (("p512", 512, 2048), ("p8192", 8192, 2048), ("p8192_c8192", 8192, 8192))
 
 
-def measure(loaded, vocab, quick=False):
+def measure(loaded, vocab, quick=False, step=None):
     out = {"decode": {}, "prefill": {}}
-    decode_run(loaded, vocab, 1, prompt_len=64, n_new=16)  # warm-up (Triton JIT, graphs)
+    decode_run(loaded, vocab, 1, prompt_len=64, n_new=16, step=step)  # warm-up (Triton JIT)
     if loaded.ec is not None:
         st0 = loaded.ec.state()
     for b in (1, 2, 4):
-        out["decode"][f"c{b}"] = decode_run(loaded, vocab, b, n_new=32 if quick else 128)
+        n_new = 32 if quick else 128
+        out["decode"][f"c{b}"] = decode_run(loaded, vocab, b, n_new=n_new, step=step)
     if loaded.ec is not None:
         st1 = loaded.ec.state()
         looked = (st1["hits"] - st0["hits"]) + (st1["misses"] - st0["misses"])
@@ -126,8 +133,11 @@ def measure(loaded, vocab, quick=False):
 # exact_clock: exact mode with the admission filter off (plain CLOCK), for comparison;
 # nvme_exact_ramNN: nvme-exact (exact's VRAM cache over the RAM tier capped at NN % of the
 # experts, filled from --store); measured only when --store is given (not yet run on a GPU)
+# fast: exact's tiers + the CPU lane (glm53.tiers.fast_lane); measured only when --modes names it
+# (not yet run on a GPU)
 ALL_MODES = ("stock", "zerocopy", "exact", "exact_clock", "stock_offload", "stock_offload_arena",
-             "nvme_exact_ram70", "nvme_exact_ram40")  # fmt: skip
+             "nvme_exact_ram70", "nvme_exact_ram40", "fast")  # fmt: skip
+ON_REQUEST = ("fast",)  # rows left out of the default --modes
 NVME_RAM_SHARE = {"nvme_exact_ram70": 0.7, "nvme_exact_ram40": 0.4}
 
 
@@ -200,6 +210,9 @@ def measure_mode(args, mode) -> dict:
         info["split"] = split
         return {"mode": mode, "info": info, "row": res}
     kw, load_mode = {}, mode.split("_")[0]
+    if mode == "fast":  # exact's load; the lane goes on top of it below
+        load_mode = "exact"
+        kw = exact_kwargs(args, "exact", geo.n_experts, len(geo.moe_layers))
     if mode.startswith("exact"):
         kw = exact_kwargs(args, mode, geo.n_experts, len(geo.moe_layers))
     if mode in NVME_RAM_SHARE:
@@ -213,9 +226,16 @@ def measure_mode(args, mode) -> dict:
             args.model, load_mode, cache_tokens=CACHE_TOKENS, max_batch=MAX_BATCH,
             max_chunk=MAX_CHUNK, **kw,
         )  # fmt: skip
+        fast = start_fast_row(args, loaded) if mode == "fast" else None
         load_s = time.perf_counter() - t0
-        row = measure(loaded, loaded.config.vocab_size, args.quick)
+        step = fast.step if fast is not None else None
+        row = measure(loaded, loaded.config.vocab_size, args.quick, step)
         row["load_s"] = load_s
+        if fast is not None:
+            from glm53.tiers.fast_lane import stop_fast
+
+            row["lane"] = fast.stats()
+            stop_fast(fast, loaded)
         row["resident_bytes"] = loaded.resident_bytes
         if loaded.ec is not None:
             row["slots"] = loaded.ec.n_slots
@@ -227,6 +247,15 @@ def measure_mode(args, mode) -> dict:
         del loaded
         torch.cuda.empty_cache()
     return {"mode": mode, "info": info, "row": row}
+
+
+def start_fast_row(args, loaded):
+    """The fast row's lane as `glm53 serve --mode fast` builds it: every CPU the default
+    layout gives (one per physical core, leaving two), fast precision, the live router."""
+    from glm53.tiers.cpu_lane import CpuLane, lane_layout
+    from glm53.tiers.fast_lane import start_fast
+
+    return start_fast(loaded, args.model, CpuLane(lane_layout(), precision="fast"))
 
 
 def nvme_ram_cap(store: str, mode: str) -> int:
@@ -379,6 +408,12 @@ def combine(results: list[dict], args) -> dict:
     figures["predicted"] = predicted
     figures["full_model"] = full_model(args, vs_predicted.get("exact"))
     c4_agg = rows["exact"]["decode"]["c4"]["aggregate_tok_s"] if "exact" in rows else None
+    fast_c4_agg = rows["fast"]["decode"]["c4"]["aggregate_tok_s"] if "fast" in rows else None
+    figures["fast_lane"] = (
+        {k: rows["fast"]["lane"].get(k) for k in ("jobs", "fallbacks", "lane_picks", "lane_ms")}
+        if "fast" in rows and "lane" in rows["fast"]
+        else None
+    )
     ratios = {
         "exact_vs_roofline": ratio(ex, roof),
         "exact_vs_zerocopy": ratio(ex, c1("zerocopy")),
@@ -389,6 +424,9 @@ def combine(results: list[dict], args) -> dict:
         "nvme_exact_vs_exact_ram70": ratio(c1("nvme_exact_ram70"), ex),
         "nvme_exact_vs_exact_ram40": ratio(c1("nvme_exact_ram40"), ex),
         "exact_c4_aggregate_vs_c1": ratio(c4_agg, ex),
+        "fast_vs_exact": ratio(c1("fast"), ex),
+        "fast_vs_best_stock_offload": ratio(c1("fast"), max(offload)) if offload else None,
+        "fast_c4_aggregate_vs_exact": ratio(fast_c4_agg, c4_agg),
         "exact_c1_measured_vs_predicted": (vs_predicted.get("exact") or {}).get("decode_c1_tok_s"),
         "measured_vs_predicted": vs_predicted,
         "prefill8k_vs_target_ref": ratio(best8k("exact"), prefill_ref),
@@ -470,7 +508,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--plot", default=None)
     ap.add_argument("--modes", default=None,
                     help=f"comma-separated rows to measure, of {','.join(ALL_MODES)} (default: "
-                    "all; the nvme_exact rows only with --store)")  # fmt: skip
+                    "all but fast; the nvme_exact rows only with --store)")  # fmt: skip
     ap.add_argument("--store", default=None,
                     help="packed store of --model, for the nvme_exact rows")  # fmt: skip
     ap.add_argument("--rows-dir", default=None,
@@ -487,7 +525,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         if not args.model:
             ap.error("--model (or GLM53_TEST_SLICE) must name a checkpoint directory")
         if args.modes is None:
-            args.modes = ",".join(m for m in ALL_MODES if args.store or m not in NVME_RAM_SHARE)
+            args.modes = ",".join(
+                m
+                for m in ALL_MODES
+                if (args.store or m not in NVME_RAM_SHARE) and m not in ON_REQUEST
+            )
         bad = [m for m in args.modes.split(",") if m and m not in ALL_MODES]
         if bad:
             ap.error(f"--modes: unknown {bad}; choose from {', '.join(ALL_MODES)}")

@@ -39,6 +39,7 @@ def _s(
 Mode = Literal["auto", "exact", "fast", "nvme", "nvme-exact"]
 NonNegInt = Annotated[int, Meta(ge=0)]
 NonNegFloat = Annotated[float, Meta(ge=0)]
+PosFloat = Annotated[float, Meta(gt=0)]
 PosInt = Annotated[int, Meta(ge=1)]
 EngineKind = Literal["auto", "cpu", "gpu", "scripted"]
 LogLevel = Literal["debug", "info", "warning", "error"]
@@ -195,15 +196,16 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
         ),
     ] = "auto"
     ct_b: Annotated[
-        float,
-        Meta(gt=0),
+        PosFloat | None,
         _s(
-            "Fast mode's CPU lane cost model: milliseconds per expert computed on the CPU (seed "
-            "figure at 22 threads). Not in this build: refused when changed.",
+            "Fast mode (GPU engine, --mode fast): pin the router's estimate of the CPU lane's "
+            "milliseconds per expert at one row (the seed's figure: 0.104 at 22 threads); "
+            "default: the router's moving estimate of what the lane measures. Refused in other "
+            "modes, where it would do nothing.",
             group="tiers",
             env="GLM53_CT_B",
         ),
-    ] = 0.104
+    ] = None
     ct_swz: Annotated[
         bool,
         _s(
@@ -292,9 +294,9 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
         bool,
         _s(
             "GPU engine: also run the paths whose device side has been written but not yet run "
-            "on a GPU: --mode nvme-exact and --gpus with two or more entries; for their GPU "
-            "tests (tests/gpu/test_nvme_exact_gpu.py, tests/gpu/test_multi_gpu.py). Without it "
-            "the GPU engine refuses them.",
+            "on a GPU: --mode nvme-exact, --mode fast and --gpus with two or more entries; for "
+            "their GPU tests (tests/gpu/test_nvme_exact_gpu.py, tests/gpu/test_fast_mode_gpu.py, "
+            "tests/gpu/test_multi_gpu.py). Without it the GPU engine refuses them.",
             group="tiers",
         ),
     ] = False

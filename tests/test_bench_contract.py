@@ -93,8 +93,8 @@ def test_gpu_slice_deep_budget_arguments_plan_exact_and_stock_offload_alike():
 def test_gpu_slice_refuses_unknown_modes_and_a_missing_model(capsys):
     gs = _gpu_slice()
     with pytest.raises(SystemExit):
-        gs.parse_args(["--model", "/x", "--modes", "exact,fast"])
-    assert "--modes: unknown ['fast']" in capsys.readouterr().err
+        gs.parse_args(["--model", "/x", "--modes", "exact,turbo"])
+    assert "--modes: unknown ['turbo']" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         gs.parse_args(["--model", "", "--vram-budget", "24G"])
     assert "--model (or GLM53_TEST_SLICE) must name a checkpoint directory" in (
@@ -182,6 +182,40 @@ def test_gpu_slice_nvme_exact_rows_need_a_store_and_give_their_ratios_against_ex
     ratios = run_bench("gpu_slice", "--combine", str(tmp_path))["ratios"]
     assert ratios["nvme_exact_vs_exact_ram70"] == 36.0 / 40.0
     assert ratios["nvme_exact_vs_exact_ram40"] == 20.0 / 40.0
+
+
+def test_gpu_slice_fast_row_gives_issue_16s_ratios(tmp_path):
+    """MOCK rows (made-up figures; the fast row has not run on a GPU): issue 16's JSON contract,
+    figures.decode_c1_tok_s.fast and the three fast ratios; fast runs only when asked for."""
+    gs = _gpu_slice()
+    assert "fast" not in gs.parse_args(["--model", "/x"]).modes.split(",")
+    assert gs.parse_args(["--model", "/x", "--modes", "exact,fast"]).modes == "exact,fast"
+    from glm53.doctor.geometry import Geometry
+
+    geo = Geometry("slice", 8, 8, 288, 8, 9_437_184, 1_000_000_000, 3)
+    info = {"moe_layers": 8, "experts": 288, "record_bytes": 9_437_184, "device": "MOCK",
+            "geometry": {f: getattr(geo, f) for f in geo.__struct_fields__}}  # fmt: skip
+    lane = {"jobs": 500, "fallbacks": 3, "lane_picks": 900, "lane_ms": 120.0, "layers": []}
+    rows = {
+        "exact": _mock_row(40.0, 30.0, 20.0, 80.0, 900.0, 3000.0, 6000.0, decode_hit_rate=0.5,
+                           cache={"layer_hit_rate": [0.5] * 8}, slots=262),
+        "stock_offload": _mock_row(10.0, 8.0, 6.0, 24.0, 300.0, 1500.0, 3000.0),
+        "stock_offload_arena": _mock_row(16.0, 12.0, 8.0, 32.0, 400.0, 2000.0, 4000.0),
+        "fast": _mock_row(52.0, 38.0, 25.0, 100.0, 900.0, 3000.0, 6000.0, lane=lane),
+    }  # fmt: skip
+    for mode, row in rows.items():
+        (tmp_path / f"row-{mode}.json").write_text(
+            json.dumps({"mode": mode, "info": dict(info, split=40), "row": row})
+        )
+    r = run_bench("gpu_slice", "--combine", str(tmp_path))
+    ratios, figures = r["ratios"], r["figures"]
+    assert figures["decode_c1_tok_s"]["fast"] == 52.0
+    assert ratios["fast_vs_exact"] == 52.0 / 40.0
+    assert ratios["fast_vs_best_stock_offload"] == 52.0 / 16.0
+    assert ratios["fast_c4_aggregate_vs_exact"] == 100.0 / 80.0
+    assert figures["fast_lane"] == {"jobs": 500, "fallbacks": 3, "lane_picks": 900,
+                                    "lane_ms": 120.0}  # fmt: skip
+    assert "fast" not in figures["predicted"]  # the cost model has no fast row here
 
 
 def test_prefix_cache_contract(tmp_path):

@@ -183,7 +183,6 @@ def test_serve_help_lists_the_settings():
 @pytest.mark.parametrize(
     "argv, flag",
     [
-        (["--ct-b", "0.2"], "--ct-b"),
         (["--ct-swz"], "--ct-swz"),
         (["--triton-pin", "/x/pin.json"], "--triton-pin"),
         (["--ec-elastic-gb", "4"], "--ec-elastic-gb"),

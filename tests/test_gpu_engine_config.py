@@ -23,10 +23,61 @@ def test_exact_mode_maps_every_setting(tmp_path):
     assert (e.context_length, e.num_slots) == (4096, 2)
 
 
-@pytest.mark.parametrize("mode", ["fast", "nvme"])
-def test_modes_the_gpu_engine_cannot_serve_are_refused(tmp_path, mode):
+def test_nvme_mode_is_refused_by_the_gpu_engine(tmp_path):
     with pytest.raises(ConfigurationError, match="exact mode only"):
-        create(settings("--mode", mode), tmp_path)
+        create(settings("--mode", "nvme"), tmp_path)
+
+
+def test_fast_mode_is_refused_until_its_gpu_tests_ran_unless_asked_for(tmp_path):
+    with pytest.raises(ConfigurationError, match="not yet run on a GPU.*--allow-unrun-modes"):
+        create(settings("--mode", "fast"), tmp_path)
+    e = create(settings("--mode", "fast", "--allow-unrun-modes"), tmp_path)
+    assert isinstance(e, GpuEngine) and e.mode == "fast" and e.fast is None  # nothing loaded
+    assert "not yet run on a GPU" in e.description
+    # exact mode's tiers, and the lane at auto precision: fast beside the GPU (lane_precision)
+    assert (e.lane_cpus, e.lane_threads, e.lane_precision, e.ct_b) == (None, None, "fast", None)
+
+
+def test_fast_mode_maps_the_lane_and_tier_settings(tmp_path):
+    e = create(
+        settings("--mode", "fast", "--allow-unrun-modes", "--cpus", "0", "--cpu-threads", "1",
+                 "--ct-precision", "exact", "--ct-b", "0.2", "--ec-max-slots", "64",
+                 "--ec-stage-gb", "0.5", "--context", "4096", "--max-batch", "4"),
+        tmp_path,
+    )  # fmt: skip
+    assert (e.lane_cpus, e.lane_threads, e.lane_precision, e.ct_b) == ("0", 1, "exact", 0.2)
+    assert (e.ec_max_slots, e.ec_stage_gb, e.context_length, e.num_slots) == (64, 0.5, 4096, 4)
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--store", "/x"], "fast mode keeps every routed expert in pinned RAM"),
+        (["--gpus", "0,1"], "fast mode runs on one GPU"),
+        (["--cpus", "100000"], "outside this process's affinity mask"),
+        (["--cpus", "0", "--cpu-threads", "2"], "--cpu-threads 2 exceeds the 1 CPUs"),
+        (["--chunk-size", "300"], "multiple of 256"),
+    ],
+)
+def test_fast_mode_refuses_what_it_cannot_run_before_loading(tmp_path, argv, match):
+    with pytest.raises(ConfigurationError, match=match):
+        create(settings("--mode", "fast", "--allow-unrun-modes", *argv), tmp_path)
+
+
+def test_ct_b_reaches_only_fast_mode_and_is_refused_elsewhere(tmp_path):
+    """--ct-b pins fast mode's router; in any other engine or mode nothing would read it."""
+    from glm53.engine import create_engine
+
+    (tmp_path / "config.json").write_text("{}")
+    model = ["--model", str(tmp_path)]
+    e = create_engine(
+        settings("--engine", "gpu", *model, "--mode", "fast", "--allow-unrun-modes",
+                 "--ct-b", "0.15")
+    )  # fmt: skip
+    assert e.mode == "fast" and e.ct_b == 0.15
+    for argv in (["--engine", "gpu", *model, "--mode", "exact"], ["--engine", "cpu"]):
+        with pytest.raises(ConfigurationError, match="--ct-b 0.2: it pins .* would ignore it"):
+            create_engine(settings(*argv, "--ct-b", "0.2"))
 
 
 def test_nvme_exact_is_refused_until_its_gpu_tests_ran_unless_asked_for(tmp_path):

@@ -283,22 +283,6 @@ def test_the_cuda_library_reads_the_same_layout():
         lane_dev_dtype([0, 8])
 
 
-def test_the_fast_mode_hooks_stay_unreachable_from_serve():
-    """glm53/tiers/fast_hooks.py is written for the GPU engine but not wired in yet (`--mode
-    fast` is refused there): nothing in the package imports it."""
-    import pathlib
-
-    import glm53.tiers.fast_hooks  # noqa: F401  (imports without exllamav3 or a GPU)
-
-    root = pathlib.Path(glm53.__file__).parent
-    users = [
-        str(p.relative_to(root))
-        for p in root.rglob("*.py")
-        if "fast_hooks" in p.read_text() and p.name != "fast_hooks.py"
-    ]
-    assert users == []
-
-
 @pytest.mark.parametrize("lane_ms, sends", [(1e-4, True), (1e3, False)])
 def test_budgets_follow_the_router_on_the_reported_misses(layer, lane_ms, sends):
     """The device reports a layer's hits and misses in the mailbox; between steps the router

@@ -153,6 +153,7 @@ class Metrics:
             *self.request_seconds.lines("glm53_request_seconds"),
         ]
         lines += self._tier_lines()
+        lines += _lane_lines(engine)
         lines += _gauges("glm53_scheduler", scheduler)
         lines += _gauges("glm53_engine", engine)
         return ("\n".join(lines) + "\n").encode()
@@ -173,6 +174,27 @@ class Metrics:
             for mode, totals in sorted(self.tiers.items()):
                 lines += getattr(totals, f"{phase}_seconds").lines(metric, f'mode="{mode}"')
         return lines
+
+
+# Fast mode's counts from the GPU engine's stats()["lane"] (its FastLane), as counters
+LANE_COUNTS = {
+    "fallbacks": "Fast mode: decode MoE layers whose CPU-lane share missed its wait and was "
+    "recomputed on the GPU (counted on the device; fast mode has not yet run on a GPU).",
+    "jobs": "Fast mode: MoE jobs the CPU lane computed.",
+}
+
+
+def _lane_lines(engine: Mapping[str, Any]) -> list[str]:
+    lane = engine.get("lane")
+    if not isinstance(lane, Mapping):
+        return []
+    lines = []
+    for name, help_text in LANE_COUNTS.items():
+        if isinstance(lane.get(name), int):  # fallbacks: None where no device reports them
+            metric = f"glm53_lane_{name}_total"
+            lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} counter"]
+            lines.append(f"{metric} {lane[name]}")
+    return lines
 
 
 def _by_route(requests: Mapping[tuple[str, int], int]) -> dict[str, int]:

@@ -42,7 +42,7 @@ from glm53.engine.gpu import SERVED_MODES
 NOT_SERVED = "this build's GPU engine does not serve it yet"
 
 EB = expert_trellis_bytes(3)
-DEFAULT_CT_B_MS = 0.104  # serve's --ct-b default (glm53/config.py)
+DEFAULT_CT_B_MS = 0.104  # the seed's lane ms per expert at 22 threads (--ct-b is unset by default)
 DESKTOP_EC_MAX_SLOTS = 1376  # seed §2.3: cap when a desktop shares the GPU
 SEED_STORE_LATENCY_MS = 1.3  # seed §4.3: mean record read latency under load, 1.2-1.4 ms
 CHECKPOINT_DIRNAME = "GLM-5.3-Flash-exl3-3.05bpw"

@@ -96,7 +96,6 @@ def engine_kind(settings: Settings) -> str:
 # plans and the systemd unit name them), refused at start when changed from their defaults, so
 # that a value never silently does nothing.
 NOT_BUILT = {
-    "ct_b": ("--ct-b", "the fast mode's CPU-lane planner"),
     "ct_swz": (
         "--ct-swz",
         "a swizzled second copy of the experts: it doubles their RAM and was not measured to pay",
@@ -121,11 +120,25 @@ def refuse_unbuilt(settings: Settings) -> None:
         )
 
 
+def refuse_ct_b(settings: Settings, kind: str) -> None:
+    """--ct-b pins fast mode's router (the GPU engine's --mode fast); anywhere else nothing
+    reads it, so a value is refused rather than ignored."""
+    if settings.ct_b is None or (kind == "gpu" and settings.mode == "fast"):
+        return
+    raise ConfigurationError(
+        f"--ct-b {settings.ct_b}: it pins the CPU lane's ms per expert for fast mode's router, "
+        f"which only the GPU engine's --mode fast has; the {kind} engine in mode "
+        f"{settings.mode} would ignore it. Leave --ct-b (GLM53_CT_B) out, or serve "
+        "--engine gpu --mode fast --allow-unrun-modes (not yet run on a GPU)"
+    )
+
+
 def create_engine(settings: Settings) -> Engine:
     """The engine the settings ask for (not loaded). Raises EngineUnavailable when that engine
     is not in this install; never substitutes another one."""
     refuse_unbuilt(settings)
     kind = engine_kind(settings)
+    refuse_ct_b(settings, kind)
     if settings.gpus is not None and kind != "gpu":
         raise ConfigurationError(
             f"--gpus {','.join(map(str, settings.gpus))}: the {kind} engine runs on no GPU, so "

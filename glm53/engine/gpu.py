@@ -261,10 +261,15 @@ class GpuEngine:
         store: str | None = None,
         ram_cap: int | None = None,
         read_timeout_s: float | None = 30.0,
+        lane_cpus: str | None = None,
+        lane_threads: int | None = None,
+        lane_precision: str = "fast",
+        ct_b: float | None = None,
     ):
-        # nvme-exact (the RAM tier over --store as the experts' home) is accepted here; serve
-        # runs it only with --allow-unrun-modes until its GPU tests have passed (create)
-        if mode not in ("exact", "stock", "zerocopy", "nvme-exact"):
+        # nvme-exact (the RAM tier over --store as the experts' home) and fast (exact mode's
+        # tiers + the CPU lane, glm53.tiers.fast_lane) are accepted here; serve runs them only
+        # with --allow-unrun-modes until their GPU tests have passed (create)
+        if mode not in ("exact", "stock", "zerocopy", "nvme-exact", "fast"):
             raise ValueError(
                 f"the GPU engine runs mode 'exact' (or the reference modes 'stock' and "
                 f"'zerocopy'); mode {mode!r} needs the CPU lane or the NVMe store, which the GPU "
@@ -288,6 +293,10 @@ class GpuEngine:
         self.warmup = warmup
         self.store, self.ram_cap, self.read_timeout_s = store, ram_cap, read_timeout_s
         self.tier_check = None  # nvme-exact: the latest glm53.tiers.check.TierCheck
+        # fast: the lane's CPUs (--cpus, --cpu-threads), its precision, --ct-b; the FastLane
+        self.lane_cpus, self.lane_threads = lane_cpus, lane_threads
+        self.lane_precision, self.ct_b = lane_precision, ct_b
+        self.fast = None
         self.warmup_failed: list[str] = []  # labels of exllamav3 warm-up passes that raised
         if gpus is not None and len(gpus) == 1:
             device = f"cuda:{gpus[0]}"  # one entry: the one-GPU path on that GPU
@@ -298,6 +307,8 @@ class GpuEngine:
         self.description = f"GPU engine (exllamav3 1.6.5 Generator, mode {mode}) on {model_dir}"
         if self.gpus:
             self.description += f", layers split over GPUs {','.join(map(str, self.gpus))}"
+        if mode == "fast":
+            self.description += " (fast mode: not yet run on a GPU)"
         self.generation_defaults: dict[str, float] = {}
         self.loaded = None
         self.generator = None
@@ -331,7 +342,7 @@ class GpuEngine:
         self.generation_defaults = read_generation_defaults(self.model_dir)
         self.loaded = exl3_load.load(
             self.model_dir,
-            self.mode,
+            "exact" if self.mode == "fast" else self.mode,  # fast: exact's tiers + the lane
             device=self.device,
             cache_tokens=self.cache_tokens,
             max_batch=self.num_slots,
@@ -369,11 +380,23 @@ class GpuEngine:
             **generator_settings(self.num_slots, self.chunk_size, self.recurrent_cache_gb),
         )
         self.heat_file = self.heat_file or exl3_load.heat_path(self.model_dir)
+        if self.mode == "fast":
+            self._start_fast()
         if self.loaded.nvme is not None:
             self._start_nvme()
         elif self.loaded.ec is not None and os.path.isfile(self.heat_file):
             with open(self.heat_file) as f:
                 self.loaded.ec.seed(json.load(f)["keys"])
+
+    def _start_fast(self) -> None:
+        """fast (not yet run on a GPU): the CPU lane over the pinned home, the hooks, the router
+        (glm53.tiers.fast_lane)."""
+        from glm53.tiers.cpu_lane import CpuLane, lane_layout
+        from glm53.tiers.fast_lane import start_fast
+
+        cpu = CpuLane(lane_layout(self.lane_cpus, self.lane_threads), precision=self.lane_precision)
+        self.fast = start_fast(self.loaded, self.model_dir, cpu, ct_b=self.ct_b)
+        log.info("fast mode (not yet run on a GPU): %s", cpu.describe())
 
     def _start_nvme(self) -> None:
         """nvme-exact: warm start (the RAM tier's heat list, then the VRAM cache's among the keys
@@ -417,6 +440,11 @@ class GpuEngine:
         if self.generator is not None:
             self.generator.close()
             self.generator = None
+        if self.fast is not None:
+            from glm53.tiers.fast_lane import stop_fast
+
+            stop_fast(self.fast, self.loaded)
+            self.fast = None
         self.loaded.close()
         self.loaded = None
 
@@ -482,10 +510,15 @@ class GpuEngine:
         import torch
 
         nvme = self.loaded.nvme  # nvme-exact: the forward reads the store, under the tiers' lock
+        params = {}
+        if self.fast is not None:  # fast: scoring stays exact, as prefill does
+            from glm53.tiers.fast_hooks import NO_LANE
+
+            params[NO_LANE] = True
         try:
             with nvme.lock if nvme is not None else contextlib.nullcontext():
                 ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
-                logits = self.loaded.model.forward(ids, {})[0, :, : self.tokenizer.vocab_size]
+                logits = self.loaded.model.forward(ids, params)[0, :, : self.tokenizer.vocab_size]
                 if nvme is not None:
                     nvme.check_table_bad()
             return logits.float().cpu()
@@ -519,6 +552,9 @@ class GpuEngine:
                     nvme.check_table_bad()
         except Exception as exc:
             raise EngineError(f"exllamav3 Generator.iterate failed: {exc}") from exc
+        if self.fast is not None:  # the router's budgets for the next decode step
+            with self._lock:
+                self.fast.step()
         vocab = self.tokenizer.vocab_size
         outs: dict[Any, JobOutput] = {o.key: o for o in self._scored}
         self._scored = []
@@ -578,6 +614,8 @@ class GpuEngine:
                     out["tiers"]["ram"] = self.loaded.nvme.stats()
                     if self.tier_check is not None:
                         out["tiers"]["check"] = self.tier_check.counts()
+                if self.fast is not None:
+                    out["lane"] = self.fast.stats()
         return out
 
     def save_heat(self) -> str | None:
@@ -611,8 +649,9 @@ def generator_settings(max_batch: int, chunk: int, recurrent_cache_gb: float) ->
     }
 
 
-# The tier modes this build's GPU engine serves (glm53 doctor recommends only these): fast and
-# nvme need the CPU lane and the store wired into it, which has not landed.
+# The tier modes this build's GPU engine serves (glm53 doctor recommends only these): fast is
+# wired in but has not yet run on a GPU (only with --allow-unrun-modes); nvme needs the CPU lane
+# and the store wired in together, which has not landed.
 SERVED_MODES = ("exact",)
 
 
@@ -636,11 +675,21 @@ def create(settings, checkpoint_dir) -> GpuEngine:
             "experts' home) is written but has not yet run on a GPU, so serve refuses it; "
             "--allow-unrun-modes runs it anyway (for its GPU tests). Use --mode exact."
         )
+    if mode == "fast" and settings.allow_unrun_modes:
+        return _create_fast(settings, checkpoint_dir)
+    if mode == "fast":
+        raise ConfigurationError(
+            "--mode fast: the GPU engine's fast mode (exact mode's tiers + the CPU lane taking "
+            "the coldest decode misses, docs/fast-mode.md) is written but has not yet run on a "
+            "GPU, so serve refuses it; --allow-unrun-modes runs it anyway (for its GPU tests). "
+            "Use --mode exact."
+        )
     if mode not in SERVED_MODES:
         raise ConfigurationError(
             f"--mode {settings.mode}: this build's GPU engine serves exact mode only (VRAM cache + "
-            "pinned RAM, bit-identical to stock exllamav3); fast and nvme modes need the CPU lane "
-            "and the store wired into the GPU engine, which has not landed. Use --mode exact."
+            "pinned RAM, bit-identical to stock exllamav3); nvme mode needs the CPU lane and the "
+            "store wired into the GPU engine together, which has not landed. Use --mode exact "
+            "(or --mode nvme-exact / fast with --allow-unrun-modes, not yet run on a GPU)."
         )
     if settings.store:
         raise ConfigurationError(
@@ -665,6 +714,52 @@ def create(settings, checkpoint_dir) -> GpuEngine:
         vram_budget=settings.vram_budget,
         warmup=settings.warmup,
         gpus=settings.gpus,
+    )
+
+
+def _create_fast(settings, checkpoint_dir) -> GpuEngine:
+    """fast under --allow-unrun-modes: exact mode's settings plus the lane's (--cpus,
+    --cpu-threads, --ct-precision: auto is fast here) and --ct-b for the router. The lane's
+    CPUs are resolved now, so a bad --cpus is refused before anything loads."""
+    from glm53.config import ConfigurationError
+    from glm53.tiers.cpu_lane import LaneConfigError, lane_layout, lane_precision
+
+    if settings.store:
+        raise ConfigurationError(
+            f"--store {settings.store}: fast mode keeps every routed expert in pinned RAM, as "
+            "exact mode does, and does not read a store; leave --store out"
+        )
+    if settings.gpus is not None and len(settings.gpus) > 1:
+        raise ConfigurationError(
+            f"--gpus {','.join(map(str, settings.gpus))}: fast mode runs on one GPU; name one"
+        )
+    if settings.chunk_size % PAGE:
+        raise ConfigurationError(
+            f"--chunk-size {settings.chunk_size}: the GPU engine needs a multiple of {PAGE} "
+            f"(exllamav3's page size), e.g. {max(PAGE, settings.chunk_size // PAGE * PAGE)}"
+        )
+    try:
+        lane_layout(settings.cpus, settings.cpu_threads)
+        precision = lane_precision(settings.ct_precision, "gpu", "fast")
+    except LaneConfigError as exc:
+        raise ConfigurationError(str(exc)) from None
+    return GpuEngine(
+        str(checkpoint_dir),
+        "fast",
+        context=settings.context,
+        max_batch=settings.max_batch,
+        chunk_size=settings.chunk_size,
+        ec_max_slots=settings.ec_max_slots,
+        ec_reserve_gb=settings.ec_reserve_gb,
+        ec_stage_gb=settings.ec_stage_gb,
+        ec_freq_window=settings.ec_freq_window,
+        vram_budget=settings.vram_budget,
+        warmup=settings.warmup,
+        gpus=settings.gpus,
+        lane_cpus=settings.cpus,
+        lane_threads=settings.cpu_threads,
+        lane_precision=precision,
+        ct_b=settings.ct_b,
     )
 
 

@@ -1,13 +1,15 @@
 """Fast mode's hooks around stock exllamav3 1.6.5's MoE decode forward (cuda/lane_cuda.h's
-sequence). NOT REACHABLE FROM `glm53 serve` (`--mode fast` stays refused on the GPU engine) AND
-NOT YET RUN ON A GPU: this is the wiring a later change would call from the engine.
+sequence). NOT YET RUN ON A GPU: the GPU engine attaches them in `--mode fast`
+(glm53.tiers.fast_lane.start_fast), which serve runs only with --allow-unrun-modes.
 
 Two class-level hooks, on top of exl3_hooks' (install those first):
 
 - `BlockSparseMLP.routing_fn`: for a decode call (bsz <= 8) on a module with a `FastLayer`
   attached, the router's picks go through `g53_lane_publish` before the VRAM cache's route, so
   the lane's picks (masked as id -1, weight 0) are neither computed on the GPU nor admitted.
-  Prefill calls go through exl3_hooks' routing as before.
+  Prefill calls go through exl3_hooks' routing as before: those of more than 8 rows by their
+  size, and every chunk of `model.prefill` (a prompt's tail can be 8 rows or fewer and take the
+  decode kernels) by the `NO_LANE` mark that `mark_prefill_exact` puts in its params.
 - `BlockSparseMLP.cpu_split_combine`, which exllamav3 calls with the fp32 routed sum right after
   its MoE call and before the shared expert and post norms: after a publish, it runs the bounded
   wait + combine, exllamav3's MoE call again on the fallback selection (`bc.run_bszN`), and
@@ -25,6 +27,39 @@ from glm53.tiers.exl3_hooks import DECODE_MAX_ROWS
 from glm53.tiers.lane_mailbox import Mailbox, lane_dev_dtype
 
 DEFAULT_BUDGET_NS = 2_000_000  # the device's wait for the lane before it falls back
+# A forward whose params hold this key runs exact: none of its MoE calls publish (prefill, and
+# the engine's cache-free prompt scoring)
+NO_LANE = "g53_no_lane"
+
+
+def exact_call(bsz: int, params: dict) -> bool:
+    """Whether a MoE call stays off the lane: prefill-sized, marked NO_LANE, or one that
+    activates every expert (exllamav3's calibration passes)."""
+    return bsz > DECODE_MAX_ROWS or bool(params.get("activate_all_experts") or params.get(NO_LANE))
+
+
+def mark_prefill_exact(model) -> None:
+    """Prefill stays exact (issue #16). exllamav3's Generator prefills through `model.prefill`,
+    and a prompt's last chunk can be as small as a decode step, so the routing hook cannot tell
+    it from one by its row count: this wraps the instance's `prefill` (the class is untouched)
+    to put NO_LANE into the params it gets. The params dict is marked in place, not copied:
+    exllamav3 hands results back through it. Idempotent; `unmark_prefill_exact` undoes it."""
+    if "_g53_prefill" in model.__dict__:
+        return
+    prefill = model.prefill
+
+    def marked(input_ids, params=None):
+        params = {} if params is None else params
+        params[NO_LANE] = True
+        return prefill(input_ids, params)
+
+    model.__dict__["_g53_prefill"] = prefill
+    model.prefill = marked
+
+
+def unmark_prefill_exact(model) -> None:
+    if model.__dict__.pop("_g53_prefill", None) is not None:
+        del model.prefill  # the class's method again
 
 
 class FastLayer:
@@ -139,7 +174,7 @@ def install_fast_hooks() -> None:
         cache = self.__dict__.get("_g53_cache")
 
         def fast_routed(bsz, cfg, z, params):
-            if bsz > DECODE_MAX_ROWS or params.get("activate_all_experts"):
+            if exact_call(bsz, params):
                 return routed(bsz, cfg, z, params)
             selected, weights = fn(bsz, cfg, z, params)
             fast.publish(z.view(bsz, -1), selected, weights)

@@ -156,7 +156,10 @@ class MailboxLane:
         """Between decode steps, on the engine thread: feed `router` the lane's time for each
         layer's newest job, then set each layer's budget to the router's split of the misses the
         device last reported (mailbox n_hit / n_miss). Rows per missed expert are not reported,
-        so each miss counts as one row. Returns the budgets."""
+        so each miss counts as one row. A report is consumed (zeroed) once read: a layer with no
+        decode call since the last update (an iteration of prefill only) keeps its budget and
+        is not counted again. The device writes the report on every decode call and is idle
+        between Generator iterations, which is when the engine calls this. Returns the budgets."""
         budgets = []
         for i, mbox in enumerate(self.mailboxes):
             st = self.poller.slot_stats(i)
@@ -164,6 +167,10 @@ class MailboxLane:
                 self._observed[i] = st["jobs"]
                 router.observe_lane(i, [1] * st["last_picks"], st["last_job_ns"] / 1e6)
             n_hit, n_miss = int(mbox.header[4]), int(mbox.header[5])
+            if n_hit == 0 and n_miss == 0:
+                budgets.append(int(mbox.load("budget")))
+                continue
+            mbox.header[4] = mbox.header[5] = 0
             k = router.split(i, n_hit, [1] * n_miss)
             mbox.set_budget(min(k, MAX_PICKS))
             budgets.append(k)

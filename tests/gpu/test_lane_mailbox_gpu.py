@@ -19,7 +19,6 @@ _cuda = pytest.importorskip("glm53._cuda")
 
 from gpu_kit import exl3_linears, generator_greedy  # noqa: E402
 
-from glm53 import _gemv  # noqa: E402
 from glm53.tiers.cpu_lane import (  # noqa: E402
     FAST_REL_TOL,
     SWIGLU_LIMIT,
@@ -209,25 +208,10 @@ def _checkpoint():
 
 
 def lane_tables(loaded):
-    """An ExpertTable per MoE layer over the pinned home's trellis (no copy) and host copies of
-    the experts' suh/svh (exllamav3 keeps those in VRAM)."""
-    home, tables = loaded.home, []
-    geo = home.geo
-    for i, mod in enumerate(loaded.moe):
-        arena = home.arenas[home.moe_layers[i]]
-        first = mod.gates[0].inner
-        k_in, k_mid = first.trellis.shape[0] * 16, first.trellis.shape[1] * 16
-        table = _gemv.ExpertTable(len(mod.gates), k_in, k_mid, first.trellis.shape[2] // 8)
-        for e in range(len(mod.gates)):
-            parts = []
-            for p, lin in enumerate((mod.gates[e], mod.ups[e], mod.downs[e])):
-                off = e * geo.record_bytes + geo.part_off[p]
-                shape = tuple(lin.inner.trellis.shape)
-                trellis = arena.view[off : off + geo.part_bytes[p]].view(np.int16).reshape(shape)
-                parts.append((trellis, lin.inner.suh.cpu().numpy(), lin.inner.svh.cpu().numpy()))
-            table.set(e, *parts)
-        tables.append(table)
-    return tables
+    """The engine's own tables over the pinned home (glm53.tiers.fast_lane.lane_tables)."""
+    from glm53.tiers.fast_lane import lane_tables as tables
+
+    return tables(loaded.home, loaded.moe)
 
 
 @pytest.fixture(scope="module")
