@@ -23,7 +23,9 @@ typedef struct {
     uint8_t ctrl[16][32]; /* per chunk: vpshufb control, per pair [S3, S2, S1, S0] */
     int32_t shr[16][8];   /* per chunk and pair: right shift that leaves state t in bits 0..15 */
     int32_t shl[16][8];   /* ... left shift that puts state t + 1 in bits 16..31 */
-    uint8_t wrap[16];     /* per chunk: a window reaches across the ring's ends (read the copy) */
+    uint8_t wrap[16];     /* per chunk: a window reaches across the ring's ends */
+    int16_t src[16][2][2]; /* wrap chunks, per half: tile bytes where sources A and B start */
+    uint8_t wctrl[16][2][32]; /* wrap chunks: the vpshufb controls of A and B (0x80: other) */
     int one_window;       /* every chunk's two halves read the same 16 bytes (K <= 5) */
 } fast_tables;
 
@@ -59,6 +61,31 @@ static int fill_half(fast_tables *tab, int k2, int h, int half, int base)
     return 1;
 }
 
+/* Wrap chunk h: each half's window bytes as picks from two 16-byte tile pieces A and B. A half
+ * whose window crosses a ring end takes A = the tile's last 16 bytes and B = its first 16 (every
+ * byte of such a window is in one of them); a half inside the tile takes A = its window. */
+static void fill_wrap(fast_tables *tab, int k2, int h)
+{
+    const int tb = gemv_tile_bytes(k2);
+    for (int half = 0; half < 2; half++) {
+        int p = tab->off[h][half] - 16; /* window start in the tile, may be < 0 or > tb - 16 */
+        int across = p < 0 || p + 16 > tb;
+        tab->src[h][half][0] = (int16_t)(across ? tb - 16 : p);
+        tab->src[h][half][1] = 0;
+        for (int i = 0; i < 16; i++) {
+            int c = tab->ctrl[h][16 * half + i], r = ((p + c) % tb + tb) % tb;
+            uint8_t *a = &tab->wctrl[h][0][16 * half + i], *b = &tab->wctrl[h][1][16 * half + i];
+            if (!across) {
+                *a = (uint8_t)c, *b = 0x80;
+            } else if (r >= tb - 16) {
+                *a = (uint8_t)(r - (tb - 16)), *b = 0x80;
+            } else { /* r < 16: the window is 16 bytes long and crosses an end */
+                *a = 0x80, *b = (uint8_t)r;
+            }
+        }
+    }
+}
+
 static void build_tables(void)
 {
     for (int k2 = 2; k2 <= 16; k2++) {
@@ -86,26 +113,39 @@ static void build_tables(void)
             int first = tab->off[h][0] < tab->off[h][1] ? tab->off[h][0] : tab->off[h][1];
             int last = tab->off[h][0] > tab->off[h][1] ? tab->off[h][0] : tab->off[h][1];
             tab->wrap[h] = first < 16 || last + 16 > 16 + gemv_tile_bytes(k2);
+            if (tab->wrap[h])
+                fill_wrap(tab, k2, h);
         }
     }
 }
 
-/* The byte sums of chunk h (16 states) as 16-bit lanes. Windows inside the tile are read from
- * it (`padded` - 16 is the tile); those across its ends from the padded copy. */
-static inline __attribute__((always_inline)) __m256i chunk_sums(const uint8_t *tile_m16,
-                                                                const uint8_t *padded,
+/* The byte sums of chunk h (16 states) as 16-bit lanes, from the tile in place: a window inside
+ * the tile is one load (`tile_m16` + its offset), one across its ends is picked from two pieces
+ * (fill_wrap) with two vpshufb and an or; the picked bytes are those of the ring either way. */
+static inline __attribute__((always_inline)) __m256i chunk_sums(const uint8_t *tile,
                                                                 const fast_tables *tab, int h,
                                                                 const int one)
 {
-    const uint8_t *src = tab->wrap[h] ? padded : tile_m16;
     const __m256i mlo = _mm256_set1_epi16((short)(GEMV_MUL1_MULT & 0xFFFF));
     const __m256i mhi = _mm256_set1_epi16((short)(GEMV_MUL1_MULT >> 16));
     const __m256i ones8 = _mm256_set1_epi8(1);
-    __m256i win = one ? _mm256_broadcastsi128_si256(
-                            _mm_loadu_si128((const __m128i *)(src + tab->off[h][0])))
-                      : _mm256_loadu2_m128i((const __m128i *)(src + tab->off[h][1]),
-                                            (const __m128i *)(src + tab->off[h][0]));
-    __m256i raw = _mm256_shuffle_epi8(win, _mm256_loadu_si256((const __m256i *)tab->ctrl[h]));
+    __m256i raw;
+    if (__builtin_expect(tab->wrap[h], 0)) {
+        const int16_t(*src)[2] = tab->src[h];
+        __m256i a = _mm256_loadu2_m128i((const __m128i *)(tile + src[1][0]),
+                                        (const __m128i *)(tile + src[0][0]));
+        __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)tile));
+        raw = _mm256_or_si256(
+            _mm256_shuffle_epi8(a, _mm256_loadu_si256((const __m256i *)tab->wctrl[h][0])),
+            _mm256_shuffle_epi8(b, _mm256_loadu_si256((const __m256i *)tab->wctrl[h][1])));
+    } else {
+        const uint8_t *tile_m16 = tile - 16;
+        __m256i win = one ? _mm256_broadcastsi128_si256(
+                                _mm_loadu_si128((const __m128i *)(tile_m16 + tab->off[h][0])))
+                          : _mm256_loadu2_m128i((const __m128i *)(tile_m16 + tab->off[h][1]),
+                                                (const __m128i *)(tile_m16 + tab->off[h][0]));
+        raw = _mm256_shuffle_epi8(win, _mm256_loadu_si256((const __m256i *)tab->ctrl[h]));
+    }
     __m256i even = _mm256_srlv_epi32(raw, _mm256_loadu_si256((const __m256i *)tab->shr[h]));
     __m256i odd = _mm256_sllv_epi32(raw, _mm256_loadu_si256((const __m256i *)tab->shl[h]));
     __m256i state = _mm256_blend_epi16(even, odd, 0xAA);
@@ -120,7 +160,6 @@ tiles_m(const uint8_t *trellis, int n_tiles, int k2, int kt0, int kt1, const flo
 {
     const fast_tables *tab = &tables[k2];
     const size_t tile_bytes = (size_t)gemv_tile_bytes(k2), n = 16 * (size_t)n_tiles;
-    _Alignas(64) uint8_t padded[16 + 256 + 16];
     _Alignas(32) int16_t q[GEMV_MAX_ROWS][128];
     _Alignas(32) int16_t xq[GEMV_MAX_ROWS][2][16]; /* inputs in lane order of even, odd chunks */
     float scale[GEMV_MAX_ROWS], sx[GEMV_MAX_ROWS];
@@ -146,18 +185,12 @@ tiles_m(const uint8_t *trellis, int n_tiles, int k2, int kt0, int kt1, const flo
         }
         const uint8_t *tile = trellis + (size_t)kt * (size_t)n_tiles * tile_bytes;
         for (int nt = 0; nt < n_tiles; nt++, tile += tile_bytes) {
-            /* 16-byte pieces only: the tile is a multiple of 16 bytes, nothing is read past it */
-            _mm_store_si128((__m128i *)padded,
-                            _mm_loadu_si128((const __m128i *)(tile + tile_bytes - 16)));
-            for (size_t b = 0; b < tile_bytes; b += 16)
-                _mm_storeu_si128((__m128i *)(padded + 16 + b), _mm_loadu_si128((const __m128i *)(tile + b)));
-            _mm_storeu_si128((__m128i *)(padded + 16 + tile_bytes), _mm_loadu_si128((const __m128i *)tile));
             __m256i h[GEMV_MAX_ROWS][4];
             for (int quarter = 0; quarter < 4; quarter++) {
-                __m256i s0 = chunk_sums(tile - 16, padded, tab, 4 * quarter, one);
-                __m256i s1 = chunk_sums(tile - 16, padded, tab, 4 * quarter + 1, one);
-                __m256i s2 = chunk_sums(tile - 16, padded, tab, 4 * quarter + 2, one);
-                __m256i s3 = chunk_sums(tile - 16, padded, tab, 4 * quarter + 3, one);
+                __m256i s0 = chunk_sums(tile, tab, 4 * quarter, one);
+                __m256i s1 = chunk_sums(tile, tab, 4 * quarter + 1, one);
+                __m256i s2 = chunk_sums(tile, tab, 4 * quarter + 2, one);
+                __m256i s3 = chunk_sums(tile, tab, 4 * quarter + 3, one);
                 for (int i = 0; i < m; i++) {
                     __m256i xe = _mm256_load_si256((const __m256i *)xq[i][0]);
                     __m256i xo = _mm256_load_si256((const __m256i *)xq[i][1]);
