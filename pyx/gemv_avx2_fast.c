@@ -27,6 +27,7 @@ typedef struct {
     int16_t src[16][2][2]; /* wrap chunks, per half: tile bytes where sources A and B start */
     uint8_t wctrl[16][2][32]; /* wrap chunks: the vpshufb controls of A and B (0x80: other) */
     int one_window;       /* every chunk's two halves read the same 16 bytes (K <= 5) */
+    int edges;            /* only the first and the last chunk wrap (K >= 2) */
 } fast_tables;
 
 static fast_tables tables[17]; /* by k2 */
@@ -116,6 +117,9 @@ static void build_tables(void)
             if (tab->wrap[h])
                 fill_wrap(tab, k2, h);
         }
+        tab->edges = 1;
+        for (int h = 0; h < 16; h++)
+            tab->edges &= tab->wrap[h] == (h == 0 || h == 15);
     }
 }
 
@@ -124,13 +128,13 @@ static void build_tables(void)
  * (fill_wrap) with two vpshufb and an or; the picked bytes are those of the ring either way. */
 static inline __attribute__((always_inline)) __m256i chunk_sums(const uint8_t *tile,
                                                                 const fast_tables *tab, int h,
-                                                                const int one)
+                                                                const int one, const int edges)
 {
     const __m256i mlo = _mm256_set1_epi16((short)(GEMV_MUL1_MULT & 0xFFFF));
     const __m256i mhi = _mm256_set1_epi16((short)(GEMV_MUL1_MULT >> 16));
     const __m256i ones8 = _mm256_set1_epi8(1);
     __m256i raw;
-    if (__builtin_expect(tab->wrap[h], 0)) {
+    if (edges ? h == 0 || h == 15 : tab->wrap[h]) {
         const int16_t(*src)[2] = tab->src[h];
         __m256i a = _mm256_loadu2_m128i((const __m128i *)(tile + src[1][0]),
                                         (const __m128i *)(tile + src[0][0]));
@@ -156,7 +160,7 @@ static inline __attribute__((always_inline)) __m256i chunk_sums(const uint8_t *t
 
 static inline __attribute__((always_inline)) void
 tiles_m(const uint8_t *trellis, int n_tiles, int k2, int kt0, int kt1, const float *xh,
-        int x_stride, const int m, float *acc, const int one)
+        int x_stride, const int m, float *acc, const int one, const int edges)
 {
     const fast_tables *tab = &tables[k2];
     const size_t tile_bytes = (size_t)gemv_tile_bytes(k2), n = 16 * (size_t)n_tiles;
@@ -186,11 +190,12 @@ tiles_m(const uint8_t *trellis, int n_tiles, int k2, int kt0, int kt1, const flo
         const uint8_t *tile = trellis + (size_t)kt * (size_t)n_tiles * tile_bytes;
         for (int nt = 0; nt < n_tiles; nt++, tile += tile_bytes) {
             __m256i h[GEMV_MAX_ROWS][4];
+#pragma GCC unroll 4
             for (int quarter = 0; quarter < 4; quarter++) {
-                __m256i s0 = chunk_sums(tile, tab, 4 * quarter, one);
-                __m256i s1 = chunk_sums(tile, tab, 4 * quarter + 1, one);
-                __m256i s2 = chunk_sums(tile, tab, 4 * quarter + 2, one);
-                __m256i s3 = chunk_sums(tile, tab, 4 * quarter + 3, one);
+                __m256i s0 = chunk_sums(tile, tab, 4 * quarter, one, edges);
+                __m256i s1 = chunk_sums(tile, tab, 4 * quarter + 1, one, edges);
+                __m256i s2 = chunk_sums(tile, tab, 4 * quarter + 2, one, edges);
+                __m256i s3 = chunk_sums(tile, tab, 4 * quarter + 3, one, edges);
                 for (int i = 0; i < m; i++) {
                     __m256i xe = _mm256_load_si256((const __m256i *)xq[i][0]);
                     __m256i xo = _mm256_load_si256((const __m256i *)xq[i][1]);
@@ -229,14 +234,17 @@ void gemv_tiles_avx2_fast(const uint8_t *trellis, int n_tiles, int k2, int kt0, 
                           const float *xh, int x_stride, int m, float *acc)
 {
     pthread_once(&tables_once, build_tables);
-    const int one = tables[k2].one_window;
+    /* the layouts that occur: K <= 1.5 (any chunk may wrap), 2 <= K <= 5, K >= 5.5 */
+    const int one = tables[k2].one_window, edges = tables[k2].edges;
     switch (m) {
 #define CASE(M)                                                                                \
     case M:                                                                                    \
-        if (one)                                                                               \
-            tiles_m(trellis, n_tiles, k2, kt0, kt1, xh, x_stride, M, acc, 1);                 \
+        if (!edges)                                                                            \
+            tiles_m(trellis, n_tiles, k2, kt0, kt1, xh, x_stride, M, acc, one, 0);             \
+        else if (one)                                                                          \
+            tiles_m(trellis, n_tiles, k2, kt0, kt1, xh, x_stride, M, acc, 1, 1);               \
         else                                                                                   \
-            tiles_m(trellis, n_tiles, k2, kt0, kt1, xh, x_stride, M, acc, 0);                 \
+            tiles_m(trellis, n_tiles, k2, kt0, kt1, xh, x_stride, M, acc, 0, 1);               \
         break;
         CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
 #undef CASE
