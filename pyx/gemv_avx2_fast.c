@@ -14,6 +14,8 @@
  * with vphaddd into the tile's 16 column sums, kept in the order POS below until the end. */
 #include <immintrin.h>
 #include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "gemv_fast.h"
@@ -120,14 +122,31 @@ static void build_tables(void)
         tab->edges = 1;
         for (int h = 0; h < 16; h++)
             tab->edges &= tab->wrap[h] == (h == 0 || h == 15);
+        for (int h = 4; h < 16; h++) /* chunk_ctl: the kernel uses chunk h mod 4's controls */
+            if (memcmp(tab->ctrl[h], tab->ctrl[h - 4], sizeof tab->ctrl[h]) ||
+                memcmp(tab->shr[h], tab->shr[h - 4], sizeof tab->shr[h]) ||
+                memcmp(tab->shl[h], tab->shl[h - 4], sizeof tab->shl[h])) {
+                fprintf(stderr, "gemv_avx2_fast: chunk %d's controls differ from chunk %d's (k2 %d)\n",
+                        h, h - 4, k2);
+                abort();
+            }
     }
 }
+
+/* Chunk h's shuffle and shifts are chunk h mod 4's: chunk h + 1 starts k2 bytes (8 k2 bits) after
+ * chunk h, so every chunk's pairs sit alike in a window that starts 4-aligned, which chunks h and
+ * h + 4 (4 k2 bytes apart) share; build_tables checks it. Held in registers (or spilled once)
+ * for a whole call, not loaded per chunk. */
+typedef struct {
+    __m256i ctrl[4], shr[4], shl[4];
+} chunk_ctl;
 
 /* The byte sums of chunk h (16 states) as 16-bit lanes, from the tile in place: a window inside
  * the tile is one load (`tile_m16` + its offset), one across its ends is picked from two pieces
  * (fill_wrap) with two vpshufb and an or; the picked bytes are those of the ring either way. */
 static inline __attribute__((always_inline)) __m256i chunk_sums(const uint8_t *tile,
-                                                                const fast_tables *tab, int h,
+                                                                const fast_tables *tab,
+                                                                const chunk_ctl *ctl, int h,
                                                                 const int one, const int edges)
 {
     const __m256i mlo = _mm256_set1_epi16((short)(GEMV_MUL1_MULT & 0xFFFF));
@@ -148,10 +167,10 @@ static inline __attribute__((always_inline)) __m256i chunk_sums(const uint8_t *t
                                 _mm_loadu_si128((const __m128i *)(tile_m16 + tab->off[h][0])))
                           : _mm256_loadu2_m128i((const __m128i *)(tile_m16 + tab->off[h][1]),
                                                 (const __m128i *)(tile_m16 + tab->off[h][0]));
-        raw = _mm256_shuffle_epi8(win, _mm256_loadu_si256((const __m256i *)tab->ctrl[h]));
+        raw = _mm256_shuffle_epi8(win, ctl->ctrl[h % 4]);
     }
-    __m256i even = _mm256_srlv_epi32(raw, _mm256_loadu_si256((const __m256i *)tab->shr[h]));
-    __m256i odd = _mm256_sllv_epi32(raw, _mm256_loadu_si256((const __m256i *)tab->shl[h]));
+    __m256i even = _mm256_srlv_epi32(raw, ctl->shr[h % 4]);
+    __m256i odd = _mm256_sllv_epi32(raw, ctl->shl[h % 4]);
     __m256i state = _mm256_blend_epi16(even, odd, 0xAA);
     __m256i lo = _mm256_mullo_epi16(state, mlo);
     __m256i hi = _mm256_add_epi16(_mm256_mulhi_epu16(state, mlo), _mm256_mullo_epi16(state, mhi));
@@ -163,6 +182,12 @@ tiles_m(const uint8_t *trellis, int n_tiles, int k2, int kt0, int kt1, const flo
         int x_stride, const int m, float *acc, const int one, const int edges)
 {
     const fast_tables *tab = &tables[k2];
+    chunk_ctl ctl;
+    for (int h = 0; h < 4; h++) {
+        ctl.ctrl[h] = _mm256_loadu_si256((const __m256i *)tab->ctrl[h]);
+        ctl.shr[h] = _mm256_loadu_si256((const __m256i *)tab->shr[h]);
+        ctl.shl[h] = _mm256_loadu_si256((const __m256i *)tab->shl[h]);
+    }
     const size_t tile_bytes = (size_t)gemv_tile_bytes(k2), n = 16 * (size_t)n_tiles;
     _Alignas(32) int16_t q[GEMV_MAX_ROWS][128];
     _Alignas(32) int16_t xq[GEMV_MAX_ROWS][2][16]; /* inputs in lane order of even, odd chunks */
@@ -192,10 +217,10 @@ tiles_m(const uint8_t *trellis, int n_tiles, int k2, int kt0, int kt1, const flo
             __m256i h[GEMV_MAX_ROWS][4];
 #pragma GCC unroll 4
             for (int quarter = 0; quarter < 4; quarter++) {
-                __m256i s0 = chunk_sums(tile, tab, 4 * quarter, one, edges);
-                __m256i s1 = chunk_sums(tile, tab, 4 * quarter + 1, one, edges);
-                __m256i s2 = chunk_sums(tile, tab, 4 * quarter + 2, one, edges);
-                __m256i s3 = chunk_sums(tile, tab, 4 * quarter + 3, one, edges);
+                __m256i s0 = chunk_sums(tile, tab, &ctl, 4 * quarter, one, edges);
+                __m256i s1 = chunk_sums(tile, tab, &ctl, 4 * quarter + 1, one, edges);
+                __m256i s2 = chunk_sums(tile, tab, &ctl, 4 * quarter + 2, one, edges);
+                __m256i s3 = chunk_sums(tile, tab, &ctl, 4 * quarter + 3, one, edges);
                 for (int i = 0; i < m; i++) {
                     __m256i xe = _mm256_load_si256((const __m256i *)xq[i][0]);
                     __m256i xo = _mm256_load_si256((const __m256i *)xq[i][1]);
