@@ -42,7 +42,7 @@ typedef struct {
     int32_t shr[16][8];   /* per chunk and pair: right shift that leaves state t in bits 0..15 */
     int32_t shl[16][8];   /* ... left shift that puts state t + 1 in bits 16..31 */
     uint8_t wrap[16];     /* per chunk: a window reaches across the ring's ends */
-    int16_t src[16][2][2]; /* wrap chunks, per half: tile bytes where sources A and B start */
+    int16_t src[16][2];   /* wrap chunks, per half: tile byte where source A starts (B: 0) */
     uint8_t wctrl[16][2][32]; /* wrap chunks: the vpshufb controls of A and B (0x80: other) */
     int one_window;       /* every chunk's two halves read the same 16 bytes (K <= 5) */
     int edges;            /* only the first and the last chunk wrap (K >= 2) */
@@ -89,8 +89,7 @@ static void fill_wrap(fast_tables *tab, int k2, int h)
     for (int half = 0; half < 2; half++) {
         int p = tab->off[h][half] - 16; /* window start in the tile, may be < 0 or > tb - 16 */
         int across = p < 0 || p + 16 > tb;
-        tab->src[h][half][0] = (int16_t)(across ? tb - 16 : p);
-        tab->src[h][half][1] = 0;
+        tab->src[h][half] = (int16_t)(across ? tb - 16 : p);
         for (int i = 0; i < 16; i++) {
             int c = tab->ctrl[h][16 * half + i], r = ((p + c) % tb + tb) % tb;
             uint8_t *a = &tab->wctrl[h][0][16 * half + i], *b = &tab->wctrl[h][1][16 * half + i];
@@ -170,9 +169,8 @@ static inline __attribute__((always_inline)) __m256i chunk_sums(const uint8_t *t
     const __m256i ones8 = _mm256_set1_epi8(1);
     __m256i raw;
     if (edges ? h == 0 || h == 15 : tab->wrap[h]) {
-        const int16_t(*src)[2] = tab->src[h];
-        __m256i a = _mm256_loadu2_m128i((const __m128i *)(tile + src[1][0]),
-                                        (const __m128i *)(tile + src[0][0]));
+        __m256i a = _mm256_loadu2_m128i((const __m128i *)(tile + tab->src[h][1]),
+                                        (const __m128i *)(tile + tab->src[h][0]));
         __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)tile));
         raw = _mm256_or_si256(
             _mm256_shuffle_epi8(a, _mm256_loadu_si256((const __m256i *)tab->wctrl[h][0])),
