@@ -655,35 +655,75 @@ def generator_settings(max_batch: int, chunk: int, recurrent_cache_gb: float) ->
 SERVED_MODES = ("exact",)
 
 
+# Paths written but not yet run on a GPU: served only with --allow-unrun-modes (for their GPU
+# tests). mode -> what it is, for the refusal.
+UNRUN_MODES = {
+    "nvme-exact": "the GPU engine's nvme-exact (the RAM tier over --store as the experts' home)",
+    "fast": "the GPU engine's fast mode (exact mode's tiers + the CPU lane taking the coldest "
+    "decode misses, docs/fast-mode.md)",
+}
+
+
+def _unrun(what: str, instead: str):
+    from glm53.config import ConfigurationError
+
+    return ConfigurationError(
+        f"{what} is written but has not yet run on a GPU, so serve refuses it; "
+        f"--allow-unrun-modes runs it anyway (for its GPU tests). {instead}"
+    )
+
+
+def _common(settings) -> dict:
+    """The GpuEngine arguments every mode takes from the settings."""
+    return {
+        "context": settings.context,
+        "max_batch": settings.max_batch,
+        "chunk_size": settings.chunk_size,
+        "ec_max_slots": settings.ec_max_slots,
+        "ec_reserve_gb": settings.ec_reserve_gb,
+        "ec_freq_window": settings.ec_freq_window,
+        "vram_budget": settings.vram_budget,
+        "warmup": settings.warmup,
+        "gpus": settings.gpus,
+    }
+
+
+def _refuse_split(settings, mode: str) -> None:
+    from glm53.config import ConfigurationError
+
+    if settings.gpus is not None and len(settings.gpus) > 1:
+        raise ConfigurationError(
+            f"--gpus {','.join(map(str, settings.gpus))}: {mode} runs on one GPU; name one"
+        )
+
+
+def _refuse_chunk(settings) -> None:
+    from glm53.config import ConfigurationError
+
+    if settings.chunk_size % PAGE:
+        raise ConfigurationError(
+            f"--chunk-size {settings.chunk_size}: the GPU engine needs a multiple of {PAGE} "
+            f"(exllamav3's page size), e.g. {max(PAGE, settings.chunk_size // PAGE * PAGE)}"
+        )
+
+
 def create(settings, checkpoint_dir) -> GpuEngine:
     """The GPU engine for these Settings (not loaded)."""
     from glm53.config import ConfigurationError
 
     mode = "exact" if settings.mode in ("auto", "exact") else settings.mode
     if settings.gpus is not None and len(settings.gpus) > 1 and not settings.allow_unrun_modes:
-        raise ConfigurationError(
+        raise _unrun(
             f"--gpus {','.join(map(str, settings.gpus))}: the layer split over several GPUs "
-            "(docs/multi-gpu.md) is written but has not yet run on a GPU, so serve refuses it; "
-            "--allow-unrun-modes runs it anyway (for its GPU tests). Name one GPU, or run one "
-            "replica per GPU behind a router (docs/fleet.md)."
+            "(docs/multi-gpu.md)",
+            "Name one GPU, or run one replica per GPU behind a router (docs/fleet.md).",
         )
-    if mode == "nvme-exact" and settings.allow_unrun_modes:
-        return _create_nvme_exact(settings, checkpoint_dir)
+    if mode in UNRUN_MODES and not settings.allow_unrun_modes:
+        raise _unrun(f"--mode {mode}: {UNRUN_MODES[mode]}", "Use --mode exact.")
     if mode == "nvme-exact":
-        raise ConfigurationError(
-            "--mode nvme-exact: the GPU engine's nvme-exact (the RAM tier over --store as the "
-            "experts' home) is written but has not yet run on a GPU, so serve refuses it; "
-            "--allow-unrun-modes runs it anyway (for its GPU tests). Use --mode exact."
-        )
-    if mode == "fast" and settings.allow_unrun_modes:
-        return _create_fast(settings, checkpoint_dir)
+        return _create_nvme_exact(settings, checkpoint_dir)
     if mode == "fast":
-        raise ConfigurationError(
-            "--mode fast: the GPU engine's fast mode (exact mode's tiers + the CPU lane taking "
-            "the coldest decode misses, docs/fast-mode.md) is written but has not yet run on a "
-            "GPU, so serve refuses it; --allow-unrun-modes runs it anyway (for its GPU tests). "
-            "Use --mode exact."
-        )
+        return _create_fast(settings, checkpoint_dir)
     if mode not in SERVED_MODES:
         raise ConfigurationError(
             f"--mode {settings.mode}: this build's GPU engine serves exact mode only (VRAM cache + "
@@ -696,24 +736,9 @@ def create(settings, checkpoint_dir) -> GpuEngine:
             f"--store {settings.store}: exact mode keeps every routed expert in pinned RAM and "
             "does not read a store; leave --store out"
         )
-    if settings.chunk_size % PAGE:
-        raise ConfigurationError(
-            f"--chunk-size {settings.chunk_size}: the GPU engine needs a multiple of {PAGE} "
-            f"(exllamav3's page size), e.g. {max(PAGE, settings.chunk_size // PAGE * PAGE)}"
-        )
+    _refuse_chunk(settings)
     return GpuEngine(
-        str(checkpoint_dir),
-        mode,
-        context=settings.context,
-        max_batch=settings.max_batch,
-        chunk_size=settings.chunk_size,
-        ec_max_slots=settings.ec_max_slots,
-        ec_reserve_gb=settings.ec_reserve_gb,
-        ec_stage_gb=settings.ec_stage_gb,
-        ec_freq_window=settings.ec_freq_window,
-        vram_budget=settings.vram_budget,
-        warmup=settings.warmup,
-        gpus=settings.gpus,
+        str(checkpoint_dir), mode, ec_stage_gb=settings.ec_stage_gb, **_common(settings)
     )
 
 
@@ -729,15 +754,8 @@ def _create_fast(settings, checkpoint_dir) -> GpuEngine:
             f"--store {settings.store}: fast mode keeps every routed expert in pinned RAM, as "
             "exact mode does, and does not read a store; leave --store out"
         )
-    if settings.gpus is not None and len(settings.gpus) > 1:
-        raise ConfigurationError(
-            f"--gpus {','.join(map(str, settings.gpus))}: fast mode runs on one GPU; name one"
-        )
-    if settings.chunk_size % PAGE:
-        raise ConfigurationError(
-            f"--chunk-size {settings.chunk_size}: the GPU engine needs a multiple of {PAGE} "
-            f"(exllamav3's page size), e.g. {max(PAGE, settings.chunk_size // PAGE * PAGE)}"
-        )
+    _refuse_split(settings, "fast mode")
+    _refuse_chunk(settings)
     try:
         lane_layout(settings.cpus, settings.cpu_threads)
         precision = lane_precision(settings.ct_precision, "gpu", "fast")
@@ -746,26 +764,18 @@ def _create_fast(settings, checkpoint_dir) -> GpuEngine:
     return GpuEngine(
         str(checkpoint_dir),
         "fast",
-        context=settings.context,
-        max_batch=settings.max_batch,
-        chunk_size=settings.chunk_size,
-        ec_max_slots=settings.ec_max_slots,
-        ec_reserve_gb=settings.ec_reserve_gb,
         ec_stage_gb=settings.ec_stage_gb,
-        ec_freq_window=settings.ec_freq_window,
-        vram_budget=settings.vram_budget,
-        warmup=settings.warmup,
-        gpus=settings.gpus,
         lane_cpus=settings.cpus,
         lane_threads=settings.cpu_threads,
         lane_precision=precision,
         ct_b=settings.ct_b,
+        **_common(settings),
     )
 
 
 def _create_nvme_exact(settings, checkpoint_dir) -> GpuEngine:
-    """nvme-exact under --allow-unrun-modes: exact mode's settings plus the store, --ram-cap
-    and the read timeout (the refusals happen at load, before anything loads)."""
+    """nvme-exact under --allow-unrun-modes: exact mode's settings (no prefill staging) plus the
+    store, --ram-cap and the read timeout (the refusals happen at load, before anything loads)."""
     from glm53.config import ConfigurationError
 
     if not settings.store:
@@ -773,23 +783,12 @@ def _create_nvme_exact(settings, checkpoint_dir) -> GpuEngine:
             "--mode nvme-exact reads the routed experts from a packed store: pass --store DIR "
             "(`glm53 store pack`)"
         )
-    if settings.gpus is not None and len(settings.gpus) > 1:
-        raise ConfigurationError(
-            f"--gpus {','.join(map(str, settings.gpus))}: nvme-exact runs on one GPU; name one"
-        )
+    _refuse_split(settings, "nvme-exact")
     return GpuEngine(
         str(checkpoint_dir),
         "nvme-exact",
-        context=settings.context,
-        max_batch=settings.max_batch,
-        chunk_size=settings.chunk_size,
-        ec_max_slots=settings.ec_max_slots,
-        ec_reserve_gb=settings.ec_reserve_gb,
-        ec_freq_window=settings.ec_freq_window,
-        vram_budget=settings.vram_budget,
-        warmup=settings.warmup,
-        gpus=settings.gpus,
         store=settings.store,
         ram_cap=settings.ram_cap,
         read_timeout_s=settings.read_timeout,
+        **_common(settings),
     )
