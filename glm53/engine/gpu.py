@@ -328,13 +328,8 @@ class GpuEngine:
 
     # --- life cycle ----------------------------------------------------------------------------
     def load(self) -> None:
-        if self.mode == "nvme-exact":  # its refusals come first, before anything loads
-            from glm53.tiers.gpu_home import open_home_source
-
-            rows = max(self.chunk_size, self.num_slots)
-            open_home_source(self.model_dir, self.store, self.ram_cap, rows)[0].close()
-        from exllamav3 import Generator
-
+        # exllamav3 is imported by exl3_load.load, after nvme-exact's refusals (store,
+        # fingerprint, --ram-cap): those come first, also where exllamav3 is not installed
         from glm53.engine import exl3_load
         from glm53.engine.tokenizer import CheckpointTokenizer, read_generation_defaults
 
@@ -373,6 +368,8 @@ class GpuEngine:
                 "exllamav3 warm-up in %.1f s%s", time.perf_counter() - t0,
                 f"; passes that raised: {self.warmup_failed}" if self.warmup_failed else "",
             )  # fmt: skip
+        from exllamav3 import Generator
+
         self.generator = Generator(
             model=self.loaded.model,
             cache=self.loaded.cache,
