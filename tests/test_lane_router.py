@@ -129,3 +129,22 @@ def test_no_misses_no_split():
     router = LaneRouter(2, EXPERT_BYTES)
     assert router.split(1, 8, []) == 0
     assert router.stats()["layers"][1]["steps"] == 1
+
+
+def test_split_is_the_argmin_of_cost_over_every_k():
+    """split() prices every k in one pass; it must pick what cost() says, k by k."""
+    rng = random.Random(11)
+    for trial in range(200):
+        router = LaneRouter(n_layers=1, expert_bytes=9_440_000, max_k=rng.choice((4, 16, 32)),
+                            rates=Rates(lane_b_ms=rng.uniform(0.05, 2.0)))  # fmt: skip
+        rows = [rng.randint(1, 8) for _ in range(rng.randint(0, 40))]
+        n_hit = rng.randint(0, 60)
+        gpu0 = router.cost(0, n_hit, rows)[0]
+        best_k, best = 0, gpu0
+        for k in range(1, min(router.max_k, len(rows)) + 1):
+            t = max(router.cost(k, n_hit, rows))
+            if t < best:
+                best_k, best = k, t
+        if best_k and best > gpu0 * (1 - router.margin):
+            best_k = 0
+        assert router.split(0, n_hit, rows) == best_k, trial

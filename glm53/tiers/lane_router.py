@@ -107,8 +107,12 @@ class LaneRouter:
         the lane. 0 whenever no split beats the GPU alone by the margin."""
         gpu0, _ = self.cost(0, n_hit, miss_rows)
         best_k, best = 0, gpu0
+        # cost(k) for every k in one pass: the lane's sum grows by one expert a step (summed in
+        # the same order as cost() sums it, so the same floats), the GPU's shrinks by one miss
+        hit, miss, lane_sum = n_hit * self.hit_ms.value, self.miss_ms(), 0.0
         for k in range(1, min(self.max_k, len(miss_rows)) + 1):
-            t = max(self.cost(k, n_hit, miss_rows))
+            lane_sum += self.lane_expert_ms(miss_rows[k - 1])
+            t = max(hit + (len(miss_rows) - k) * miss, self.lane_a.value + lane_sum)
             if t < best:
                 best_k, best = k, t
         if best_k and best > gpu0 * (1 - self.margin):
