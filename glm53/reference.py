@@ -156,11 +156,19 @@ def compare(rows: list[tuple[str, int, list[int], list[float], dict[int, float]]
     )
 
 
+# The packages whose versions decide the CPU engine's numbers (its forward is transformers'
+# glm5_next on torch; its prompts are tokenized by tokenizers, and transformers' own loading goes
+# through huggingface_hub). pyproject.toml pins each of them (torch in the test extra: a GPU host
+# keeps the CUDA build its exllamav3 wheel was made for), a CPU panel records them, and
+# tests/test_reference_stack.py fails, naming both versions, when what is installed differs.
+REFERENCE_STACK = ("torch", "transformers", "tokenizers", "huggingface_hub")
+
+
 def versions(engine: str) -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
     out = {}
-    names = ["glm53", "torch", "transformers"]
+    names = ["glm53", *REFERENCE_STACK]
     if engine == "stock-exllamav3":
         names.append("exllamav3")
     for name in names:

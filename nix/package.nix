@@ -98,6 +98,11 @@ buildPython {
     "--prefix" "PATH" ":" (lib.makeBinPath [ cudaRoot ninja cudaPackages.backendStdenv.cc ])
   ];
 
+  # pyproject pins the CPU engine's reference stack exactly (its numbers were checked under those
+  # versions); nixpkgs carries its own releases of them, so the runtime check takes nixpkgs'.
+  # The CPU engine's numbers are then unchecked: tests/test_reference_stack.py names the difference.
+  pythonRelaxDeps = [ "transformers" "tokenizers" "huggingface-hub" ];
+
   # The test suite starts servers and takes minutes; it runs in the project's CI. The package
   # build checks that every native module imports.
   doCheck = false;

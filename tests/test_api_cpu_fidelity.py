@@ -16,11 +16,40 @@ import httpx
 import openai
 import pytest
 
-from glm53.reference import fingerprint, read_panel
+from glm53.reference import REFERENCE_STACK, fingerprint, read_panel
 
 ROOT = Path(__file__).resolve().parents[1]
 PANEL = ROOT / "reference" / "demo-panel.json"
 MODEL = "glm-5.3-flash"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def same_stack_as_the_panel():
+    """The CPU engine's numbers follow its stack (tests/test_reference_stack.py): under another
+    one these tests would fail on numbers (top-1 0.545 under a later transformers) that look like
+    a model bug. Fail first, naming the versions."""
+    recorded = read_panel(PANEL).versions
+    wrong = [
+        f"{name} {have} is installed, the panel was made under {recorded.get(name)}"
+        for name in REFERENCE_STACK
+        if (have := _installed(name)).split("+")[0] != str(recorded.get(name)).split("+")[0]
+    ]
+    if wrong:
+        pytest.fail(
+            "the CPU engine's stack differs from the one reference/demo-panel.json was made "
+            "under, so its numbers are not comparable: " + "; ".join(wrong) + " (pyproject.toml "
+            "pins the stack; see tests/test_reference_stack.py)",
+            pytrace=False,
+        )
+
+
+def _installed(name: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "not installed"
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +158,13 @@ def test_greedy_decode_with_penalties_follows_the_penalized_argmax(
     ids = httpx.post(demo_server.url + "/tokenize", json={"prompt": "Once upon a time"}).json()[
         "tokens"
     ]
+    plain = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=20, temperature=0, logprobs=0,
+        extra_body={"return_tokens_as_token_ids": True},
+    ).choices[0].logprobs.tokens  # fmt: skip
+    # A penalty changes a greedy pick only where the plain decode would repeat a token: without
+    # a repeat this test cannot fail (it failed as (20, 0) when the stack changed the numbers).
+    assert len(set(plain)) < len(plain), f"the plain greedy decode repeats nothing: {plain}"
     answer = client.completions.create(
         model=MODEL,
         prompt=ids,
