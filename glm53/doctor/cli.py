@@ -41,8 +41,7 @@ def add_parser(sub) -> None:
         "and a predicted decode and prefill speed. Never changes the system: steps that need "
         "root (a RAID0, mkfs) are printed as proposals. Exit status: 0 when every check is ok "
         "or a warning, 1 when a check fails (this host cannot serve GLM-5.3-Flash as it is; "
-        "each failed check says how to fix it, and the plan falls back to the demo), 2 on bad "
-        "arguments.",
+        "each failed check says how to fix it), 2 on bad arguments.",
     )
     p.add_argument("--json", action="store_true", help="print everything as one JSON document")
     p.add_argument(
