@@ -81,17 +81,21 @@ def checkpoint_dir(settings: Settings) -> Path:
     return path
 
 
-def _has_cuda() -> bool:
+def _num_cuda_devices() -> int:
+    """CUDA devices, counted through NVML: `glm53 serve` asks in granian's main process, which
+    then forks the worker, and torch.cuda.is_available() would initialize CUDA there, after
+    which the forked worker cannot (on an H200, torch 2.11: "Cannot re-initialize CUDA in
+    forked subprocess"; device_count() left the worker able to)."""
     import torch
 
-    return torch.cuda.is_available()
+    return torch.cuda.device_count()
 
 
 def engine_kind(settings: Settings) -> str:
     """cpu, gpu or scripted: --engine, where auto means gpu for a real checkpoint on a CUDA host."""
     if settings.engine != "auto":
         return settings.engine
-    return "gpu" if not uses_demo(settings) and _has_cuda() else "cpu"
+    return "gpu" if not uses_demo(settings) and _num_cuda_devices() > 0 else "cpu"
 
 
 # Settings of parts that this build does not have yet: accepted by the parser (the doctor's
@@ -150,7 +154,7 @@ def _gpu_host_problems() -> list[str]:
     import torch
 
     problems = []
-    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+    if _num_cuda_devices() == 0:
         if torch.version.cuda is None:
             problems.append(f"this torch ({torch.__version__}) is a CPU build")
         else:
@@ -178,9 +182,7 @@ def refuse_unservable(settings: Settings) -> None:
         else:
             fix = "install it with `pip install 'glm53[gpu]'`, or serve with --engine cpu"
         raise ConfigurationError(f"--engine gpu: {' and '.join(problems)}; {fix}")
-    import torch
-
-    num_devices = torch.cuda.device_count()
+    num_devices = _num_cuda_devices()
     absent = [g for g in settings.gpus or () if g >= num_devices]
     if absent:
         raise ConfigurationError(
