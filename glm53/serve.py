@@ -90,11 +90,12 @@ def load_app(settings_json: bytes):
 
 
 def main(args: argparse.Namespace) -> int:
-    from glm53.engine import refuse_unbuilt
+    from glm53.engine import refuse_unbuilt, refuse_unservable
 
     try:
         settings, sources = config.resolve(args)
         refuse_unbuilt(settings)
+        refuse_unservable(settings)  # before granian binds the port
     except config.ConfigurationError as exc:
         print(f"glm53 serve: {exc}", file=sys.stderr)
         return 2

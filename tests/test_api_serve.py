@@ -1,16 +1,19 @@
 """`glm53 serve` start-up: exit statuses and reasons, and /health while the model loads."""
 
 import asyncio
+import importlib.util
+import socket
 import subprocess
 import sys
 import threading
 
 import httpx
 import pytest
-from serving_kit import Server, write_tokenizer_checkpoint
+from serving_kit import Server, free_port, write_tokenizer_checkpoint
 
 from glm53.api.app import App
 from glm53.config import resolve
+from glm53.engine import engine_kind
 from glm53.engine.scripted import Script, ScriptedEngine
 
 
@@ -105,3 +108,65 @@ def test_health_reports_a_failed_load(checkpoint):
         after.json()["error"]["message"] == "the model failed to load: RuntimeError: disk on fire"
     )
     assert (info["status"], info["load_error"]) == ("failed", "RuntimeError: disk on fire")
+
+
+def _has_cuda_device():
+    import torch
+
+    return torch.cuda.device_count() > 0
+
+
+no_gpu_host = pytest.mark.skipif(_has_cuda_device(), reason="this host has a CUDA device")
+
+
+def refused_before_binding(*args):
+    """Run `glm53 serve ARGS --port P` and check it stopped before granian started: exit 2, one
+    line on stderr and nothing on stdout (granian logs "Listening at" once it binds), and P
+    still free. Returns that line."""
+    port = free_port()
+    done = serve(*args, "--port", str(port))
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.endswith("\n") and done.stderr.count("\n") == 1, done.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+    return done.stderr.rstrip("\n")
+
+
+@no_gpu_host
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--engine", "gpu"),
+        ("--engine", "gpu", "--demo"),
+        ("--engine", "gpu", "--mode", "fast", "--allow-unrun-modes"),
+        ("--engine", "gpu", "--gpus", "0,1"),
+    ],
+)
+def test_gpu_engine_without_a_gpu_is_refused_in_one_line_before_binding(args):
+    import torch
+
+    line = refused_before_binding(*args)
+    why = (
+        f"this torch ({torch.__version__}) is a CPU build"
+        if torch.version.cuda is None
+        else f"torch {torch.__version__} sees no CUDA device"
+    )
+    if importlib.util.find_spec("exllamav3") is None:
+        why += " and exllamav3 is not installed"
+    assert line == (
+        f"glm53 serve: --engine gpu: {why}; run `glm53 serve --engine cpu` instead "
+        "(`glm53 serve --demo` for the demo checkpoint), or see docs/install.md to set up a "
+        "GPU host"
+    )
+
+
+@no_gpu_host
+def test_auto_engine_picks_cpu_without_a_gpu_so_gpus_is_refused_before_binding(tmp_path):
+    checkpoint = write_tokenizer_checkpoint(tmp_path / "checkpoint")
+    settings, _ = resolve({"model": str(checkpoint)}, {})
+    assert engine_kind(settings) == "cpu"
+    line = refused_before_binding("--model", str(checkpoint), "--gpus", "0")
+    assert line == (
+        "glm53 serve: --gpus 0: the cpu engine runs on no GPU, so the split would do nothing; "
+        "leave --gpus (GLM53_GPUS) out, or serve a real checkpoint with --engine gpu"
+    )

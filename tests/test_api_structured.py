@@ -165,9 +165,18 @@ def test_pattern_and_format_of_string_arguments_are_enforced(cpu, seed):
     assert re.fullmatch(r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])", args["day"]), args
 
 
+WEATHER_CALL = (
+    "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>"
+    "<arg_key>days</arg_key><arg_value>3</arg_value></tool_call>"
+)
 SCRIPT = {
     "default": 'free <text> {not json</think>{"color": "red", "n": 7}',
-    "replies": [{"when": "@object", "text": '</think>{"ok": [1, 2]}'}],
+    "replies": [
+        {"when": "@object", "text": '</think>{"ok": [1, 2]}'},
+        {"when": "@ponder", "text": "hmm ", "repeat": 50},
+        {"when": "@quit", "text": "not my business"},
+        {"when": "@weather", "text": "Paris it is.</think>" + WEATHER_CALL},
+    ],
 }
 
 
@@ -264,3 +273,83 @@ def test_a_schema_llguidance_cannot_compile_is_a_400_naming_the_part(scripted, k
             model=MODEL, messages=[{"role": "user", "content": "x"}], **kwargs
         )
     assert info.value.param == param
+
+
+WANTS_STRUCTURE = [
+    {"tools": [WEATHER], "tool_choice": "required"},
+    {
+        "tools": [WEATHER, TIME],
+        "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+    },
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "pick", "schema": PICK}}},
+]
+
+
+@pytest.mark.parametrize("kwargs", WANTS_STRUCTURE)
+def test_reasoning_that_uses_up_max_tokens_is_a_200_with_finish_reason_length(scripted, kwargs):
+    answer = scripted.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "@ponder"}], max_tokens=6, n=2, **kwargs
+    )
+    assert [c.finish_reason for c in answer.choices] == ["length", "length"]
+    for choice in answer.choices:
+        assert (choice.message.content, choice.message.tool_calls) == ("", None)
+        assert choice.message.model_extra["reasoning_content"] == "hmm hm"
+    assert answer.usage.completion_tokens == 12
+
+
+@pytest.mark.parametrize("kwargs", WANTS_STRUCTURE)
+def test_streamed_reasoning_that_uses_up_max_tokens_ends_each_choice_with_length(scripted, kwargs):
+    chunks = list(
+        scripted.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "@ponder"}],
+            max_tokens=6,
+            n=2,
+            stream=True,
+            **kwargs,
+        )
+    )
+    finishes = [(c.choices[0].index, c.choices[0].finish_reason) for c in chunks]
+    assert sorted(f for f in finishes if f[1] is not None) == [(0, "length"), (1, "length")]
+    assert finishes[-1][1] == "length"
+
+
+def ask_weather(client, **kwargs):
+    return client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "@weather"}],
+        tools=[WEATHER],
+        tool_choice="required",
+        **kwargs,
+    ).choices[0]
+
+
+def test_a_stop_string_that_cuts_a_required_tool_call_is_a_200_with_finish_reason_stop(
+    scripted,
+):
+    in_reasoning = ask_weather(scripted, stop=["it is"])
+    assert (in_reasoning.finish_reason, in_reasoning.message.tool_calls) == ("stop", None)
+    assert in_reasoning.message.model_extra["reasoning_content"] == "Paris"
+    in_call = ask_weather(scripted, stop=["days"])
+    assert (in_call.finish_reason, in_call.message.tool_calls[0].function.arguments) == (
+        "stop",
+        '{"city": "Paris"}',
+    )
+    uncut = ask_weather(scripted)
+    assert uncut.finish_reason == "tool_calls"
+    call = uncut.message.tool_calls[0].function
+    assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris", "days": 3})
+
+
+def test_a_model_that_ends_inside_its_reasoning_does_not_satisfy_required_tool_choice(scripted):
+    with pytest.raises(openai.InternalServerError) as info:
+        scripted.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "@quit"}],
+            tools=[WEATHER],
+            tool_choice="required",
+        )
+    assert (info.value.code, info.value.body["message"]) == (
+        "tool_choice_not_satisfied",
+        "tool_choice is 'required' but the model answered without a tool call",
+    )

@@ -19,9 +19,17 @@ from glm53.doctor.source import FixtureSource, LiveSource, Unavailable, bounded
 REF = Path(__file__).parent / "fixtures" / "doctor" / "reference-3090-epyc-raid0"
 
 
+NOGPU = REF.parent / "nogpu-i5-16g-container"
+DESKTOP = REF.parent / "desktop-4090-gen4-64g"
+
+
 def run_json(capsys, *args) -> dict:
-    assert main(["doctor", "--json", *args]) == 0
-    return json.loads(capsys.readouterr().out)
+    """The report of `glm53 doctor --json ARGS`, checked against its exit status: 1 when a check
+    failed, else 0."""
+    status = main(["doctor", "--json", *args])
+    doc = json.loads(capsys.readouterr().out)
+    assert status == (1 if any(c["verdict"] == "fail" for c in doc["checks"]) else 0)
+    return doc
 
 
 def test_live_doctor_gives_a_report_and_plan(capsys):
@@ -39,7 +47,7 @@ def test_live_doctor_gives_a_report_and_plan(capsys):
 
 
 def test_live_report_ends_with_the_command_to_run(capsys):
-    assert main(["doctor", "--no-measure"]) == 0
+    assert main(["doctor", "--no-measure"]) in (0, 1)
     lines = capsys.readouterr().out.rstrip().splitlines()
     run_at = max(i for i, line in enumerate(lines) if line.startswith("Run:"))
     assert lines[run_at + 1].startswith("  glm53 ") and lines[-1].startswith("  glm53 ")
@@ -75,6 +83,25 @@ def test_replay_with_compare_sets_measurement_beside_prediction(capsys, tmp_path
         709.7,
     )
     assert abs(comparison["decode_predicted_tok_s"] / 28.15 - 1) <= 0.25
+
+
+def test_warnings_alone_exit_0(capsys):
+    assert main(["doctor", "--replay", str(REF)]) == 0
+    out, err = capsys.readouterr()
+    assert "│ warn │ memlock" in out and "│ fail │" not in out and "failed" not in err
+
+
+@pytest.mark.parametrize(
+    "fixture, failed",
+    [(NOGPU, "gpu"), (DESKTOP, "exllamav3, ram-exact, ram-fast")],
+)
+def test_a_failed_check_exits_1_naming_it_and_the_plan_is_the_demo(capsys, fixture, failed):
+    assert main(["doctor", "--replay", str(fixture)]) == 1
+    out, err = capsys.readouterr()
+    assert (
+        err.splitlines()[-1] == f"glm53 doctor: {len(failed.split(', '))} check(s) failed: {failed}"
+    )
+    assert out.rstrip().splitlines()[-2:] == ["Run:", "  glm53 serve --demo"]
 
 
 def test_bad_arguments_exit_2_with_the_reason(capsys):

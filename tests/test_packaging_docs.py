@@ -1,10 +1,15 @@
-"""docs/: reference.md is what tools/gen_reference.py makes from the code today, and every message
-troubleshooting.md quotes is still one the code prints."""
+"""docs/: reference.md is what tools/gen_reference.py makes from the code today, every message
+troubleshooting.md quotes is still one the code prints, and the README's examples run against a
+real server."""
 
 import ast
 import importlib.util
+import json
 import re
 from pathlib import Path
+
+import httpx
+from serving_kit import scripted_server
 
 from glm53 import config
 
@@ -66,3 +71,43 @@ def test_install_guide_covers_every_way_to_install():
         assert heading in text
     for fact in ("580", "LimitMEMLOCK=infinity", "glm53 doctor", "hugepages"):
         assert fact in text
+
+
+def _readme_examples() -> tuple[list[dict], list[str]]:
+    """The JSON bodies of the README's curl examples and its Python examples, in order."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    bodies = [json.loads(body) for body in re.findall(r"-d '(\{.*\})'", text)]
+    python = re.findall(r"^```python\n(.*?)^```$", text, re.S | re.M)
+    return bodies, python
+
+
+def test_readme_examples_show_thinking_on_and_how_to_turn_it_off(tmp_path, capsys):
+    bodies, python = _readme_examples()
+    assert [b.get("chat_template_kwargs") for b in bodies] == [None, {"enable_thinking": False}]
+    reply = "Hi! How can I help?"
+    server = scripted_server(tmp_path, {"default": reply})
+    try:
+        thinking, plain = (
+            httpx.post(server.url + "/v1/chat/completions", json=b, timeout=30).json()
+            for b in bodies
+        )
+        example = python[0].replace("http://127.0.0.1:30000", server.url)
+        exec(compile(example, "README.md", "exec"), {})
+    finally:
+        assert server.stop() == 0, server.log()
+    message = thinking["choices"][0]["message"]
+    assert (message["content"], message["reasoning_content"]) == ("", reply)
+    message = plain["choices"][0]["message"]
+    assert (message["content"], message["reasoning_content"]) == (reply, None)
+    assert capsys.readouterr().out == reply + "\n"
+
+
+def test_readme_installs_torch_cpu_first_and_links_the_install_guide():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert (
+        "pip install torch --index-url https://download.pytorch.org/whl/cpu && pip install ."
+        in text
+    )
+    assert "[docs/install.md](docs/install.md)" in text
+    install = (DOCS / "install.md").read_text(encoding="utf-8")
+    assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in install

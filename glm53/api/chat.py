@@ -282,14 +282,24 @@ async def chat_completions(state: ServerState, body: bytes, receive: Receive, se
 
 
 def _finish(plan: _Plan, pick: _Choice) -> str:
-    """The finish reason of a finished choice; raises when tool_choice is not satisfied."""
+    """The finish reason of a finished choice. A choice the request's own limits cut short is
+    answered as it stands, as OpenAI does, grammar complete or not: "length" (max_tokens or the
+    context ran out, often inside the reasoning) or "stop" (one of its stop strings, even in a
+    tool call: the parser keeps the arguments written so far). Raises
+    when the model ended by itself without satisfying tool_choice, which the grammar cannot
+    prevent in two cases: the model ended inside its free reasoning, or the engine's logits
+    ruled out every token the grammar allowed (the matcher then lets only the end through)."""
     last = pick.last
     if last.finish_reason == "error":
         raise ApiError(500, f"generation failed: {last.error}", code="engine_error")
+    if last.finish_reason == "length":
+        return "length"
+    if isinstance(last.matched_stop, str):
+        return "stop"
     calls = pick.parser.tool_calls
     if (problem := _tool_choice_error(plan.tool_choice, calls)) is not None:
         raise ApiError(500, problem, code="tool_choice_not_satisfied")
-    return "length" if last.finish_reason == "length" else ("tool_calls" if calls else "stop")
+    return "tool_calls" if calls else "stop"
 
 
 async def _answer(

@@ -10,7 +10,7 @@ from pathlib import Path
 import msgspec
 from rich.console import Console
 
-from glm53.doctor.checks import run_checks
+from glm53.doctor.checks import Verdict, run_checks
 from glm53.doctor.cpu import format_cpu_list, parse_cpu_list
 from glm53.doctor.fleet import plan_per_gpu
 from glm53.doctor.plan import PlanRequest, make_plan
@@ -39,7 +39,9 @@ def add_parser(sub) -> None:
         description="Probes GPUs, CPU, memory, storage and software (each probe bounded by a "
         "timeout), checks them against what glm53 needs, and recommends a mode with its flags "
         "and a predicted decode and prefill speed. Never changes the system: steps that need "
-        "root (a RAID0, mkfs) are printed as proposals.",
+        "root (a RAID0, mkfs) are printed as proposals. Exit status: 0 when every check is ok "
+        "or a warning, 1 when a check fails (this host cannot serve GLM-5.3-Flash as it is; "
+        "each failed check says how to fix it), 2 on bad arguments.",
     )
     p.add_argument("--json", action="store_true", help="print everything as one JSON document")
     p.add_argument(
@@ -144,6 +146,10 @@ def run(args) -> int:
         sys.stdout.write(to_json(report) + "\n")
     else:
         render(report, Console(highlight=False))
+    failed = [c.name for c in report.checks if c.verdict == Verdict.FAIL]
+    if failed:
+        err.print(f"glm53 doctor: {len(failed)} check(s) failed: {', '.join(failed)}")
+        return 1
     return 0
 
 

@@ -8,6 +8,7 @@ does the heavy work on the engine thread.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -25,6 +26,7 @@ __all__ = [
     "checkpoint_dir",
     "create_engine",
     "engine_kind",
+    "refuse_unservable",
     "uses_demo",
 ]
 
@@ -79,17 +81,21 @@ def checkpoint_dir(settings: Settings) -> Path:
     return path
 
 
-def _has_cuda() -> bool:
+def _num_cuda_devices() -> int:
+    """CUDA devices, counted through NVML: `glm53 serve` asks in granian's main process, which
+    then forks the worker, and torch.cuda.is_available() would initialize CUDA there, after
+    which the forked worker cannot (on an H200, torch 2.11: "Cannot re-initialize CUDA in
+    forked subprocess"; device_count() left the worker able to)."""
     import torch
 
-    return torch.cuda.is_available()
+    return torch.cuda.device_count()
 
 
 def engine_kind(settings: Settings) -> str:
     """cpu, gpu or scripted: --engine, where auto means gpu for a real checkpoint on a CUDA host."""
     if settings.engine != "auto":
         return settings.engine
-    return "gpu" if not uses_demo(settings) and _has_cuda() else "cpu"
+    return "gpu" if not uses_demo(settings) and _num_cuda_devices() > 0 else "cpu"
 
 
 # Settings of parts that this build does not have yet: accepted by the parser (the doctor's
@@ -133,18 +139,66 @@ def refuse_ct_b(settings: Settings, kind: str) -> None:
     )
 
 
-def create_engine(settings: Settings) -> Engine:
-    """The engine the settings ask for (not loaded). Raises EngineUnavailable when that engine
-    is not in this install; never substitutes another one."""
-    refuse_unbuilt(settings)
-    kind = engine_kind(settings)
-    refuse_ct_b(settings, kind)
+def _refuse_gpus_off_gpu(settings: Settings, kind: str) -> None:
     if settings.gpus is not None and kind != "gpu":
         raise ConfigurationError(
             f"--gpus {','.join(map(str, settings.gpus))}: the {kind} engine runs on no GPU, so "
             "the split would do nothing; leave --gpus (GLM53_GPUS) out, or serve a real "
             "checkpoint with --engine gpu"
         )
+
+
+def _gpu_host_problems() -> list[str]:
+    """Why this host cannot run the GPU engine (empty when it can). exllamav3 is looked up, not
+    imported: importing it on a host without CUDA fails inside its extension build."""
+    import torch
+
+    problems = []
+    if _num_cuda_devices() == 0:
+        if torch.version.cuda is None:
+            problems.append(f"this torch ({torch.__version__}) is a CPU build")
+        else:
+            problems.append(f"torch {torch.__version__} sees no CUDA device")
+    if importlib.util.find_spec("exllamav3") is None:
+        problems.append("exllamav3 is not installed")
+    return problems
+
+
+def refuse_unservable(settings: Settings) -> None:
+    """Before the server binds its port: ConfigurationError, one line with the fix, when the
+    engine these settings pick cannot run on this host (the GPU engine without a CUDA device or
+    without exllamav3, --gpus naming a device that is not there, --gpus off the GPU engine)."""
+    kind = engine_kind(settings)
+    _refuse_gpus_off_gpu(settings, kind)
+    if kind != "gpu":
+        return
+    problems = _gpu_host_problems()
+    if problems:
+        if any("exllamav3" not in p for p in problems):
+            fix = (
+                "run `glm53 serve --engine cpu` instead (`glm53 serve --demo` for the demo "
+                "checkpoint), or see docs/install.md to set up a GPU host"
+            )
+        else:
+            fix = "install it with `pip install 'glm53[gpu]'`, or serve with --engine cpu"
+        raise ConfigurationError(f"--engine gpu: {' and '.join(problems)}; {fix}")
+    num_devices = _num_cuda_devices()
+    absent = [g for g in settings.gpus or () if g >= num_devices]
+    if absent:
+        raise ConfigurationError(
+            f"--gpus {','.join(map(str, settings.gpus))}: this host has {num_devices} CUDA "
+            f"device(s), numbered 0 to {num_devices - 1}, so {','.join(map(str, absent))} "
+            "is not there; name devices that nvidia-smi lists"
+        )
+
+
+def create_engine(settings: Settings) -> Engine:
+    """The engine the settings ask for (not loaded). Raises EngineUnavailable when that engine
+    is not in this install; never substitutes another one."""
+    refuse_unbuilt(settings)
+    kind = engine_kind(settings)
+    refuse_ct_b(settings, kind)
+    _refuse_gpus_off_gpu(settings, kind)
     if kind == "scripted":
         from glm53.engine.scripted import ScriptedEngine, read_script
 
