@@ -223,7 +223,7 @@ def test_json_object_passes_a_json_object(scripted):
                     },
                 }
             },
-            "response_format.json_schema.schema.properties.a",
+            "response_format.json_schema.schema.properties.a.pattern",
         ),
         (
             {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
@@ -245,7 +245,7 @@ def test_json_object_passes_a_json_object(scripted):
                 ],
                 "tool_choice": "required",
             },
-            "tools[0].function.parameters.properties.q",
+            "tools[0].function.parameters.properties.q.type",
         ),
         (
             {
@@ -267,7 +267,7 @@ def test_json_object_passes_a_json_object(scripted):
         ),
     ],
 )
-def test_a_schema_llguidance_cannot_compile_is_a_400_naming_the_part(scripted, kwargs, param):
+def test_a_schema_llguidance_cannot_compile_is_a_400_naming_the_keyword(scripted, kwargs, param):
     with pytest.raises(openai.BadRequestError) as info:
         scripted.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "x"}], **kwargs

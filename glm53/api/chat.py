@@ -11,7 +11,14 @@ import msgspec
 from msgspec import UNSET
 
 from glm53.api import generation as gen
-from glm53.api.errors import ApiError, from_decode_error
+from glm53.api.body import (
+    check_depth,
+    decode_request,
+    join_path,
+    lone_surrogate,
+    surrogate_error,
+)
+from glm53.api.errors import ApiError
 from glm53.api.http import Receive, Send, send_bytes
 from glm53.api.logprobs import TokenNames, chat_logprobs
 from glm53.api.schemas import (
@@ -31,14 +38,20 @@ from glm53.api.schemas import (
 )
 from glm53.api.state import ServerState
 from glm53.chat.parse import CompletionParser, Delta
-from glm53.chat.render import TemplateError, render
+from glm53.chat.render import RESERVED_VARIABLES, TemplateError, render
 from glm53.engine.grammar import GrammarError, GrammarSpec, json_schema_grammar, tool_call_grammar
 from glm53.engine.scheduler import GenerationRequest
 from glm53.engine.tokenizer import missing_template
 
 _decoder = msgspec.json.Decoder(ChatRequest)
 _encoder = msgspec.json.Encoder()
-_RESERVED_KWARGS = ("messages", "tools", "add_generation_prompt", "documents")
+_RESERVED_KWARGS = ("documents", *sorted(RESERVED_VARIABLES))
+# chat_template_kwargs the GLM templates read, and the JSON types they must have.
+_KWARG_TYPES = {
+    "enable_thinking": (bool, "true or false"),
+    "clear_thinking": (bool, "true or false"),
+    "reasoning_effort": (str, "a string such as 'low' or 'high'"),
+}
 # Bodies longer than this are rendered and tokenized on a worker thread.
 _INLINE_RENDER_CHARS = 16384
 
@@ -66,22 +79,20 @@ def _message_dict(i: int, m: Message) -> dict[str, Any]:
 
 
 def _tool_call_dict(i: int, j: int, tc) -> dict[str, Any]:
-    args = tc.function.arguments
+    args, param = tc.function.arguments, f"messages[{i}].tool_calls[{j}].function.arguments"
     if isinstance(args, str):
+        check_depth(args.encode("utf-8"), param)
         try:
             args = json.loads(args) if args.strip() else {}
         except ValueError as exc:
             raise ApiError(
-                400,
-                f"tool call arguments are not valid JSON: {exc}",
-                param=f"messages[{i}].tool_calls[{j}].function.arguments",
+                400, f"tool call arguments are not valid JSON: {exc}", param=param
             ) from None
+        # Python's json takes "\ud800" alone, which no tokenizer can encode
+        if (found := lone_surrogate(args)) is not None:
+            raise surrogate_error(join_path(param, found[0]), found[1])
     if not isinstance(args, dict):
-        raise ApiError(
-            400,
-            "tool call arguments must be a JSON object",
-            param=f"messages[{i}].tool_calls[{j}].function.arguments",
-        )
+        raise ApiError(400, "tool call arguments must be a JSON object", param=param)
     return {
         "id": tc.id,
         "type": "function",
@@ -101,10 +112,7 @@ class _Plan(msgspec.Struct):
 
 
 def _plan(state: ServerState, body: bytes) -> _Plan:
-    try:
-        req = _decoder.decode(body)
-    except msgspec.DecodeError as exc:
-        raise from_decode_error(exc) from None
+    req = decode_request(_decoder, body)
     gen.check_model(state, req.model)
     gen.check_choices(state, req)
     if req.stream_options is not None and not req.stream:
@@ -145,19 +153,42 @@ def _plan(state: ServerState, body: bytes) -> _Plan:
     if choice == "none":
         render_tools = None
     kwargs = dict(req.chat_template_kwargs or {})
-    for key in _RESERVED_KWARGS:
-        if key in kwargs:
-            raise ApiError(
-                400,
-                f"chat_template_kwargs may not set {key!r}",
-                param=f"chat_template_kwargs.{key}",
-            )
+    _check_template_kwargs(kwargs)
     if req.reasoning_effort is not None:
         kwargs.setdefault("reasoning_effort", req.reasoning_effort)
     if template_choice is not None:
         kwargs.setdefault("tool_choice", template_choice)
     parse_tools = tools if choice != "none" else None
     return _Plan(req, messages, render_tools, parse_tools, choice, kwargs)
+
+
+def _check_template_kwargs(kwargs: dict[str, Any]) -> None:
+    for key in _RESERVED_KWARGS:
+        if key in kwargs:
+            raise ApiError(
+                400,
+                f"chat_template_kwargs may not set {key!r}: the server or jinja sets it (names "
+                f"taken: {', '.join(_RESERVED_KWARGS)})",
+                param=f"chat_template_kwargs.{key}",
+            )
+    for key, (kind, valid) in _KWARG_TYPES.items():
+        value = kwargs.get(key)
+        if value is not None and not isinstance(value, kind):
+            raise ApiError(
+                400,
+                f"chat_template_kwargs.{key} must be {valid}, not {value!r}",
+                param=f"chat_template_kwargs.{key}",
+            )
+    choice = kwargs.get("tool_choice")
+    if choice is not None and choice not in ("none", "auto", "required"):
+        function = choice.get("function") if isinstance(choice, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str)):
+            raise ApiError(
+                400,
+                "chat_template_kwargs.tool_choice must be 'none', 'auto', 'required' or "
+                f'{{"type": "function", "function": {{"name": "..."}}}}, not {choice!r}',
+                param="chat_template_kwargs.tool_choice",
+            )
 
 
 def _prompt(template: str, plan: _Plan, tokenizer) -> tuple[str, list[int]]:

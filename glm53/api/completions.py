@@ -9,7 +9,8 @@ import msgspec
 from msgspec import UNSET
 
 from glm53.api import generation as gen
-from glm53.api.errors import ApiError, from_decode_error
+from glm53.api.body import decode_request
+from glm53.api.errors import ApiError
 from glm53.api.http import Receive, Send, send_bytes
 from glm53.api.logprobs import CompletionLogprobBuilder, TokenNames
 from glm53.api.schemas import Completion, CompletionChoice, CompletionRequest
@@ -69,10 +70,7 @@ class _Choice:
 
 
 async def completions(state: ServerState, body: bytes, receive: Receive, send: Send) -> int:
-    try:
-        req = _decoder.decode(body)
-    except msgspec.DecodeError as exc:
-        raise from_decode_error(exc) from None
+    req = decode_request(_decoder, body)
     gen.check_model(state, req.model)
     _validate(state, req)
     scheduler = state.ready_scheduler()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -25,6 +26,7 @@ from glm53.engine.scheduler import (
     TokenEvent,
 )
 
+_TOKEN_ID = re.compile(r"[0-9]{1,10}", re.ASCII)
 # Prompts longer than this are tokenized on a worker thread so the event loop keeps serving.
 _INLINE_TOKENIZE_CHARS = 4096
 
@@ -50,14 +52,28 @@ def logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[in
         return ()
     out = []
     for key, value in bias.items():
-        if not key.isdigit() or int(key) >= vocab_size:
+        # ASCII digits only (str.isdigit and int() also take "²" and "٣"), and few enough
+        # of them for int() (which refuses over 4300)
+        if _TOKEN_ID.fullmatch(key) is None or int(key) >= vocab_size:
             raise ApiError(
                 400,
-                f"logit_bias key {key!r} is not a token id in [0, {vocab_size})",
+                f"logit_bias key {key!r} is not a token id: keys are decimal token ids in "
+                f"[0, {vocab_size}), written with the digits 0-9",
                 param=f"logit_bias.{key}",
             )
         out.append((int(key), float(value)))
     return tuple(out)
+
+
+def check_top_k(top_k: int | None, vocab_size: int, param: str) -> None:
+    """top_k is a count of tokens: at most the vocabulary (-1 or 0: no top-k filter)."""
+    if top_k is not None and top_k > vocab_size:
+        raise ApiError(
+            400,
+            f"top_k {top_k} is more than the vocabulary's {vocab_size} tokens: send 1 to "
+            f"{vocab_size}, or -1 or 0 for no top-k filter",
+            param=param,
+        )
 
 
 def sampling_params(
@@ -95,6 +111,7 @@ def request_sampling(
     defaults: dict[str, float], req: SamplingFields, vocab_size: int
 ) -> SamplingParams:
     """The SamplingParams of an OpenAI-shaped request (chat or completions)."""
+    check_top_k(req.top_k, vocab_size, "top_k")
     return sampling_params(
         defaults,
         temperature=req.temperature,

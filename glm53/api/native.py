@@ -13,7 +13,8 @@ import time
 import msgspec
 
 from glm53.api import generation as gen
-from glm53.api.errors import ApiError, from_decode_error
+from glm53.api.body import decode_request
+from glm53.api.errors import ApiError
 from glm53.api.http import Receive, Send, send_bytes
 from glm53.api.logprobs import TokenNames, sglang_lists
 from glm53.api.schemas import (
@@ -33,15 +34,8 @@ _tokenize_decoder = msgspec.json.Decoder(TokenizeRequest)
 _encoder = msgspec.json.Encoder()
 
 
-def _decode(decoder, body: bytes):
-    try:
-        return decoder.decode(body)
-    except msgspec.DecodeError as exc:
-        raise from_decode_error(exc) from None
-
-
 async def tokenize(state: ServerState, body: bytes, receive: Receive, send: Send) -> int:
-    req = _decode(_tokenize_decoder, body)
+    req = decode_request(_tokenize_decoder, body)
     tokenizer = state.ready_scheduler().engine.tokenizer
     tokens = await gen.encode(tokenizer, req.prompt)
     await send_bytes(send, 200, _encoder.encode(TokenizeResponse(tokens, len(tokens))))
@@ -57,7 +51,7 @@ def _finish(event: TokenEvent | None) -> FinishInfo | None:
 
 
 async def generate(state: ServerState, body: bytes, receive: Receive, send: Send) -> int:
-    req = _decode(_generate_decoder, body)
+    req = decode_request(_generate_decoder, body)
     if (req.text is None) == (req.input_ids is None):
         raise ApiError(400, "send exactly one of text and input_ids", param="text")
     scheduler = state.ready_scheduler()
@@ -72,6 +66,11 @@ async def generate(state: ServerState, body: bytes, receive: Receive, send: Send
             400, "the prompt is empty", param="text" if req.text is not None else "input_ids"
         )
     sp = req.sampling_params or GenerateSampling()
+    gen.check_top_k(sp.top_k, tokenizer.vocab_size, "sampling_params.top_k")
+    if sp.stop_token_ids:
+        gen.check_token_ids(
+            sp.stop_token_ids, tokenizer.vocab_size, "sampling_params.stop_token_ids"
+        )
     if req.return_logprob and req.logprob_start_len >= len(prompt_ids):
         raise ApiError(
             400,

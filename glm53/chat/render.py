@@ -41,14 +41,27 @@ def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
 
 
-@functools.lru_cache(maxsize=8)
-def compile_template(source: str) -> jinja2.Template:
+def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+# Names a caller's template variables may not take: render()'s own arguments, jinja's `self`,
+# and the environment's globals (range, namespace, raise_exception...), which a variable of the
+# same name would hide from the template.
+RESERVED_VARIABLES = frozenset(
+    {"source", "messages", "tools", "add_generation_prompt", "self", *_environment().globals}
+)
+
+
+@functools.lru_cache(maxsize=8)
+def compile_template(source: str) -> jinja2.Template:
+    env = _environment()
     try:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as exc:
@@ -80,6 +93,9 @@ def render(
     dicts) with the template `source`. Extra keyword arguments become template variables
     (`enable_thinking`, `reasoning_effort`, any `chat_template_kwargs`)."""
     template = compile_template(source)
+    reserved = sorted(RESERVED_VARIABLES.intersection(kwargs))
+    if reserved:
+        raise TemplateError(f"template variables may not be named {', '.join(reserved)}")
     variables = {k: v for k, v in kwargs.items() if v is not None}
     try:
         return template.render(
@@ -90,3 +106,5 @@ def render(
         )
     except jinja2.TemplateError as exc:
         raise TemplateError(f"the chat template failed: {exc}") from exc
+    except (TypeError, ValueError) as exc:  # the template's own operations on request values
+        raise TemplateError(f"the chat template failed: {type(exc).__name__}: {exc}") from exc

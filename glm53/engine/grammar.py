@@ -103,19 +103,35 @@ def json_schema_grammar(schema: dict[str, Any], tokenizer: Tokenizer, path: str)
     message = _compile_error(grammar, tokenizer)
     if message is None:
         return grammar
+    # $refs point into the root's definitions: a part is compiled alone with them beside it
+    defs = {k: schema[k] for k in ("$defs", "definitions") if isinstance(schema.get(k), dict)}
     where = path
     node = schema
     while True:
         for sub, sub_path in _children(node, where):
-            if isinstance(sub, dict) and "$ref" not in json.dumps(sub):
-                sub_grammar = LLMatcher.grammar_from_json_schema(sub, defaults=JSON_OPTIONS)
-                sub_error = _compile_error(sub_grammar, tokenizer)
-                if sub_error == message:
-                    node, where = sub, sub_path
-                    break
+            if isinstance(sub, dict) and _schema_error({**defs, **sub}, tokenizer) == message:
+                node, where = sub, sub_path
+                break
         else:
             break
+    # the keyword at fault: the one whose removal changes the error
+    for key in node:
+        rest = {k: v for k, v in node.items() if k != key}
+        if (
+            key not in ("$defs", "definitions")
+            and _schema_error({**defs, **rest}, tokenizer) != message
+        ):
+            where = f"{where}.{key}"
+            break
     raise GrammarError(f"llguidance cannot compile the schema at {where}: {message}", where)
+
+
+def _schema_error(schema: dict[str, Any], tokenizer: Tokenizer) -> str | None:
+    try:
+        grammar = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    except ValueError as exc:
+        return str(exc)
+    return _compile_error(grammar, tokenizer)
 
 
 def _lark_string(text: str) -> str:
@@ -195,22 +211,72 @@ def _search_regex(pattern: str, path: str) -> str:
     return regex_to_lark("|".join(full), "dw")
 
 
+# The longest minLength or maxLength a raw string argument may ask for (llguidance's regexes
+# take bounded repetition counts).
+MAX_RAW_LENGTH = 100_000
+
+
+def _length(schema: dict[str, Any], key: str, path: str) -> int | None:
+    value = schema.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_RAW_LENGTH:
+        raise GrammarError(
+            f"{key} must be an integer from 0 to {MAX_RAW_LENGTH}, not {value!r}", f"{path}.{key}"
+        )
+    return value
+
+
+def _string_choices(schema: dict[str, Any], path: str) -> list[str] | None:
+    """The strings a string parameter's `enum` and `const` allow (None: no such keyword)."""
+    choices = None
+    if "enum" in schema:
+        enum = schema["enum"]
+        if not isinstance(enum, list) or not any(isinstance(v, str) for v in enum):
+            raise GrammarError(
+                f"enum of a string parameter must be an array holding at least one string, "
+                f"not {enum!r}",
+                f"{path}.enum",
+            )
+        choices = [v for v in enum if isinstance(v, str)]
+    if "const" in schema:
+        const = schema["const"]
+        if not isinstance(const, str) or (choices is not None and const not in choices):
+            raise GrammarError(
+                f"const of a string parameter must be a string (and one of its enum), "
+                f"not {const!r}",
+                f"{path}.const",
+            )
+        choices = [const]
+    return choices
+
+
 def _raw_string(schema: dict[str, Any], path: str) -> str:
     """The lark for a string parameter's raw (unquoted) value: one of its `enum`, or text
     without '<' (it would open `</arg_value>`) within minLength..maxLength that also matches its
     `pattern` (a search, as JSON Schema means it) and its `format` (the whole value, FORMATS).
     `path` names the parameter in errors."""
-    if isinstance(schema.get("enum"), list) and all(isinstance(v, str) for v in schema["enum"]):
-        return "(" + " | ".join(_lark_string(v) for v in schema["enum"]) + ")"
-    low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
-    parts = [f"/[^<]{{{low},{'' if high is None else int(high)}}}/"]
+    choices = _string_choices(schema, path)
+    if choices is not None:
+        return "(" + " | ".join(_lark_string(v) for v in choices) + ")"
+    low, high = _length(schema, "minLength", path) or 0, _length(schema, "maxLength", path)
+    if high is not None and high < low:
+        raise GrammarError(
+            f"maxLength {high} is less than minLength {low}: no string fits; send "
+            f"maxLength >= minLength",
+            f"{path}.maxLength",
+        )
+    parts = [f"/[^<]{{{low},{'' if high is None else high}}}/"]
     pattern, fmt = schema.get("pattern"), schema.get("format")
     if pattern is not None:
         if not isinstance(pattern, str):
-            raise GrammarError(f"pattern must be a string, not {pattern!r}", f"{path}.pattern")
+            raise GrammarError(
+                f"pattern must be a string (a regular expression), not {pattern!r}",
+                f"{path}.pattern",
+            )
         parts.append(f"/{_search_regex(pattern, f'{path}.pattern')}/")
     if fmt is not None:
-        if fmt not in FORMATS:
+        if not isinstance(fmt, str) or fmt not in FORMATS:
             raise GrammarError(
                 f"format {fmt!r} is not enforced for string tool arguments; the formats that are: "
                 f"{', '.join(sorted(FORMATS))} (or leave format out, or give a pattern)",
@@ -218,6 +284,57 @@ def _raw_string(schema: dict[str, Any], path: str) -> str:
             )
         parts.append(f"/{regex_to_lark(FORMATS[fmt], 'dw')}/")
     return " & ".join(parts)
+
+
+def _parameters(params: Any, path: str) -> tuple[dict[str, Any], set[str]]:
+    """A tool's `parameters` schema as (properties, required names), checked: an object schema
+    whose `properties` maps names to schemas and whose `required` lists some of those names."""
+    params = params or {}
+    kind = params.get("type", "object")
+    if kind != "object":
+        raise GrammarError(
+            f"parameters must be a schema of type 'object' (a tool takes named arguments), "
+            f"not of type {kind!r}",
+            f"{path}.type",
+        )
+    props = params.get("properties") or {}
+    if not isinstance(props, dict):
+        raise GrammarError(
+            f"properties must be a JSON object mapping each argument's name to its schema, "
+            f"not {props!r}",
+            f"{path}.properties",
+        )
+    required = params.get("required") or []
+    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+        raise GrammarError(
+            f"required must be an array of argument names (strings), not {required!r}",
+            f"{path}.required",
+        )
+    for name in required:
+        if name not in props:
+            raise GrammarError(
+                f"required names {name!r}, which is not in properties: a tool call holds "
+                f"only the arguments properties declares ({', '.join(props) or 'none'})",
+                f"{path}.required",
+            )
+    return props, set(required)
+
+
+def _check_raw(schema: dict[str, Any], lexeme: str, path: str, tokenizer: Tokenizer) -> None:
+    """GrammarError naming a string parameter's `pattern`, else the parameter, when its raw
+    value's regexes (see _raw_string) do not compile."""
+    pattern = schema.get("pattern")
+    if isinstance(pattern, str) and "enum" not in schema and "const" not in schema:
+        regex = _search_regex(pattern, f"{path}.pattern")
+        message = _compile_error(LLMatcher.grammar_from_lark(f"start: V\nV: /{regex}/"), tokenizer)
+        if message is not None:
+            raise GrammarError(
+                f"the pattern {pattern!r} is not a regular expression llguidance takes: {message}",
+                f"{path}.pattern",
+            )
+    message = _compile_error(LLMatcher.grammar_from_lark(f"start: V\nV: {lexeme}"), tokenizer)
+    if message is not None:
+        raise GrammarError(f"llguidance cannot compile the parameter's value: {message}", path)
 
 
 def tool_call_grammar(
@@ -237,21 +354,29 @@ def tool_call_grammar(
     rules, alternatives = [], []
     for t, tool in tools:
         function = tool["function"]
-        params = function.get("parameters") or {}
-        props = params.get("properties") or {}
-        required = set(params.get("required") or ())
+        props, required = _parameters(function.get("parameters"), f"tools[{t}].function.parameters")
         parts = []
         for p, (name, schema) in enumerate(props.items()):
             value_rule = f"v{t}_{p}"
             path = f"tools[{t}].function.parameters.properties.{name}"
-            if isinstance(schema, dict) and schema.get("type") == "string":
+            if schema is True:
+                schema = {}
+            if not isinstance(schema, dict):
+                raise GrammarError(
+                    f"the schema of parameter {name!r} must be a JSON object (or true: any "
+                    f"value), not {schema!r}",
+                    path,
+                )
+            if schema.get("type") == "string":
                 # a lexeme (upper case), so that & intersects its regexes
-                rules.append(f"V{t}_{p}: {_raw_string(schema, path)}")
+                lexeme = _raw_string(schema, path)
+                _check_raw(schema, lexeme, path, tokenizer)
+                rules.append(f"V{t}_{p}: {lexeme}")
                 rules.append(f"{value_rule}: V{t}_{p}")
             else:
                 # compiled alone to name a failing part; the lark below inlines the schema
-                json_schema_grammar(schema if isinstance(schema, dict) else {}, tokenizer, path)
-                inline = {"x-guidance": JSON_OPTIONS, **schema} if isinstance(schema, dict) else {}
+                json_schema_grammar(schema, tokenizer, path)
+                inline = {"x-guidance": JSON_OPTIONS, **schema}
                 rules.append(f"{value_rule}: %json {json.dumps(inline)}")
             arg = (
                 f"{ids['<arg_key>']} {_lark_string(name)} {ids['</arg_key>']} "
