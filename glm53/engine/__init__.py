@@ -82,9 +82,9 @@ def checkpoint_dir(settings: Settings) -> Path:
 
 
 def _num_cuda_devices() -> int:
-    """CUDA devices, counted through NVML: `glm53 serve` asks in granian's main process, which
-    then forks the worker, and torch.cuda.is_available() would initialize CUDA there, after
-    which the forked worker cannot (on an H200, torch 2.11: "Cannot re-initialize CUDA in
+    """CUDA devices, counted without torch's lazy CUDA init: `glm53 serve` asks in granian's
+    main process, which then forks the worker, and torch.cuda.is_available() would initialize
+    CUDA there, after which the forked worker cannot (on an H200, torch 2.11: "Cannot re-initialize CUDA in
     forked subprocess"; device_count() left the worker able to)."""
     import torch
 
