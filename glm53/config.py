@@ -341,6 +341,40 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
         Meta(ge=1024),
         _s("Largest request body; bigger ones get 413.", group="server", kind="size"),
     ] = 32 * 1024 * 1024
+    max_prompt_chars: Annotated[
+        int,
+        Meta(ge=1),
+        _s(
+            "Most characters in one prompt (a completions or /generate prompt, a /tokenize text, "
+            "a chat's message text and its rendered prompt); longer ones get 400 before they are "
+            "tokenized (a 16M-character prompt took 14 s to tokenize and 2 GB of RAM).",
+            group="limits",
+        ),
+    ] = 4 * 1024 * 1024
+    max_messages: Annotated[
+        int,
+        Meta(ge=1),
+        _s("Most messages in one chat request; more get 400 before rendering.", group="limits"),
+    ] = 16384
+    max_schema_depth: Annotated[
+        int,
+        Meta(ge=1),
+        _s(
+            "Deepest nesting of objects and arrays in a JSON schema (response_format or a tool's "
+            "parameters); deeper ones get 400 before a grammar is compiled.",
+            group="limits",
+        ),
+    ] = 32
+    max_schema_nodes: Annotated[
+        int,
+        Meta(ge=1),
+        _s(
+            "Most values (objects, arrays, keys' values and items) in one JSON schema; larger "
+            "ones get 400 before a grammar is compiled (a 10,000-property schema took 0.95 s per "
+            "grammar matcher).",
+            group="limits",
+        ),
+    ] = 20000
     drain_timeout: Annotated[
         NonNegFloat,
         _s(

@@ -1,3 +1,7 @@
+import random
+import sys
+from pathlib import Path
+
 import pytest
 from transformers.utils import chat_template_utils
 
@@ -191,3 +195,110 @@ def test_render_matches_transformers_apply_chat_template(messages, tools, kwargs
         **kwargs,
     )
     assert render(TEMPLATE, messages, tools=tools, **kwargs) == rendered[0]
+
+
+# The template before its loops were made linear (each run of tool messages rescanned every
+# message); kept only to check that the linear one renders every conversation byte for byte alike.
+QUADRATIC_TEMPLATE = (
+    Path(__file__).parent / "fixtures" / "chat_template_quadratic.jinja"
+).read_text(encoding="utf-8")
+
+
+class Rand(random.Random):
+    """A seeded generator that shows its seed, so that a failing case can be replayed."""
+
+    def __init__(self, seed: int):
+        super().__init__(seed)
+        self.seed_value = seed
+
+    def __repr__(self) -> str:
+        return f"Rand({self.seed_value})"
+
+
+def _call(rng: Rand, ids: list) -> dict:
+    call_id = rng.choice([*ids, None, "dup", "x", "é\n", 'q"'])
+    call = {"type": "function", "function": {"name": rng.choice(["f", "g"]), "arguments": {}}}
+    if rng.random() < 0.3:
+        call["function"]["arguments"] = {"a": rng.choice([1, "s", [1, 2], {"k": None}])}
+    if rng.random() < 0.9:
+        call["id"] = call_id
+    return call
+
+
+def _conversation(rng: Rand) -> list[dict]:
+    ids = [f"c{i}" for i in range(4)]
+    messages = []
+    for _ in range(rng.randint(0, 14)):
+        role = rng.choice(["user", "assistant", "assistant", "tool", "tool", "tool", "system"])
+        if role == "assistant":
+            message = {"role": role, "content": rng.choice(["", "a", "<think>r</think>a", None])}
+            if rng.random() < 0.3:
+                message["reasoning_content"] = rng.choice(["why", " pad "])
+            if rng.random() < 0.7:
+                message["tool_calls"] = [_call(rng, ids) for _ in range(rng.randint(0, 4))]
+        elif role == "tool":
+            message = {"role": role, "content": rng.choice(["r", "", "<x>"])}
+            if rng.random() < 0.9:
+                message["tool_call_id"] = rng.choice([*ids, *ids, "dup", "zzz", 'q"', "é\n"])
+        else:
+            message = {"role": role, "content": rng.choice(["hi", [{"type": "text", "text": "p"}]])}
+        messages.append(message)
+    return messages
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_linear_template_renders_like_the_quadratic_one(seed):
+    rng = Rand(seed)
+    for _ in range(25):
+        messages = _conversation(rng)
+        kwargs = {
+            "tools": [WEATHER_TOOL] if rng.random() < 0.3 else None,
+            "clear_thinking": rng.choice([None, True, False]),
+            "enable_thinking": rng.choice([None, True, False]),
+            "reasoning_effort": rng.choice([None, "low", "high"]),
+            "add_generation_prompt": rng.random() < 0.8,
+        }
+        expected = render(QUADRATIC_TEMPLATE, messages, **kwargs)
+        assert render(TEMPLATE, messages, **kwargs) == expected, (rng, messages, kwargs)
+
+
+def _tool_pairs(num_pairs: int, *, reversed_results: bool = False) -> list[dict]:
+    messages = [{"role": "user", "content": "go"}]
+    for i in range(num_pairs):
+        calls = [
+            {"id": f"c{i}-{j}", "type": "function", "function": {"name": "f", "arguments": {}}}
+            for j in range(2)
+        ]
+        messages.append({"role": "assistant", "content": "", "tool_calls": calls})
+        results = [{"role": "tool", "tool_call_id": c["id"], "content": c["id"]} for c in calls]
+        messages += results[::-1] if reversed_results else results
+    return messages
+
+
+def _render_work(template: str, messages: list[dict]) -> int:
+    """Python and C function calls made while rendering: a deterministic count of the work."""
+    render(template, messages[:3])  # compiles the template: a one-off cost left uncounted
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        calls += event in ("call", "c_call")
+
+    sys.setprofile(count)
+    try:
+        render(template, messages)
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_render_work_grows_linearly_with_tool_call_pairs():
+    small = _render_work(TEMPLATE, _tool_pairs(500, reversed_results=True))
+    large = _render_work(TEMPLATE, _tool_pairs(1000, reversed_results=True))
+    assert large < 2.2 * small  # the quadratic template: over 3x
+
+
+def test_renders_20000_tool_call_pairs_in_call_order():
+    out = render(TEMPLATE, _tool_pairs(20000, reversed_results=True))
+    assert out.count("<|observation|>") == 20000
+    assert "<tool_response>c19999-0</tool_response><tool_response>c19999-1</tool_response>" in out

@@ -220,6 +220,7 @@ class App:
 
     async def close(self) -> None:
         self.state.status = "stopping"
+        self.state.offload.close()
         notify.stopping()
         if self._load_task is not None and not self._load_task.done():
             await asyncio.wait([self._load_task])

@@ -19,7 +19,8 @@ from glm53.api.body import (
     surrogate_error,
 )
 from glm53.api.errors import ApiError
-from glm53.api.http import Receive, Send, send_bytes
+from glm53.api.http import DisconnectWatcher, Receive, Send, send_bytes
+from glm53.api.limits import check_messages, check_prompt_chars, check_schema
 from glm53.api.logprobs import TokenNames, chat_logprobs
 from glm53.api.schemas import (
     ChatChoice,
@@ -39,7 +40,14 @@ from glm53.api.schemas import (
 from glm53.api.state import ServerState
 from glm53.chat.parse import CompletionParser, Delta
 from glm53.chat.render import RESERVED_VARIABLES, TemplateError, render
-from glm53.engine.grammar import GrammarError, GrammarSpec, json_schema_grammar, tool_call_grammar
+from glm53.engine.grammar import (
+    Constraint,
+    GrammarError,
+    GrammarSpec,
+    build_constraints,
+    json_schema_grammar,
+    tool_call_grammar,
+)
 from glm53.engine.scheduler import GenerationRequest
 from glm53.engine.tokenizer import missing_template
 
@@ -52,7 +60,8 @@ _KWARG_TYPES = {
     "clear_thinking": (bool, "true or false"),
     "reasoning_effort": (str, "a string such as 'low' or 'high'"),
 }
-# Bodies longer than this are rendered and tokenized on a worker thread.
+# Bodies longer than this are rendered and tokenized, and their grammar built, on
+# glm53.api.offload's threads (shorter ones render inline and compile a grammar on asyncio's).
 _INLINE_RENDER_CHARS = 16384
 
 
@@ -111,10 +120,33 @@ class _Plan(msgspec.Struct):
     template_kwargs: dict[str, Any]
 
 
+def _text_chars(m: Message) -> int:
+    if isinstance(m.content, str):
+        return len(m.content)
+    if isinstance(m.content, list):
+        return sum(len(p.text) for p in m.content if not isinstance(p, ImagePart))
+    return 0
+
+
+def _check_limits(state: ServerState, req: ChatRequest) -> None:
+    """The request-size limits (glm53.api.limits) that bound rendering and grammar work."""
+    settings = state.settings
+    check_messages(settings, len(req.messages))
+    check_prompt_chars(settings, sum(_text_chars(m) for m in req.messages), "messages")
+    if req.response_format is not None and req.response_format.type == "json_schema":
+        schema = (req.response_format.json_schema or {}).get("schema")
+        check_schema(settings, schema, "response_format.json_schema.schema")
+    for i, tool in enumerate(req.tools or ()):
+        parameters = tool.function.parameters
+        if parameters is not None:
+            check_schema(settings, parameters, f"tools[{i}].function.parameters")
+
+
 def _plan(state: ServerState, body: bytes) -> _Plan:
     req = decode_request(_decoder, body)
     gen.check_model(state, req.model)
     gen.check_choices(state, req)
+    _check_limits(state, req)
     if req.stream_options is not None and not req.stream:
         raise ApiError(
             400, "stream_options is only allowed with stream=true", param="stream_options"
@@ -191,7 +223,7 @@ def _check_template_kwargs(kwargs: dict[str, Any]) -> None:
             )
 
 
-def _prompt(template: str, plan: _Plan, tokenizer) -> tuple[str, list[int]]:
+def _prompt(state: ServerState, template: str, plan: _Plan, tokenizer) -> tuple[str, list[int]]:
     try:
         text = render(
             template,
@@ -202,6 +234,7 @@ def _prompt(template: str, plan: _Plan, tokenizer) -> tuple[str, list[int]]:
         )
     except TemplateError as exc:
         raise ApiError(400, f"cannot render these messages: {exc}", param="messages") from None
+    check_prompt_chars(state.settings, len(text), "messages")
     return text, tokenizer.encode(text)
 
 
@@ -258,6 +291,17 @@ def _grammar(plan: _Plan, tokenizer, in_reasoning: bool) -> GrammarSpec | None:
     return GrammarSpec(grammar, start_after)
 
 
+def _constraints(
+    plan: _Plan, tokenizer, in_reasoning: bool
+) -> tuple[GrammarSpec | None, list[Constraint] | None]:
+    """The request's grammar and one matcher per choice (compiling and building both take
+    from a millisecond to a second: call it off the event loop)."""
+    spec = _grammar(plan, tokenizer, in_reasoning)
+    if spec is None:
+        return None, None
+    return spec, build_constraints(spec, tokenizer, plan.req.n)
+
+
 class _Choice:
     """One choice's answer in the making: its parser, last event and logprob entries."""
 
@@ -275,19 +319,43 @@ async def chat_completions(state: ServerState, body: bytes, receive: Receive, se
         raise ApiError(
             400, missing_template(state.checkpoint or "the checkpoint"), param="messages"
         )
-    if len(body) > _INLINE_RENDER_CHARS:
-        text, prompt_ids = await asyncio.to_thread(
-            _prompt, tokenizer.chat_template, plan, tokenizer
+    watcher = DisconnectWatcher(receive)
+    try:
+        return await _generate(state, plan, body, tokenizer, watcher, send)
+    finally:
+        watcher.close()
+
+
+async def _generate(
+    state: ServerState,
+    plan: _Plan,
+    body: bytes,
+    tokenizer,
+    watcher: DisconnectWatcher,
+    send: Send,
+) -> int:
+    scheduler = state.ready_scheduler()
+    is_large = len(body) > _INLINE_RENDER_CHARS
+    template = tokenizer.chat_template
+    if is_large:
+        text, prompt_ids = await state.offload.run(
+            watcher, _prompt, state, template, plan, tokenizer
         )
     else:
-        text, prompt_ids = _prompt(tokenizer.chat_template, plan, tokenizer)
+        text, prompt_ids = _prompt(state, template, plan, tokenizer)
     req = plan.req
     defaults = scheduler.engine.generation_defaults
     in_reasoning = text.rstrip().endswith("<think>")
-    grammar = None
+    grammar = constraints = None
     if _needs_grammar(plan):
-        # compiling one takes from a millisecond to a second (llguidance drops the GIL)
-        grammar = await asyncio.to_thread(_grammar, plan, tokenizer, in_reasoning)
+        if is_large:
+            grammar, constraints = await state.offload.run(
+                watcher, _constraints, plan, tokenizer, in_reasoning
+            )
+        else:  # a small request's grammar: milliseconds, and llguidance drops the GIL
+            grammar, constraints = await asyncio.to_thread(
+                _constraints, plan, tokenizer, in_reasoning
+            )
     request = GenerationRequest(
         prompt_ids=prompt_ids,
         sampling=gen.request_sampling(defaults, req, tokenizer.vocab_size),
@@ -297,8 +365,8 @@ async def chat_completions(state: ServerState, body: bytes, receive: Receive, se
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         grammar=grammar,
     )
-    streams = gen.submit_all(state, gen.choices(request, req.n), "messages")
-    run = gen.Run(state, streams, receive)
+    streams = gen.submit_all(state, gen.choices(request, req.n), "messages", constraints)
+    run = gen.Run(state, streams, watcher)
     picks = [
         _Choice(CompletionParser(plan.parse_tools, in_reasoning=in_reasoning)) for _ in streams
     ]

@@ -11,7 +11,7 @@ from msgspec import UNSET
 from glm53.api import generation as gen
 from glm53.api.body import decode_request
 from glm53.api.errors import ApiError
-from glm53.api.http import Receive, Send, send_bytes
+from glm53.api.http import DisconnectWatcher, Receive, Send, send_bytes
 from glm53.api.logprobs import CompletionLogprobBuilder, TokenNames
 from glm53.api.schemas import Completion, CompletionChoice, CompletionRequest
 from glm53.api.state import ServerState
@@ -41,17 +41,19 @@ def _validate(state: ServerState, req: CompletionRequest) -> None:
         )
 
 
-async def _prompt_ids(tokenizer, prompt: str | list) -> tuple[str, list[int]]:
+async def _prompt_ids(
+    state: ServerState, watcher: DisconnectWatcher, tokenizer, prompt: str | list
+) -> tuple[str, list[int]]:
     """The prompt as (text for echo, token ids): a string, a list of one string, or token ids."""
     if isinstance(prompt, str):
-        return prompt, await gen.encode(tokenizer, prompt)
+        return prompt, await gen.encode(state, watcher, tokenizer, prompt, "prompt")
     if len(prompt) == 1 and isinstance(prompt[0], str):
-        return prompt[0], await gen.encode(tokenizer, prompt[0])
+        return prompt[0], await gen.encode(state, watcher, tokenizer, prompt[0], "prompt")
     if len(prompt) == 1 and isinstance(prompt[0], list):
         prompt = prompt[0]
     if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        gen.check_token_ids(prompt, tokenizer.vocab_size, "prompt")
-        return tokenizer.decode(prompt), list(prompt)
+        gen.check_token_ids(state, prompt, tokenizer.vocab_size, "prompt")
+        return await gen.decode(state, watcher, tokenizer, prompt), list(prompt)
     raise ApiError(
         400,
         "prompt must be a string, a list of one string, or a list of token ids (one prompt per request)",
@@ -73,9 +75,19 @@ async def completions(state: ServerState, body: bytes, receive: Receive, send: S
     req = decode_request(_decoder, body)
     gen.check_model(state, req.model)
     _validate(state, req)
+    watcher = DisconnectWatcher(receive)
+    try:
+        return await _generate(state, req, watcher, send)
+    finally:
+        watcher.close()
+
+
+async def _generate(
+    state: ServerState, req: CompletionRequest, watcher: DisconnectWatcher, send: Send
+) -> int:
     scheduler = state.ready_scheduler()
     tokenizer = scheduler.engine.tokenizer
-    prompt_text, prompt_ids = await _prompt_ids(tokenizer, req.prompt)
+    prompt_text, prompt_ids = await _prompt_ids(state, watcher, tokenizer, req.prompt)
     if not prompt_ids:
         raise ApiError(400, "the prompt is empty", param="prompt")
     scores_prompt = bool(req.echo) and (req.logprobs is not None or req.max_tokens == 0)
@@ -91,7 +103,7 @@ async def completions(state: ServerState, body: bytes, receive: Receive, send: S
         prompt_logprobs=(req.logprobs or 0) if scores_prompt else None,
     )
     streams = gen.submit_all(state, gen.choices(request, req.n), "prompt")
-    run = gen.Run(state, streams, receive)
+    run = gen.Run(state, streams, watcher)
     names = TokenNames(tokenizer, req.return_tokens_as_token_ids)
     echo = prompt_text if req.echo else ""
     picks = [

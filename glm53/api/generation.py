@@ -13,10 +13,12 @@ from collections.abc import AsyncIterator, Sequence
 import msgspec
 
 from glm53.api.errors import ApiError
-from glm53.api.http import DisconnectWatcher, Receive, Send, SseWriter
+from glm53.api.http import DisconnectWatcher, Send, SseWriter
+from glm53.api.limits import check_prompt_chars
 from glm53.api.schemas import PromptTokensDetails, SamplingFields, TierUsage, Usage
 from glm53.api.state import ServerState
 from glm53.engine.base import Tokenizer
+from glm53.engine.grammar import Constraint
 from glm53.engine.sampling import SamplingParams
 from glm53.engine.scheduler import (
     GenerationRequest,
@@ -27,7 +29,8 @@ from glm53.engine.scheduler import (
 )
 
 _TOKEN_ID = re.compile(r"[0-9]{1,10}", re.ASCII)
-# Prompts longer than this are tokenized on a worker thread so the event loop keeps serving.
+# Prompts longer than this are tokenized (and token-id prompts decoded) on glm53.api.offload's
+# threads, so the event loop keeps serving.
 _INLINE_TOKENIZE_CHARS = 4096
 
 
@@ -146,13 +149,38 @@ def stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
     return (stop,) if isinstance(stop, str) else tuple(stop)
 
 
-async def encode(tokenizer: Tokenizer, text: str) -> list[int]:
+async def encode(
+    state: ServerState, watcher: DisconnectWatcher, tokenizer: Tokenizer, text: str, param: str
+) -> list[int]:
+    """`text`'s token ids, after --max-prompt-chars; a long text is tokenized off the loop."""
+    check_prompt_chars(state.settings, len(text), param)
     if len(text) <= _INLINE_TOKENIZE_CHARS:
         return tokenizer.encode(text)
-    return await asyncio.to_thread(tokenizer.encode, text)
+    return await state.offload.run(watcher, tokenizer.encode, text)
 
 
-def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> None:
+async def decode(
+    state: ServerState, watcher: DisconnectWatcher, tokenizer: Tokenizer, token_ids: list[int]
+) -> str:
+    """The text of a prompt given as token ids (for echo); a long one is decoded off the loop."""
+    if len(token_ids) <= _INLINE_TOKENIZE_CHARS:
+        return tokenizer.decode(token_ids)
+    return await state.offload.run(watcher, tokenizer.decode, token_ids)
+
+
+def check_token_ids(
+    state: ServerState, token_ids: Sequence[int], vocab_size: int, param: str
+) -> None:
+    """Refuse a token-id prompt longer than the context (before looking at each id) or with
+    an id outside the vocabulary."""
+    context_length = state.ready_scheduler().context_length
+    if len(token_ids) >= context_length:
+        raise ApiError(
+            400,
+            str(PromptTooLong(len(token_ids), context_length)),
+            param=param,
+            code="context_length_exceeded",
+        )
     for i, token in enumerate(token_ids):
         if not 0 <= token < vocab_size:
             raise ApiError(
@@ -178,13 +206,17 @@ def submit(state: ServerState, request: GenerationRequest, prompt_param: str) ->
 
 
 def submit_all(
-    state: ServerState, requests: Sequence[GenerationRequest], prompt_param: str
+    state: ServerState,
+    requests: Sequence[GenerationRequest],
+    prompt_param: str,
+    constraints: list[Constraint] | None = None,
 ) -> list[JobStream]:
     """Submit every choice's request as one group (all or none; they reach the engine
-    together, in order, see Scheduler.submit_many)."""
+    together, in order, see Scheduler.submit_many), with their grammar matchers built off the
+    event loop when they have a grammar."""
     scheduler = state.ready_scheduler()
     try:
-        return scheduler.submit_many(list(requests))
+        return scheduler.submit_many(list(requests), constraints)
     except QueueFull as exc:
         raise ApiError(
             429,
@@ -200,11 +232,21 @@ class Run:
     """One request being answered: its choices' events, cancellation when the client leaves,
     and metrics. `streams[i]` is choice i."""
 
-    def __init__(self, state: ServerState, streams: JobStream | list[JobStream], receive: Receive):
+    def __init__(
+        self,
+        state: ServerState,
+        streams: JobStream | list[JobStream],
+        watcher: DisconnectWatcher,
+    ):
+        """`watcher`: the request's DisconnectWatcher (started before the prompt was prepared);
+        from here on a disconnect cancels the streams."""
         self.state = state
         self.streams = streams if isinstance(streams, list) else [streams]
         self.stream = self.streams[0]
-        self.watcher = DisconnectWatcher(receive, self._cancel)
+        self.watcher = watcher
+        self.watcher.on_gone = self._cancel
+        if self.watcher.gone.is_set():
+            self._cancel()
         self.created = int(time.time())
         self._sse: SseWriter | None = None
 

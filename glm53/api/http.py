@@ -66,12 +66,12 @@ async def send_error(send: Send, error: ApiError) -> None:
 
 class DisconnectWatcher:
     """Waits on `receive()` in a task; `gone` is set when the client disconnects, and `on_gone`
-    runs then. After the response is complete granian also reports a disconnect, so stop the
-    watcher (`close`) before finishing the response."""
+    (which may be set later) runs then. After the response is complete granian also reports a
+    disconnect, so stop the watcher (`close`) before finishing the response."""
 
-    def __init__(self, receive: Receive, on_gone: Callable[[], None]):
+    def __init__(self, receive: Receive, on_gone: Callable[[], None] | None = None):
         self.gone = asyncio.Event()
-        self._on_gone = on_gone
+        self.on_gone = on_gone
         self._task = asyncio.create_task(self._watch(receive))
 
     async def _watch(self, receive: Receive) -> None:
@@ -79,7 +79,8 @@ class DisconnectWatcher:
             message = await receive()
             if message["type"] == "http.disconnect":
                 self.gone.set()
-                self._on_gone()
+                if self.on_gone is not None:
+                    self.on_gone()
                 return
 
     def close(self) -> None:

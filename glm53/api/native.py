@@ -15,7 +15,7 @@ import msgspec
 from glm53.api import generation as gen
 from glm53.api.body import decode_request
 from glm53.api.errors import ApiError
-from glm53.api.http import Receive, Send, send_bytes
+from glm53.api.http import DisconnectWatcher, Receive, Send, send_bytes
 from glm53.api.logprobs import TokenNames, sglang_lists
 from glm53.api.schemas import (
     FinishInfo,
@@ -37,7 +37,11 @@ _encoder = msgspec.json.Encoder()
 async def tokenize(state: ServerState, body: bytes, receive: Receive, send: Send) -> int:
     req = decode_request(_tokenize_decoder, body)
     tokenizer = state.ready_scheduler().engine.tokenizer
-    tokens = await gen.encode(tokenizer, req.prompt)
+    watcher = DisconnectWatcher(receive)
+    try:
+        tokens = await gen.encode(state, watcher, tokenizer, req.prompt, "prompt")
+    finally:
+        watcher.close()
     await send_bytes(send, 200, _encoder.encode(TokenizeResponse(tokens, len(tokens))))
     return 200
 
@@ -54,13 +58,23 @@ async def generate(state: ServerState, body: bytes, receive: Receive, send: Send
     req = decode_request(_generate_decoder, body)
     if (req.text is None) == (req.input_ids is None):
         raise ApiError(400, "send exactly one of text and input_ids", param="text")
+    watcher = DisconnectWatcher(receive)
+    try:
+        return await _generate(state, req, watcher, send)
+    finally:
+        watcher.close()
+
+
+async def _generate(
+    state: ServerState, req: GenerateRequest, watcher: DisconnectWatcher, send: Send
+) -> int:
     scheduler = state.ready_scheduler()
     tokenizer = scheduler.engine.tokenizer
     if req.input_ids is not None:
-        gen.check_token_ids(req.input_ids, tokenizer.vocab_size, "input_ids")
+        gen.check_token_ids(state, req.input_ids, tokenizer.vocab_size, "input_ids")
         prompt_ids = list(req.input_ids)
     else:
-        prompt_ids = await gen.encode(tokenizer, req.text)
+        prompt_ids = await gen.encode(state, watcher, tokenizer, req.text, "text")
     if not prompt_ids:
         raise ApiError(
             400, "the prompt is empty", param="text" if req.text is not None else "input_ids"
@@ -105,7 +119,7 @@ async def generate(state: ServerState, body: bytes, receive: Receive, send: Send
     run = gen.Run(
         state,
         gen.submit(state, request, "input_ids" if req.input_ids is not None else "text"),
-        receive,
+        watcher,
     )
     start = time.monotonic()
     texts: list[str] = []

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from glm53.api.errors import ApiError
 from glm53.api.metrics import Metrics
+from glm53.api.offload import Offload
 from glm53.config import Settings, Source
 from glm53.engine.base import Engine
 from glm53.engine.scheduler import Scheduler
@@ -19,6 +20,7 @@ class ServerState:
     settings: Settings
     sources: dict[str, Source]
     metrics: Metrics = field(default_factory=Metrics)
+    offload: Offload = field(default_factory=Offload)
     engine: Engine | None = None
     scheduler: Scheduler | None = None
     status: str = "loading"  # loading | ready | draining | failed | stopping

@@ -396,16 +396,30 @@ def tool_call_grammar(
     return grammar
 
 
+def build_constraints(spec: GrammarSpec, tokenizer: Tokenizer, n: int) -> list[Constraint]:
+    """`n` fresh Constraints of one grammar: its matcher is built once and copied (building
+    one for a 10,000-property schema took 0.95 s; run this off the event loop)."""
+    first = Constraint(spec, tokenizer)
+    return [first, *(first.copy() for _ in range(n - 1))]
+
+
 class Constraint:
     """One stream's grammar state (engine thread only, after the scheduler made it)."""
 
-    def __init__(self, spec: GrammarSpec, tokenizer: Tokenizer):
+    def __init__(self, spec: GrammarSpec, tokenizer: Tokenizer, matcher: LLMatcher | None = None):
         ll = ll_tokenizer(tokenizer)
-        self._matcher = LLMatcher(ll, spec.grammar)
+        self._matcher = LLMatcher(ll, spec.grammar) if matcher is None else matcher
+        self._spec = spec
+        self._tokenizer = tokenizer
         self._start_after = spec.start_after
         self.is_active = spec.start_after is None
         self._bitmask = allocate_token_bitmask(1, ll.vocab_size)
         self._eos = list(tokenizer.eos_token_ids)
+
+    def copy(self) -> Constraint:
+        """A fresh Constraint of the same grammar (a copy of this one's matcher, not rebuilt);
+        call it before the stream starts."""
+        return Constraint(self._spec, self._tokenizer, self._matcher.deep_copy())
 
     def mask(self, row: np.ndarray) -> None:
         """Set to -inf, in a row of logits [vocab] (float32, in place), every token not allowed."""

@@ -344,10 +344,18 @@ class Scheduler:
     def submit(self, request: GenerationRequest) -> JobStream:
         return self.submit_many([request])[0]
 
-    def submit_many(self, requests: list[GenerationRequest]) -> list[JobStream]:
+    def submit_many(
+        self,
+        requests: list[GenerationRequest],
+        constraints: list[Constraint | None] | None = None,
+    ) -> list[JobStream]:
         """Submit requests as one group: all are admitted or none (QueueFull, PromptTooLong and
         ValueError name the first bad one), and they reach the engine thread together, in order,
-        so a job engine starts them in the same iteration when it has the slots."""
+        so a job engine starts them in the same iteration when it has the slots.
+
+        `constraints[i]` is request i's grammar matcher, built by the caller off the event loop
+        (glm53.engine.grammar.build_constraints: a large grammar's takes up to a second); when
+        `constraints` is None, those of the requests with a grammar are built here."""
         if not self.is_ready:
             raise RuntimeError("the scheduler is not started")
         for request in requests:
@@ -364,13 +372,17 @@ class Scheduler:
                 f"all {self.num_slots} slots are busy and {self.queue_limit} requests are waiting",
                 self.retry_after_s(),
             )
+        if constraints is None:
+            constraints = [
+                None if r.grammar is None else Constraint(r.grammar, self.engine.tokenizer)
+                for r in requests
+            ]
+        elif len(constraints) != len(requests):
+            raise ValueError(f"{len(constraints)} constraints for {len(requests)} requests")
         jobs, streams = [], []
-        for request in requests:
+        for request, constraint in zip(requests, constraints, strict=True):
             room = self.context_length - len(request.prompt_ids)
             max_new = room if request.max_new_tokens is None else min(request.max_new_tokens, room)
-            constraint = None
-            if request.grammar is not None:
-                constraint = Constraint(request.grammar, self.engine.tokenizer)
             sampler = StreamSampler(
                 request.sampling,
                 num_logprobs=request.logprobs,
