@@ -164,6 +164,26 @@ def _gpu_host_problems() -> list[str]:
     return problems
 
 
+def _refuse_nvme_exact_store(settings: Settings) -> None:
+    """nvme-exact's store, checked as its load checks it (glm53.tiers.gpu_home.open_home_source:
+    a store of another checkpoint, a --ram-cap below one layer's picks) and closed again: these
+    are mistakes in the settings, refused with their own fix whatever the host (torch-free)."""
+    if settings.mode != "nvme-exact" or not settings.store or uses_demo(settings):
+        return
+    from glm53.store.errors import StoreError
+    from glm53.tiers.gpu_home import open_home_source
+    from glm53.tiers.ram_tier import TierError
+
+    rows = max(settings.chunk_size, settings.max_batch)
+    try:
+        store, _, _ = open_home_source(
+            checkpoint_dir(settings), settings.store, settings.ram_cap, rows
+        )
+    except (StoreError, TierError) as exc:
+        raise ConfigurationError(f"--mode nvme-exact: {exc}") from None
+    store.close()
+
+
 def refuse_unservable(settings: Settings) -> None:
     """Before the server binds its port: ConfigurationError, one line with the fix, when the
     engine these settings pick cannot run on this host (the GPU engine without a CUDA device or
@@ -172,6 +192,7 @@ def refuse_unservable(settings: Settings) -> None:
     _refuse_gpus_off_gpu(settings, kind)
     if kind != "gpu":
         return
+    _refuse_nvme_exact_store(settings)
     problems = _gpu_host_problems()
     if problems:
         if any("exllamav3" not in p for p in problems):
