@@ -633,14 +633,17 @@ def test_the_openai_client_gets_the_400(server):
     assert info.value.body["param"] == f"{X}.minLength"
 
 
-def test_a_schema_nested_just_within_the_limit_is_served(http):
-    # the body, response_format, json_schema and the schema's own levels add up to 100
-    body = with_raw(
-        chat(),
-        response_format=f'{{"type": "json_schema", "json_schema": {{"name": "s", "schema": {nested_schema(47)}}}}}',
-    )
-    assert too_deep_at(body.encode()) is None
-    assert http.post("/v1/chat/completions", content=body.encode()).status_code == 200
+def test_a_body_nested_just_within_the_limit_is_served(http):
+    # JSON-schema nesting meets --max-schema-depth (32) long before this limit, so the deepest
+    # body the limit lets through is built in chat_template_kwargs, whose values the template
+    # only passes along: the body, the kwargs and the value's own levels add up to MAX_DEPTH
+    def body(depth: int) -> str:
+        return with_raw(chat(), chat_template_kwargs='{"x": ' + "[" * depth + "]" * depth + "}")
+
+    depth = MAX_DEPTH - 2
+    assert too_deep_at(body(depth).encode()) is None
+    assert too_deep_at(body(depth + 1).encode()) is not None
+    assert http.post("/v1/chat/completions", content=body(depth).encode()).status_code == 200
 
 
 def test_depth_and_paths_ignore_brackets_inside_strings():

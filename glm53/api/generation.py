@@ -181,6 +181,11 @@ def check_token_ids(
             param=param,
             code="context_length_exceeded",
         )
+    check_vocab(token_ids, vocab_size, param)
+
+
+def check_vocab(token_ids: Sequence[int], vocab_size: int, param: str) -> None:
+    """Refuse a token id outside the vocabulary (a prompt's, or a stop list's)."""
     for i, token in enumerate(token_ids):
         if not 0 <= token < vocab_size:
             raise ApiError(

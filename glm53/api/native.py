@@ -82,9 +82,7 @@ async def _generate(
     sp = req.sampling_params or GenerateSampling()
     gen.check_top_k(sp.top_k, tokenizer.vocab_size, "sampling_params.top_k")
     if sp.stop_token_ids:
-        gen.check_token_ids(
-            sp.stop_token_ids, tokenizer.vocab_size, "sampling_params.stop_token_ids"
-        )
+        gen.check_vocab(sp.stop_token_ids, tokenizer.vocab_size, "sampling_params.stop_token_ids")
     if req.return_logprob and req.logprob_start_len >= len(prompt_ids):
         raise ApiError(
             400,
