@@ -11,7 +11,12 @@ greedily (`ArgmaxSampler`, no stop tokens). SPEC (JSON):
                "together": false,      # false: each prompt alone, in a fresh Generator at
                                        # max_batch_size 1; true: all enqueued together, in
                                        # order, at max_batch_size len(prompts)
-               "generator": {extra Generator keyword arguments}}, ...]}
+               "generator": {extra Generator keyword arguments},
+               "max_new_tokens": 48}, ...]}     # optional: this run's, instead of the spec's
+
+A spec may hold the runs of several test files on one checkpoint (tests/gpu/gpu_kit.py batches
+them so that the model loads once per checkpoint): each prompt run alone gets a fresh Generator,
+so its result does not depend on the runs around it.
 
 OUT holds a list per run and in it, per prompt, the generated tokens (list) and the logits each
 was sampled from (a float tensor [n, vocab], as the Generator returns them with return_logits).
@@ -61,7 +66,7 @@ def _run_one(model, cache, tokenizer, vocab, spec, run_spec, chunk) -> list[dict
             gen.enqueue(
                 Job(
                     input_ids=torch.tensor([ids], dtype=torch.long),
-                    max_new_tokens=spec["max_new_tokens"],
+                    max_new_tokens=run_spec.get("max_new_tokens", spec["max_new_tokens"]),
                     sampler=ArgmaxSampler(),
                     stop_conditions=[],
                     return_logits=True,

@@ -5,7 +5,15 @@
 # optionally wheels312/ (build and test wheels for this Python); OUT_DIR receives logs and
 # JSON. STAGES (default "build synth tests bench") picks what runs. A Triton cache found at
 # DEVICE_DIR/triton-cache.tar.gz is restored (and saved to OUT_DIR when GLM53_SAVE_TRITON is set).
-# GLM53_SYNTH picks the checkpoints (default "demo slice slice-resharded"; also "deep"), GLM53_GPU_TESTS narrows the tests (paths or node ids), GLM53_BENCH the benchmarks,
+# GLM53_GPU_GROUP=a|b runs one group of tests/gpu (tests/gpu/groups.txt: its files, and the
+# checkpoints they need as the synth default); the two together are the whole of tests/gpu, each
+# sized for one 10-minute device call (estimated minutes per group and file are in groups.txt:
+# a, about 13 min, the slice's stock-reference checks (parity, nvme-exact, multi-GPU) on slice and
+# slice-resharded; b, about 13 min, fast mode, the demo's checks and the kernels on demo and
+# slice; estimates from the 2026-12-02 run, to be replaced by measured times). With a group,
+# pytest gets SIGINT at GLM53_TESTS_DEADLINE seconds after this script started (default 570; 0:
+# none), so that a run about to be cut still writes gpu-tests.xml with what ran.
+# GLM53_SYNTH picks the checkpoints (default: the group's, else "demo slice slice-resharded"; also "deep"), GLM53_GPU_TESTS narrows the tests (paths or node ids; default: the group's, else tests/gpu), GLM53_BENCH the benchmarks,
 # GLM53_BENCH_MODES the gpu_slice rows, GLM53_OFFLOAD_TIMEOUT its stock-offload subprocesses,
 # GLM53_GPU_SLICE_ARGS further gpu_slice arguments (e.g. "--model $GLM53_TEST_DEEP --vram-budget 24G").
 # The device tool brings back only a handful of files from $OUT (on 2026-12-01 a call got 8 of its
@@ -16,6 +24,21 @@ DEV=$(realpath "${1:?usage: tools/gpu-check.sh DEVICE_DIR OUT_DIR [STAGES]}")
 OUT=$(realpath -m "${2:?usage: tools/gpu-check.sh DEVICE_DIR OUT_DIR [STAGES]}")
 STAGES=${3:-"build synth tests bench"}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
+GROUP=${GLM53_GPU_GROUP:-}
+group_entries() {  # group_entries KIND: the values of this group's KIND lines in groups.txt
+  sed 's/#.*//' "$REPO/tests/gpu/groups.txt" |
+    awk -v g="$GROUP" -v k="$1" '$1 == g && $2 == k { for (i = 3; i <= NF; i++) print $i }'
+}
+group_synth="" group_tests="" deadline=0
+if [ -n "$GROUP" ]; then
+  group_synth=$(group_entries synth | tr '\n' ' ')
+  group_tests=$(group_entries test | sed 's|^|tests/gpu/|' | tr '\n' ' ')
+  if [ -z "$group_tests" ]; then
+    echo "GLM53_GPU_GROUP=$GROUP: no such group in tests/gpu/groups.txt" >&2
+    exit 2
+  fi
+  deadline=${GLM53_TESTS_DEADLINE:-570}
+fi
 WORK=${GLM53_GPU_WORK:-/tmp/glm53-gpu}
 mkdir -p "$OUT" "$WORK"
 export TRITON_CACHE_DIR=$WORK/triton-cache
@@ -63,7 +86,7 @@ fi
 cd "$WORK" || exit 2  # import the installed package, not the source tree
 
 if stage synth; then
-  for preset in ${GLM53_SYNTH:-demo slice slice-resharded}; do
+  for preset in ${GLM53_SYNTH:-${group_synth:-demo slice slice-resharded}}; do
     [ -d "$WORK/$preset" ] && continue
     if [ "$preset" = slice-resharded ]; then
       # uniform routing, rewritten in other shards and tensor order by a separate tool; the
@@ -82,11 +105,19 @@ export GLM53_TEST_DEMO=$WORK/demo GLM53_TEST_SLICE=$WORK/slice GLM53_TEST_DEEP=$
 export GLM53_TEST_SLICE_RESHARDED=$WORK/slice-resharded
 if stage tests; then
   tests=()  # GLM53_GPU_TESTS paths are relative to the repository (this script runs from $WORK)
-  for t in ${GLM53_GPU_TESTS:-tests/gpu}; do
+  for t in ${GLM53_GPU_TESTS:-${group_tests:-tests/gpu}}; do
     case $t in /*) tests+=("$t") ;; *) tests+=("$REPO/$t") ;; esac
   done
-  run tests python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" \
-    --junitxml="$OUT/gpu-tests.xml" -o junit_family=legacy "${tests[@]}"
+  limit=()  # a group: SIGINT before the call's limit, so that pytest still writes its report
+  if [ "$deadline" -gt 0 ]; then
+    left=$((deadline - SECONDS))
+    [ "$left" -gt 10 ] || left=10
+    limit=(timeout -s INT -k 30 "$left")
+    log "tests of group $GROUP: SIGINT after $left s"
+  fi
+  # --durations=0: every test's time in tests.log, to replace groups.txt's estimates
+  run tests "${limit[@]}" python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" \
+    --durations=0 --junitxml="$OUT/gpu-tests.xml" -o junit_family=legacy "${tests[@]}"
 fi
 if stage bench; then
   # GLM53_BENCH picks the benchmarks, GLM53_BENCH_MODES the gpu_slice rows (default: all);

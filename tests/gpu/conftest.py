@@ -16,6 +16,25 @@ def _have_gpu() -> bool:
     return torch.cuda.is_available()
 
 
+def pytest_collection_finish(session):
+    """Declare the stock-reference runs of every collected file (its module-level
+    `reference_specs()`), so that the first reference on a checkpoint computes them all in one
+    process (gpu_kit.stock_reference)."""
+    if not _have_gpu():
+        return
+    import gpu_kit
+
+    seen = set()
+    for item in session.items:
+        module = getattr(item, "module", None)
+        specs = getattr(module, "reference_specs", None)
+        if specs is None or module.__name__ in seen:
+            continue
+        seen.add(module.__name__)
+        for spec in specs():
+            gpu_kit.declare_reference(spec)
+
+
 def pytest_collection_modifyitems(config, items):
     if _have_gpu():
         return
@@ -40,3 +59,27 @@ def shared_exllamav3_tune_cache(tmp_path_factory):
     os.environ["EXLLAMAV3_TUNE_CACHE"] = path
     yield path
     del os.environ["EXLLAMAV3_TUNE_CACHE"]
+
+
+@pytest.fixture(scope="session")
+def slice_store(tmp_path_factory):
+    """The slice's store (`glm53 store pack` of GLM53_TEST_SLICE), packed once for the session:
+    GLM53_TEST_SLICE_STORE names one already packed from it. Tests that change it copy it or
+    restore what they changed."""
+    import os
+    import shutil
+
+    from gpu_kit import checkpoint_dir
+
+    path = checkpoint_dir("GLM53_TEST_SLICE")
+    if path is None:
+        pytest.skip("no slice checkpoint (GLM53_TEST_SLICE)")
+    if os.environ.get("GLM53_TEST_SLICE_STORE"):
+        yield os.environ["GLM53_TEST_SLICE_STORE"]
+        return
+    from glm53.store.pack import pack
+
+    store = str(tmp_path_factory.mktemp("slice-store") / "store")
+    pack(path, store, include_mtp=False, io_threads=8)
+    yield store
+    shutil.rmtree(store, ignore_errors=True)

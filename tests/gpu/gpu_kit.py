@@ -1,11 +1,18 @@
-"""What the GPU parity tests share: the checkpoint's sizes, seeded random prompts, stock
-exllamav3's reference run in its own process (tools/exl3_reference.py, which never imports
-glm53), glm53's GpuEngine or exllamav3's Generator run to the end on those prompts, and the
-torch.equal comparison of the two."""
+"""What the GPU parity tests share: the checkpoint's sizes, seeded random prompts (one prompt set
+for every file that checks the slice against stock exllamav3), stock exllamav3's reference run in
+its own process (tools/exl3_reference.py, which never imports glm53), glm53's GpuEngine or
+exllamav3's Generator run to the end on those prompts, and the torch.equal comparison of the two.
+
+The reference is shared across the session: a test file names the runs it will ask for in a
+module-level `reference_specs()` (conftest.py declares those of every collected file before the
+first test), and the first `stock_reference` call on a checkpoint runs every declared run of that
+checkpoint in one subprocess (one model load); each prompt run alone, and each set of prompts run
+together, is computed once and handed to every file that asks for it."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +20,16 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
+
+# The prompt set of the stock-reference checks on the slice (test_generator_parity.py,
+# test_nvme_exact_gpu.py, test_multi_gpu.py, test_fast_mode_gpu.py): prompt n of the length list
+# is random_ids(vocab, n, 1000 + n), whichever subset a file uses, and each file decodes N_NEW
+# tokens, so their references are the same runs. Lengths sit at page (256) and chunk (2,048) edges.
+LENGTHS = (1, 2, 9, 25, 100, 255, 256, 257, 300, 2047, 2049, 5000)
+BATCH = (300, 2049, 257, 1)  # admitted together: random_ids(vocab, n, 2000 + i) for the i-th
+N_NEW = int(os.environ.get("GLM53_PARITY_NEW", "64"))
+CHUNK = 2048
+CACHE_TOKENS = 16384
 
 
 def text_config(path) -> dict:
@@ -36,16 +53,100 @@ def random_ids(vocab: int, n: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=g).tolist()
 
 
+def single_prompts(vocab: int, lengths=LENGTHS) -> dict[int, list[int]]:
+    """The shared prompt set's prompts of these lengths, by length."""
+    return {n: random_ids(vocab, n, 1000 + n) for n in lengths}
+
+
+def batch_prompts(vocab: int) -> list[list[int]]:
+    """The shared set's prompts admitted together (lengths BATCH, in that order)."""
+    return [random_ids(vocab, n, 2000 + i) for i, n in enumerate(BATCH)]
+
+
+def together_generator() -> dict:
+    """The reference Generator's arguments for prompts admitted together: glm53's own
+    (generator_settings) at the batch's size, as the engine runs them."""
+    from glm53.engine.gpu import generator_settings
+
+    settings = generator_settings(len(BATCH), CHUNK, 1.0)
+    return {k: v for k, v in settings.items() if k != "max_batch_size"}
+
+
+def reference_spec(path, runs: list[dict], n_new: int = N_NEW) -> dict:
+    """A tools/exl3_reference.py spec on `path` at the shared settings (N_NEW new tokens, CHUNK,
+    CACHE_TOKENS)."""
+    return {"model": str(path), "max_new_tokens": n_new, "cache_tokens": CACHE_TOKENS,
+            "max_chunk_size": CHUNK, "runs": runs}  # fmt: skip
+
+
+def checkpoint_dir(env: str) -> str | None:
+    """The checkpoint directory the environment variable names, None if it names none."""
+    path = os.environ.get(env)
+    return path if path and os.path.isfile(os.path.join(path, "config.json")) else None
+
+
+_REFERENCE: dict[str, object] = {}  # unit key -> {"tokens", "logits"} (alone) or a list (together)
+_DECLARED: list[dict] = []  # the specs collected test files will ask for (declare_reference)
+
+
+def _load_key(spec: dict) -> str:
+    """What one reference process shares: the checkpoint, its cache size and chunk."""
+    return json.dumps([os.path.realpath(spec["model"]), spec.get("cache_tokens", 16384),
+                       spec.get("max_chunk_size", 2048)])  # fmt: skip
+
+
+def _units(spec: dict) -> list[tuple[str, dict]]:
+    """The spec's independent runs with their keys: each prompt of a run that runs prompts
+    alone (a fresh Generator each, so nothing around it changes its result), each run of
+    prompts admitted together as a whole."""
+    out = []
+    for r in spec["runs"]:
+        n_new = r.get("max_new_tokens", spec["max_new_tokens"])
+        gen = r.get("generator", {})
+        groups = [r["prompts"]] if r.get("together") else [[p] for p in r["prompts"]]
+        for prompts in groups:
+            unit = {"prompts": prompts, "together": bool(r.get("together")),
+                    "generator": gen, "max_new_tokens": n_new}  # fmt: skip
+            out.append((json.dumps([_load_key(spec), unit], sort_keys=True), unit))
+    return out
+
+
+def declare_reference(spec: dict) -> None:
+    """Name runs a test will ask stock_reference for, so that the first call on the checkpoint
+    computes them in the same process (conftest.py declares every collected file's)."""
+    _DECLARED.append(spec)
+
+
 def stock_reference(spec: dict, tmp: Path) -> list:
-    """tools/exl3_reference.py on `spec` (its docstring has the format): one list of
-    {"tokens", "logits"} per run."""
-    (tmp / "spec.json").write_text(json.dumps(spec))
-    subprocess.run(
-        [sys.executable, str(REPO / "tools" / "exl3_reference.py"), str(tmp / "spec.json"),
-         str(tmp / "ref.pt")],
-        check=True, timeout=1200,
-    )  # fmt: skip
-    return torch.load(tmp / "ref.pt")
+    """Stock exllamav3's runs of `spec` (tools/exl3_reference.py's format): one list of
+    {"tokens", "logits"} per run. Runs computed earlier in the session are reused; the missing
+    ones, with every declared run of the same checkpoint not yet computed, run in one
+    tools/exl3_reference.py process."""
+    wanted = _units(spec)
+    missing = {key: unit for key, unit in wanted if key not in _REFERENCE}
+    if missing:
+        for other in _DECLARED:
+            if _load_key(other) == _load_key(spec):
+                for key, unit in _units(other):
+                    if key not in _REFERENCE:
+                        missing.setdefault(key, unit)
+        batch = dict(spec, runs=list(missing.values()))
+        (tmp / "spec.json").write_text(json.dumps(batch))
+        subprocess.run(
+            [sys.executable, str(REPO / "tools" / "exl3_reference.py"), str(tmp / "spec.json"),
+             str(tmp / "ref.pt")],
+            check=True, timeout=1200,
+        )  # fmt: skip
+        results = torch.load(tmp / "ref.pt")
+        for (key, unit), res in zip(missing.items(), results, strict=True):
+            _REFERENCE[key] = res if unit["together"] else res[0]
+    out, i = [], 0
+    for r in spec["runs"]:
+        n = 1 if r.get("together") else len(r["prompts"])
+        got = [_REFERENCE[key] for key, _ in wanted[i : i + n]]
+        out.append(got[0] if r.get("together") else got)
+        i += n
+    return out
 
 
 def run_engine(engine, prompts: list, n_new: int) -> list[dict]:

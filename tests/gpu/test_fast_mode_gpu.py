@@ -15,12 +15,14 @@ tests/test_fast_lane.py (the host glue against a mock device) and tests/test_gpu
   /stats and /metrics show the lane's work.
 
 Needs GLM53_TEST_SLICE (a `glm53 synth --preset slice` checkpoint). The reference runs in a
-subprocess that never imports glm53 (tools/exl3_reference.py).
+subprocess that never imports glm53 (tools/exl3_reference.py); the prompts are gpu_kit's shared
+set (c1: its prompts of 1, 9, 257 and 2,049 tokens; c4: its batch admitted together), so the runs
+are test_generator_parity.py's where both files run in one session. The two teacher-forced cases
+share one engine (the lane's counters are compared as differences across each case).
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 from pathlib import Path
@@ -34,23 +36,28 @@ httpx = pytest.importorskip("httpx")
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
-from glm53.engine.gpu import GpuEngine, align_prefix_reuse, generator_settings  # noqa: E402
+from glm53.engine.gpu import GpuEngine, align_prefix_reuse  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 from gpu_kit import (  # noqa: E402
+    CHUNK,
+    N_NEW,
     assert_same,
+    batch_prompts,
+    checkpoint_dir,
     expert_slots,
-    random_ids,
+    reference_spec,
     run_engine,
+    single_prompts,
     stock_reference,
     text_config,
+    together_generator,
 )
 from serving_kit import Server  # noqa: E402
 
 LENGTHS = (1, 9, 257, 2049)
-N_NEW = int(os.environ.get("GLM53_PARITY_NEW", "48"))
-CHUNK, CONTEXT = 2048, 8192
+CONTEXT = 8192
 VRAM_SHARE = 0.114  # the 24 GB RTX 3090's share of the experts
 KL_BOUND = 1e-2  # PROVISIONAL: per-token mean KL(exact || fast), until the floor is measured
 TOP1_BOUND = 0.95  # PROVISIONAL: share of positions where fast's argmax is exact's token
@@ -58,27 +65,35 @@ EAGER_CT_B = 1e-6  # --ct-b so small that the router always sends misses to the 
 SURE_WAIT_NS = 2_000_000_000  # a device wait that must succeed (the default is 2 ms)
 
 
+def _spec(path):
+    vocab = text_config(path)["vocab_size"]
+    prompts = single_prompts(vocab, LENGTHS)
+    return reference_spec(path, [
+        {"prompts": [prompts[n] for n in LENGTHS]},  # each alone: c1
+        {"prompts": batch_prompts(vocab), "together": True,
+         "generator": together_generator()},  # admitted together: c4
+    ])  # fmt: skip
+
+
+def reference_specs():
+    """The stock runs this file asks for (conftest.py declares them)."""
+    path = checkpoint_dir("GLM53_TEST_SLICE")
+    return [_spec(path)] if path else []
+
+
 @pytest.fixture(scope="module")
 def case(tmp_path_factory):
-    path = os.environ.get("GLM53_TEST_SLICE")
-    if not path or not os.path.isfile(os.path.join(path, "config.json")):
+    path = checkpoint_dir("GLM53_TEST_SLICE")
+    if path is None:
         pytest.skip("no slice checkpoint (GLM53_TEST_SLICE)")
     tmp = tmp_path_factory.mktemp("fast-mode")
     vocab = text_config(path)["vocab_size"]
-    prompts = {n: random_ids(vocab, n, 1600 + n) for n in LENGTHS}
-    together = {k: v for k, v in generator_settings(len(LENGTHS), CHUNK, 1.0).items()
-                if k != "max_batch_size"}  # fmt: skip
-    spec = {
-        "model": path, "max_new_tokens": N_NEW, "cache_tokens": 16384, "max_chunk_size": CHUNK,
-        "runs": [{"prompts": [prompts[n] for n in LENGTHS]},  # each alone: c1
-                 {"prompts": [prompts[n] for n in LENGTHS], "together": True,
-                  "generator": together}],  # admitted together: c4
-    }  # fmt: skip
-    ref = stock_reference(spec, tmp)
+    prompts = single_prompts(vocab, LENGTHS)
+    ref = stock_reference(_spec(path), tmp)
     return {
         "path": path,
         "tmp": tmp,
-        "prompts": [prompts[n] for n in LENGTHS],
+        "prompts": {1: [prompts[n] for n in LENGTHS], 4: batch_prompts(vocab)},
         "ref": {1: ref[0], 4: ref[1]},
         "slots": expert_slots(path, VRAM_SHARE),
     }
@@ -100,11 +115,11 @@ def test_a_stalled_lane_gives_exact_modes_tokens_and_logits_and_counts_every_fal
         # hold the first job of layer 0: one poller serves every layer, so no layer of any
         # later step is answered either, and every published layer must fall back
         lane.poller.stall(0, lane.mailboxes[0].seq + 1)
-        for i, prompt in enumerate(case["prompts"]):  # c1: each alone
+        for i, prompt in enumerate(case["prompts"][1]):  # c1: each alone
             (got,) = run_engine(e, [prompt], N_NEW)
             assert_same(got, case["ref"][1][i], f"stalled lane, c1, prompt {i}")
         assert lane.poller.held  # the stall engaged: layer 0 published and was held
-        for i, got in enumerate(run_engine(e, case["prompts"], N_NEW)):  # c4: together
+        for i, got in enumerate(run_engine(e, case["prompts"][4], N_NEW)):  # c4: together
             assert_same(got, case["ref"][4][i], f"stalled lane, c4, prompt {i}")
         st = e.stats()["lane"]
         assert st["published"] > 0 and st["lane_picks"] > 0
@@ -156,25 +171,34 @@ def teacher_forced(engine, prompts, forced) -> list:
     return [torch.cat(logits[i]) for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("batch", [1, 4])
-def test_a_working_lane_stays_near_exact_teacher_forced(case, batch, record_property):
-    """c1: each prompt alone against the reference's lone runs; c4: all four admitted together
-    against its run at that batch (exact equals each bit for bit, so they are exact's)."""
-    refs = case["ref"][batch]
-    e = fast_engine(case, f"kl{batch}", ct_b=EAGER_CT_B)
+@pytest.fixture(scope="module")
+def working(case):
+    """One fast engine with a working lane for both teacher-forced cases (one load): the eager
+    router, and waits that must succeed."""
+    e = fast_engine(case, "kl", ct_b=EAGER_CT_B)
     for layer in e.fast.layers:  # the eager router may send more than 2 ms of lane work
         layer.budget_ns = SURE_WAIT_NS
-    try:
-        if batch == 1:
-            got = [
-                teacher_forced(e, [p], [r["tokens"]])[0]
-                for p, r in zip(case["prompts"], refs, strict=True)
-            ]
-        else:
-            got = teacher_forced(e, case["prompts"], [r["tokens"] for r in refs])
-        st = e.stats()["lane"]
-    finally:
-        e.close()
+    yield e
+    e.close()
+
+
+LANE_COUNTS = ("jobs", "lane_picks", "fallbacks")
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_a_working_lane_stays_near_exact_teacher_forced(case, working, batch, record_property):
+    """c1: each prompt alone against the reference's lone runs; c4: the batch admitted together
+    against its run at that batch (exact equals each bit for bit, so they are exact's). The
+    lane's counters are this case's: differences across it on the shared engine."""
+    refs, prompts = case["ref"][batch], case["prompts"][batch]
+    e = working
+    before = {k: e.stats()["lane"][k] for k in LANE_COUNTS}
+    if batch == 1:
+        got = [teacher_forced(e, [p], [r["tokens"]])[0] for p, r in zip(prompts, refs, strict=True)]
+    else:
+        got = teacher_forced(e, prompts, [r["tokens"] for r in refs])
+    lane = e.stats()["lane"]
+    st = {k: lane[k] - before[k] for k in LANE_COUNTS}
     assert st["jobs"] > 0 and st["lane_picks"] > 0, st
     assert st["fallbacks"] == 0, st  # every lane result was used: this measures the lane
     kls, agree, total = [], 0, 0
@@ -194,7 +218,8 @@ def test_a_working_lane_stays_near_exact_teacher_forced(case, batch, record_prop
 
 
 @pytest.fixture(scope="module")
-def server(case):
+def server(case, working):
+    working.close()  # one model and one lane at a time: the lane's threads poll on the CPUs
     tmp = case["tmp"] / "server"
     tmp.mkdir()
     args = ["--engine", "gpu", "--mode", "fast", "--allow-unrun-modes", "--model",
@@ -224,7 +249,7 @@ def test_the_server_in_fast_mode_answers_every_request_and_shows_lane_work(
         except Exception as exc:  # collected and asserted below
             errors.append(repr(exc))
 
-    threads = [threading.Thread(target=one, args=(i, p)) for i, p in enumerate(case["prompts"])]
+    threads = [threading.Thread(target=one, args=(i, p)) for i, p in enumerate(case["prompts"][1])]
     threads = threads[:concurrency]
     for t in threads:
         t.start()

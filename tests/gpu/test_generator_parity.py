@@ -13,7 +13,6 @@ chunk (2,048) edges.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -23,34 +22,36 @@ pytest.importorskip("exllamav3")
 pytest.importorskip("glm53._cuda")
 httpx = pytest.importorskip("httpx")
 
-from glm53.engine.gpu import GpuEngine, generator_settings, standard_region  # noqa: E402
+from glm53.engine.gpu import GpuEngine, standard_region  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 from gpu_kit import (  # noqa: E402
+    BATCH,
+    CHUNK,
+    LENGTHS,
+    N_NEW,
     assert_same,
+    batch_prompts,
+    checkpoint_dir,
     expert_slots,
     random_ids,
+    reference_spec,
     run_engine,
+    single_prompts,
     stock_reference,
     text_config,
+    together_generator,
 )
 from serving_kit import Server  # noqa: E402
 
-CHECKPOINTS = {
-    "slice": os.environ.get("GLM53_TEST_SLICE"),
-    "resharded": os.environ.get("GLM53_TEST_SLICE_RESHARDED"),
-}
-LENGTHS = (1, 2, 9, 25, 100, 255, 256, 257, 300, 2047, 2049, 5000)
-N_NEW = int(os.environ.get("GLM53_PARITY_NEW", "64"))
-CHUNK = 2048
+CHECKPOINTS = {"slice": "GLM53_TEST_SLICE", "resharded": "GLM53_TEST_SLICE_RESHARDED"}
 CONTEXT = 8192
 SHARE = 0.114  # the 24 GB RTX 3090's share of the experts: 1,376 of 12,096
-BATCH = (300, 2049, 257, 1)  # admitted together
 
 
 def _prompts(vocab):
-    single = {n: random_ids(vocab, n, 1000 + n) for n in LENGTHS}
+    single = single_prompts(vocab)
     a = single[5000]
     follow = {
         # shares 4,500 tokens with the 5,000-token prompt: its standard region reuses 4,096
@@ -61,43 +62,38 @@ def _prompts(vocab):
         "shared4095": a[:4095] + random_ids(vocab, 300, 9),
         "repeat5000": list(a),
     }
-    batch = [random_ids(vocab, n, 2000 + i) for i, n in enumerate(BATCH)]
-    return single, follow, batch
+    return single, follow, batch_prompts(vocab)
+
+
+def _spec(path):
+    single, follow, batch = _prompts(text_config(path)["vocab_size"])
+    return reference_spec(path, [
+        {"prompts": [single[n] for n in LENGTHS]},
+        {"prompts": list(follow.values())},
+        {"prompts": batch, "together": True, "generator": together_generator()},
+    ])  # fmt: skip
+
+
+def reference_specs():
+    """The stock runs this file asks for (conftest.py declares them: one reference process per
+    checkpoint for the session)."""
+    return [_spec(p) for p in map(checkpoint_dir, CHECKPOINTS.values()) if p]
 
 
 def _checkpoint(name):
-    path = CHECKPOINTS[name]
-    if not path or not os.path.isfile(os.path.join(path, "config.json")):
-        pytest.skip(f"no {name} checkpoint (GLM53_TEST_{name.upper()} / _SLICE_RESHARDED)")
+    path = checkpoint_dir(CHECKPOINTS[name])
+    if path is None:
+        pytest.skip(f"no {name} checkpoint ({CHECKPOINTS[name]})")
     return path
 
 
 @pytest.fixture(scope="module", params=list(CHECKPOINTS))
 def case(request, tmp_path_factory):
     path = _checkpoint(request.param)
-    vocab = text_config(path)["vocab_size"]
-    single, follow, batch = _prompts(vocab)
+    single, follow, batch = _prompts(text_config(path)["vocab_size"])
+    assert len(batch) == len(BATCH)
     tmp = tmp_path_factory.mktemp(f"ref-{request.param}")
-    spec = {
-        "model": path,
-        "max_new_tokens": N_NEW,
-        "cache_tokens": 16384,
-        "max_chunk_size": CHUNK,
-        "runs": [
-            {"prompts": [single[n] for n in LENGTHS]},
-            {"prompts": list(follow.values())},
-            {
-                "prompts": batch,
-                "together": True,
-                "generator": {
-                    k: v
-                    for k, v in generator_settings(len(batch), CHUNK, 1.0).items()
-                    if k != "max_batch_size"
-                },
-            },
-        ],
-    }
-    ref = stock_reference(spec, tmp)
+    ref = stock_reference(_spec(path), tmp)
     return {
         "name": request.param,
         "path": path,

@@ -37,8 +37,9 @@ def _req(ids):
     return GenerationRequest(prompt_ids=ids, sampling=SamplingParams(temperature=0.0))
 
 
-def _drain(engine, cancel_at=None):
-    """Iterate to the end; `cancel_at` = (key, iteration) cancels that job then."""
+def _drain(engine, cancel_at=None, cached=None):
+    """Iterate to the end; `cancel_at` = (key, iteration) cancels that job then; `cached` (a
+    dict) receives each job's reused prompt tokens."""
     toks = {}
     it = 0
     while engine.has_work():
@@ -47,6 +48,8 @@ def _drain(engine, cancel_at=None):
         for o in engine.iterate():
             assert o.finish != "error", o.error
             toks.setdefault(o.key, []).extend(o.token_ids)
+            if cached is not None and o.cached_tokens is not None:
+                cached[o.key] = o.cached_tokens
         it += 1
     return toks
 
@@ -59,14 +62,24 @@ def _prompts(engine):
 
 def test_a_cancelled_job_leaves_the_others_alone(engine):
     a, b, c = _prompts(engine)
+    # a first run puts a's standard region (1,024 of its 1,500 tokens at chunk 512) in the prefix
+    # cache: the two measured runs below both reuse it, so both prefill a in the same chunks and
+    # decode in the same batches (a cold first run would prefill a in more iterations than the
+    # second, and b would decode in other batches: other rounding, other tokens)
     for i, p in enumerate((a, b)):
         engine.start(i, _req(p), 32)
-    alone = _drain(engine)
+    _drain(engine)
+    for i, p in enumerate((a, b)):
+        engine.start(i, _req(p), 32)
+    cached_alone = {}
+    alone = _drain(engine, cached=cached_alone)
     # the same two again with a third that is cancelled after its first prefill chunk (before
-    # it decodes, so the decode batches are those of the first run)
+    # it decodes, so the decode batches are those of the run above)
     for i, p in enumerate((a, b, c)):
         engine.start(i, _req(p), 32)
-    got = _drain(engine, cancel_at=(2, 1))
+    cached = {}
+    got = _drain(engine, cancel_at=(2, 1), cached=cached)
+    assert cached[0] == cached_alone[0] and cached[1] == cached_alone[1], (cached, cached_alone)
     assert got[0] == alone[0] and got[1] == alone[1]
     assert 2 not in got or len(got[2]) < 32
     assert not engine.has_work()

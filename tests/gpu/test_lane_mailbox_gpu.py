@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("exllamav3")
 _cuda = pytest.importorskip("glm53._cuda")
 
-from gpu_kit import exl3_linears, generator_greedy  # noqa: E402
+from gpu_kit import exl3_linears, expert_slots, generator_greedy  # noqa: E402
 
 from glm53.tiers.cpu_lane import (  # noqa: E402
     FAST_REL_TOL,
@@ -219,12 +219,11 @@ def exact_load():
     from glm53.engine import exl3_load
 
     path = _checkpoint()
+    # the cache at the 24 GB card's share of the routed experts, counted from config.json (a
+    # stock load only to count them cost a whole model load)
     with torch.inference_mode():
-        probe = exl3_load.load(path, "stock", cache_tokens=4096, max_batch=4)
-        n_keys = len(probe.geometry.moe_layers) * probe.geometry.n_experts
-        probe.close()
         loaded = exl3_load.load(
-            path, "exact", cache_tokens=4096, max_batch=4, ec_max_slots=max(8, int(0.114 * n_keys))
+            path, "exact", cache_tokens=4096, max_batch=4, ec_max_slots=expert_slots(path, 0.114)
         )
     yield loaded
     loaded.close()

@@ -8,13 +8,14 @@ stagers, exllamav3's per-range loader) and needs one GPU; the two-device case sk
 torch sees two or more CUDA devices.
 
 The reference runs in a subprocess (tools/exl3_reference.py, which never imports glm53): stock
-exllamav3 with every expert in VRAM, each prompt alone at max_batch_size 1. Checkpoint: the
-slice (GLM53_TEST_SLICE), the cache at the 24 GB card's 11.4 % share in all.
+exllamav3 with every expert in VRAM, each prompt alone at max_batch_size 1; the prompts are
+gpu_kit's shared set, so the reference runs are test_generator_parity.py's and
+test_nvme_exact_gpu.py's (computed once per session). Checkpoint: the slice (GLM53_TEST_SLICE),
+the cache at the 24 GB card's 11.4 % share in all.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -30,38 +31,48 @@ from glm53.engine.gpu import GpuEngine  # noqa: E402
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 from gpu_kit import (  # noqa: E402
+    CHUNK,
+    N_NEW,
     assert_same,
+    checkpoint_dir,
     expert_slots,
-    random_ids,
+    reference_spec,
     run_engine,
+    single_prompts,
     stock_reference,
     text_config,
 )
 from serving_kit import Server  # noqa: E402
 
 LENGTHS = (1, 257, 2049, 5000)
-N_NEW = 48
-CHUNK = 2048
 CONTEXT = 8192
 SHARE = 0.114
 
 
 def _path():
-    path = os.environ.get("GLM53_TEST_SLICE")
-    if not path or not os.path.isfile(os.path.join(path, "config.json")):
+    path = checkpoint_dir("GLM53_TEST_SLICE")
+    if path is None:
         pytest.skip("no slice checkpoint (GLM53_TEST_SLICE)")
     return path
+
+
+def _spec(path):
+    prompts = single_prompts(text_config(path)["vocab_size"], LENGTHS)
+    return reference_spec(path, [{"prompts": [prompts[n] for n in LENGTHS]}])
+
+
+def reference_specs():
+    """The stock runs this file asks for (conftest.py declares them)."""
+    path = checkpoint_dir("GLM53_TEST_SLICE")
+    return [_spec(path)] if path else []
 
 
 @pytest.fixture(scope="module")
 def case(tmp_path_factory):
     path = _path()
-    vocab = text_config(path)["vocab_size"]
-    prompts = {n: random_ids(vocab, n, 3000 + n) for n in LENGTHS}
+    prompts = single_prompts(text_config(path)["vocab_size"], LENGTHS)
     tmp = tmp_path_factory.mktemp("multi-gpu-ref")
-    spec = {"model": path, "max_new_tokens": N_NEW, "cache_tokens": 16384,
-            "max_chunk_size": CHUNK, "runs": [{"prompts": [prompts[n] for n in LENGTHS]}]}  # fmt: skip
-    (ref,) = stock_reference(spec, tmp)
+    (ref,) = stock_reference(_spec(path), tmp)
     return {"path": path, "prompts": prompts, "ref": dict(zip(LENGTHS, ref, strict=True)),
             "tmp": tmp}  # fmt: skip
 

@@ -4,16 +4,16 @@ at the 24 GB card's 11.4 % share, in-process and through the real server; the ti
 start and on demand (/admin/verify) clean, and a flipped store byte caught by it.
 
 WRITTEN, NOT YET RUN ON A GPU. Needs GLM53_TEST_SLICE (a `glm53 synth --preset slice`
-checkpoint); the store is packed from it into a temporary directory unless
-GLM53_TEST_SLICE_STORE names one already packed from it (about 22 GB). The reference runs in a
-subprocess that never imports glm53 (tools/exl3_reference.py), as in test_generator_parity.py.
+checkpoint); the store is conftest.py's `slice_store`, packed once for the session unless
+GLM53_TEST_SLICE_STORE names one already packed from it (about 22 GB); the servers serve it too,
+and the flipped bytes are flipped back before the next server starts. The reference runs in a
+subprocess that never imports glm53 (tools/exl3_reference.py), shared with the other slice files
+through gpu_kit (same prompts, same runs: test_generator_parity.py's prompts of these lengths).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -28,11 +28,15 @@ from glm53.engine.gpu import GpuEngine  # noqa: E402
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 from gpu_kit import (  # noqa: E402
+    CHUNK,
+    N_NEW,
     assert_same,
+    checkpoint_dir,
     expert_slots,
     num_records,
-    random_ids,
+    reference_spec,
     run_engine,
+    single_prompts,
     stock_reference,
     text_config,
 )
@@ -40,35 +44,34 @@ from serving_kit import Server  # noqa: E402
 from store_kit import flip_byte  # noqa: E402
 
 LENGTHS = (1, 9, 257, 2049, 5000)
-N_NEW = int(os.environ.get("GLM53_PARITY_NEW", "48"))
-CHUNK, CONTEXT = 2048, 8192
+CONTEXT = 8192
 VRAM_SHARE = 0.114  # the 24 GB RTX 3090's share of the experts
 RAM_SHARES = (0.4, 0.7)
 
 
+def _spec(path):
+    prompts = single_prompts(text_config(path)["vocab_size"], LENGTHS)
+    return reference_spec(path, [{"prompts": [prompts[n] for n in LENGTHS]}])
+
+
+def reference_specs():
+    """The stock runs this file asks for (conftest.py declares them)."""
+    path = checkpoint_dir("GLM53_TEST_SLICE")
+    return [_spec(path)] if path else []
+
+
 @pytest.fixture(scope="module")
-def case(tmp_path_factory):
-    path = os.environ.get("GLM53_TEST_SLICE")
-    if not path or not os.path.isfile(os.path.join(path, "config.json")):
+def case(tmp_path_factory, slice_store):
+    path = checkpoint_dir("GLM53_TEST_SLICE")
+    if path is None:
         pytest.skip("no slice checkpoint (GLM53_TEST_SLICE)")
     tmp = tmp_path_factory.mktemp("nvme-exact")
-    store = os.environ.get("GLM53_TEST_SLICE_STORE")
-    if not store:
-        from glm53.store.pack import pack
-
-        store = str(tmp / "store")
-        pack(path, store, include_mtp=False, io_threads=8)
-    vocab = text_config(path)["vocab_size"]
-    prompts = {n: random_ids(vocab, n, 3000 + n) for n in LENGTHS}
-    spec = {
-        "model": path, "max_new_tokens": N_NEW, "cache_tokens": 16384, "max_chunk_size": CHUNK,
-        "runs": [{"prompts": [prompts[n] for n in LENGTHS]}],
-    }  # fmt: skip
-    ref = stock_reference(spec, tmp)[0]
-    record = json.loads(Path(store, "manifest.json").read_text())["record_bytes"]
-    out = {
+    prompts = single_prompts(text_config(path)["vocab_size"], LENGTHS)
+    (ref,) = stock_reference(_spec(path), tmp)
+    record = json.loads(Path(slice_store, "manifest.json").read_text())["record_bytes"]
+    return {
         "path": path,
-        "store": store,
+        "store": slice_store,
         "tmp": tmp,
         "prompts": prompts,
         "ref": dict(zip(LENGTHS, ref, strict=True)),
@@ -76,9 +79,6 @@ def case(tmp_path_factory):
         "cap": {s: int(s * num_records(path)) * record for s in RAM_SHARES},
         "record": record,
     }
-    yield out
-    if not os.environ.get("GLM53_TEST_SLICE_STORE"):
-        shutil.rmtree(store, ignore_errors=True)
 
 
 @pytest.mark.parametrize("share", RAM_SHARES)
@@ -108,8 +108,10 @@ def server(case, request):
     share = request.param
     tmp = case["tmp"] / f"server-{share}"
     tmp.mkdir()
-    store = tmp / "store"  # a private copy: the last test flips a byte of it
-    shutil.copytree(case["store"], store)
+    # the session's store, not a copy (about 22 GB): the last test flips bytes of it and flips
+    # them back (flip_byte is an XOR) before it returns, so each server starts on clean bytes and
+    # its tier check at start would report any left behind
+    store = Path(case["store"])
     args = ["--engine", "gpu", "--mode", "nvme-exact", "--allow-unrun-modes", "--model",
             case["path"], "--store", str(store), "--ram-cap", str(case["cap"][share]),
             "--context", str(CONTEXT), "--chunk-size", str(CHUNK), "--max-batch", "4",
@@ -118,7 +120,6 @@ def server(case, request):
     srv.wait_ready(timeout_s=900)
     yield srv, store, share
     assert srv.stop() == 0, srv.log()
-    shutil.rmtree(store, ignore_errors=True)
 
 
 def test_server_nvme_exact_generates_what_stock_exllamav3_generates(case, server):
@@ -142,9 +143,14 @@ def test_verify_on_demand_is_clean_then_reports_a_flipped_store_byte(case, serve
     assert body["ok"] and (body["ram_bad"], body["vram_bad"], body["table_bad"]) == (0, 0, 0)
     # flip a byte in every record of the first MoE layer: resident or not, the sample finds them
     experts = text_config(case["path"])["n_routed_experts"]
-    for e in range(experts):
-        flip_byte(store / "experts.bin", e * case["record"] + 4097)
-    r = httpx.get(srv.url + "/admin/verify?n=4096", timeout=600)
+    offsets = [e * case["record"] + 4097 for e in range(experts)]
+    for off in offsets:
+        flip_byte(store / "experts.bin", off)
+    try:
+        r = httpx.get(srv.url + "/admin/verify?n=4096", timeout=600)
+    finally:  # the store is the session's: flip the same bytes back
+        for off in offsets:
+            flip_byte(store / "experts.bin", off)
     body = r.json()
     assert not body["ok"] and body["ram_bad"] > 0
     first_layer = min(b["layer"] for b in body["bad"])

@@ -1,0 +1,62 @@
+"""tests/gpu/groups.txt, which tools/gpu-check.sh reads for GLM53_GPU_GROUP: every GPU test file
+is in exactly one group, each group synthesizes the checkpoints its files name, and the script
+reads the manifest the way this test does."""
+
+import re
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+GPU = REPO / "tests" / "gpu"
+PRESETS = {"demo", "slice", "slice-resharded", "deep"}
+ENV_PRESET = {"DEMO": "demo", "SLICE": "slice", "SLICE_RESHARDED": "slice-resharded"}
+
+
+def groups() -> dict[str, dict[str, list[str]]]:
+    out: dict[str, dict[str, list[str]]] = {}
+    for line in (GPU / "groups.txt").read_text().splitlines():
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        group, kind, *values = words
+        assert kind in ("synth", "test"), line
+        out.setdefault(group, {"synth": [], "test": []})[kind] += values
+    return out
+
+
+def test_every_gpu_test_file_is_in_exactly_one_group():
+    listed = [f for g in groups().values() for f in g["test"]]
+    files = sorted(p.name for p in GPU.glob("test_*.py"))
+    assert sorted(listed) == files, "each tests/gpu/test_*.py once in tests/gpu/groups.txt"
+    assert len(set(listed)) == len(listed)
+
+
+def test_two_groups_each_with_presets_gpu_check_knows():
+    g = groups()
+    assert sorted(g) == ["a", "b"]
+    for name, entry in g.items():
+        assert entry["synth"] and set(entry["synth"]) <= PRESETS, name
+        assert entry["test"], name
+
+
+def test_each_group_synthesizes_the_checkpoints_its_files_name():
+    for name, entry in groups().items():
+        for f in entry["test"]:
+            named = re.findall(r"GLM53_TEST_(SLICE_RESHARDED|SLICE|DEMO)\b", (GPU / f).read_text())
+            missing = {ENV_PRESET[n] for n in named} - set(entry["synth"])
+            assert not missing, f"group {name}: {f} names {missing}, not synthesized"
+
+
+def test_gpu_check_reads_the_same_groups():
+    """The script's own parsing (its group_entries function, run by bash) agrees with this
+    test's."""
+    script = (REPO / "tools" / "gpu-check.sh").read_text()
+    func = re.search(r"^group_entries\(\) \{.*?^\}", script, re.S | re.M).group(0)
+    for name, entry in groups().items():
+        for kind in ("synth", "test"):
+            got = subprocess.run(
+                ["bash", "-c", f'{func}\ngroup_entries "$1"', "bash", kind],
+                env={"REPO": str(REPO), "GROUP": name, "PATH": "/usr/bin:/bin"},
+                capture_output=True, text=True, check=True,
+            ).stdout.split()  # fmt: skip
+            assert got == entry[kind], (name, kind)
