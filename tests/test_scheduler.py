@@ -245,6 +245,26 @@ def test_multibyte_text_decodes_exactly(checkpoint):
     asyncio.run(main())
 
 
+def test_a_character_cut_by_the_length_limit_is_text_as_decode_renders_it(checkpoint):
+    # the stream decoder holds back the bytes of an unfinished character; at the end they are
+    # text too (U+FFFD, as Tokenizer.decode renders them), so text == decode(ids) at any cut
+    async def main():
+        engine = scripted(checkpoint, default="日本語のテキスト")
+        tok = CheckpointTokenizer.from_dir(checkpoint)
+        prompt = engine_prompt(checkpoint, "x")
+        scheduler = await started(engine)
+        _, ids, _ = await collect(scheduler.submit(request(prompt, stop_ids=tok.eos_token_ids)))
+        cuts = [k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd")]
+        assert cuts, [tok.decode([t]) for t in ids]  # the reply has multi-token characters
+        for k in cuts[:3]:
+            text, got, last = await collect(scheduler.submit(request(prompt, k)))
+            assert (got, last.finish_reason) == (ids[:k], "length")
+            assert text == tok.decode(ids[:k])
+        await scheduler.close()
+
+    asyncio.run(main())
+
+
 def test_cancel_frees_the_slot_at_the_next_step(checkpoint):
     async def main():
         engine = scripted(checkpoint, default="word " * 200, step_ms=5)

@@ -110,6 +110,11 @@ class IncrementalDecoder(Protocol):
 
     def step(self, token_id: int) -> str: ...
 
+    def finish(self) -> str:
+        """At the end of the sequence: the text still held back (the bytes of an unfinished
+        character, as `Tokenizer.decode` renders them), '' when there is none."""
+        ...
+
 
 class JobOutput(msgspec.Struct):
     """What one `JobEngine.iterate` produced for one job: its new tokens in order (a stop token

@@ -250,7 +250,13 @@ class JobStream:
                 finish = step_finish
                 break
         if finish in ("stop", "length") and not isinstance(matched, str):
-            parts.append(self._stops.flush())
+            # the decoder's held-back bytes (a character cut by the end) count as text too
+            text, matched_tail = self._stops.feed(self._decoder.finish())
+            parts.append(text)
+            if matched_tail is not None:
+                finish, matched = "stop", matched_tail
+            else:
+                parts.append(self._stops.flush())
         prompt_logprobs = None
         if job.prompt_logprobs is not None and self._num_generated == 0 and finish != "error":
             prompt_logprobs, job.prompt_logprobs = job.prompt_logprobs, None

@@ -39,14 +39,32 @@ def _ids(value: Any) -> list[int]:
 
 
 class _StreamDecoder:
-    __slots__ = ("_stream", "_tokenizer")
+    """tokenizers' DecodeStream, which holds back the bytes of a character not yet complete,
+    plus `finish`: at the end those bytes are text too, rendered as `decode` renders them (a
+    U+FFFD each), so that the streamed text of a finished sequence equals `decode` of its ids."""
+
+    __slots__ = ("_emitted", "_ids", "_stream", "_tokenizer")
 
     def __init__(self, tokenizer: _HFTokenizer):
         self._tokenizer = tokenizer
         self._stream = DecodeStream(skip_special_tokens=False)
+        self._ids: list[int] = []
+        self._emitted = 0  # characters returned so far
 
     def step(self, token_id: int) -> str:
-        return self._stream.step(self._tokenizer, token_id) or ""
+        self._ids.append(token_id)
+        text = self._stream.step(self._tokenizer, token_id) or ""
+        self._emitted += len(text)
+        return text
+
+    def finish(self) -> str:
+        """The held-back tail ('' when nothing is held back)."""
+        if not self._ids:
+            return ""
+        whole = self._tokenizer.decode_batch([self._ids], skip_special_tokens=False)[0]
+        tail = whole[self._emitted :]
+        self._emitted = len(whole)
+        return tail
 
 
 def _byte_level_table() -> dict[str, int]:
