@@ -319,11 +319,8 @@ async def chat_completions(state: ServerState, body: bytes, receive: Receive, se
         raise ApiError(
             400, missing_template(state.checkpoint or "the checkpoint"), param="messages"
         )
-    watcher = DisconnectWatcher(receive)
-    try:
+    with DisconnectWatcher(receive) as watcher:
         return await _generate(state, plan, body, tokenizer, watcher, send)
-    finally:
-        watcher.close()
 
 
 async def _generate(

@@ -75,11 +75,8 @@ async def completions(state: ServerState, body: bytes, receive: Receive, send: S
     req = decode_request(_decoder, body)
     gen.check_model(state, req.model)
     _validate(state, req)
-    watcher = DisconnectWatcher(receive)
-    try:
+    with DisconnectWatcher(receive) as watcher:
         return await _generate(state, req, watcher, send)
-    finally:
-        watcher.close()
 
 
 async def _generate(

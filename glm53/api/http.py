@@ -86,6 +86,12 @@ class DisconnectWatcher:
     def close(self) -> None:
         self._task.cancel()
 
+    def __enter__(self) -> DisconnectWatcher:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 class SseWriter:
     """A text/event-stream response: `data: <json>` events, keep-alive comments while idle."""

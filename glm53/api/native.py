@@ -37,11 +37,8 @@ _encoder = msgspec.json.Encoder()
 async def tokenize(state: ServerState, body: bytes, receive: Receive, send: Send) -> int:
     req = decode_request(_tokenize_decoder, body)
     tokenizer = state.ready_scheduler().engine.tokenizer
-    watcher = DisconnectWatcher(receive)
-    try:
+    with DisconnectWatcher(receive) as watcher:
         tokens = await gen.encode(state, watcher, tokenizer, req.prompt, "prompt")
-    finally:
-        watcher.close()
     await send_bytes(send, 200, _encoder.encode(TokenizeResponse(tokens, len(tokens))))
     return 200
 
@@ -58,11 +55,8 @@ async def generate(state: ServerState, body: bytes, receive: Receive, send: Send
     req = decode_request(_generate_decoder, body)
     if (req.text is None) == (req.input_ids is None):
         raise ApiError(400, "send exactly one of text and input_ids", param="text")
-    watcher = DisconnectWatcher(receive)
-    try:
+    with DisconnectWatcher(receive) as watcher:
         return await _generate(state, req, watcher, send)
-    finally:
-        watcher.close()
 
 
 async def _generate(
