@@ -79,6 +79,12 @@ def reference_spec(path, runs: list[dict], n_new: int = N_NEW) -> dict:
             "max_chunk_size": CHUNK, "runs": runs}  # fmt: skip
 
 
+def singles_spec(path, lengths) -> dict:
+    """The reference spec of the shared set's prompts of `lengths`, each run alone."""
+    prompts = single_prompts(text_config(path)["vocab_size"], lengths)
+    return reference_spec(path, [{"prompts": [prompts[n] for n in lengths]}])
+
+
 def checkpoint_dir(env: str) -> str | None:
     """The checkpoint directory the environment variable names, None if it names none."""
     path = os.environ.get(env)

@@ -36,9 +36,9 @@ from gpu_kit import (  # noqa: E402
     assert_same,
     checkpoint_dir,
     expert_slots,
-    reference_spec,
     run_engine,
     single_prompts,
+    singles_spec,
     stock_reference,
     text_config,
 )
@@ -57,8 +57,7 @@ def _path():
 
 
 def _spec(path):
-    prompts = single_prompts(text_config(path)["vocab_size"], LENGTHS)
-    return reference_spec(path, [{"prompts": [prompts[n] for n in LENGTHS]}])
+    return singles_spec(path, LENGTHS)
 
 
 def reference_specs():

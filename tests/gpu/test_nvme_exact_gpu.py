@@ -34,9 +34,9 @@ from gpu_kit import (  # noqa: E402
     checkpoint_dir,
     expert_slots,
     num_records,
-    reference_spec,
     run_engine,
     single_prompts,
+    singles_spec,
     stock_reference,
     text_config,
 )
@@ -50,8 +50,7 @@ RAM_SHARES = (0.4, 0.7)
 
 
 def _spec(path):
-    prompts = single_prompts(text_config(path)["vocab_size"], LENGTHS)
-    return reference_spec(path, [{"prompts": [prompts[n] for n in LENGTHS]}])
+    return singles_spec(path, LENGTHS)
 
 
 def reference_specs():
