@@ -41,30 +41,36 @@ def _ids(value: Any) -> list[int]:
 class _StreamDecoder:
     """tokenizers' DecodeStream, which holds back the bytes of a character not yet complete,
     plus `finish`: at the end those bytes are text too, rendered as `decode` renders them (a
-    U+FFFD each), so that the streamed text of a finished sequence equals `decode` of its ids."""
+    U+FFFD each), so that the streamed text of a finished sequence equals `decode` of its ids.
+    It keeps only the ids since the last text it returned, and those that gave that text (the
+    context `decode` needs for the held-back ones, as DecodeStream itself keeps)."""
 
-    __slots__ = ("_emitted", "_ids", "_stream", "_tokenizer")
+    __slots__ = ("_held", "_last", "_stream", "_tokenizer")
 
     def __init__(self, tokenizer: _HFTokenizer):
         self._tokenizer = tokenizer
         self._stream = DecodeStream(skip_special_tokens=False)
-        self._ids: list[int] = []
-        self._emitted = 0  # characters returned so far
+        self._last: list[int] = []  # the ids that gave the last text returned
+        self._held: list[int] = []  # the ids since, whose text is held back
 
     def step(self, token_id: int) -> str:
-        self._ids.append(token_id)
+        self._held.append(token_id)
         text = self._stream.step(self._tokenizer, token_id) or ""
-        self._emitted += len(text)
+        if text:
+            self._last, self._held = self._held, []
         return text
 
     def finish(self) -> str:
         """The held-back tail ('' when nothing is held back)."""
-        if not self._ids:
+        if not self._held:
             return ""
-        whole = self._tokenizer.decode_batch([self._ids], skip_special_tokens=False)[0]
-        tail = whole[self._emitted :]
-        self._emitted = len(whole)
-        return tail
+        held = self._held
+        head, whole, alone = self._tokenizer.decode_batch(
+            [self._last, self._last + held, held], skip_special_tokens=False
+        )
+        self._last, self._held = self._last + held, []
+        # with its context when the context's text is a prefix (byte-level BPE: always)
+        return whole[len(head) :] if whole.startswith(head) else alone
 
 
 def _byte_level_table() -> dict[str, int]:
