@@ -444,6 +444,11 @@ SETTINGS: tuple[SettingInfo, ...] = tuple(_field_infos())
 _BY_NAME = {s.name: s for s in SETTINGS}
 
 
+def setting_info(name: str) -> SettingInfo:
+    """The setting `name` as the CLI and the environment spell it (its flags, its variable)."""
+    return _BY_NAME[name]
+
+
 def _base_type(tp: Any) -> Any:
     # Annotated[int | None, ...] -> int | None
     return typing.get_args(tp)[0] if typing.get_origin(tp) is Annotated else tp

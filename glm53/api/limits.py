@@ -6,11 +6,12 @@ from __future__ import annotations
 from typing import Any
 
 from glm53.api.errors import ApiError
-from glm53.config import Settings
+from glm53.config import Settings, setting_info
 
 
 def _refuse(what: str, limit: int, setting: str, param: str) -> ApiError:
-    flag, env = "--" + setting.replace("_", "-"), "GLM53_" + setting.upper()
+    info = setting_info(setting)
+    flag, env = info.flags[0], info.env
     return ApiError(
         400,
         f"{what}; the limit is {limit} ({flag} / {env} raises it)",
