@@ -148,13 +148,14 @@ def _refuse_gpus_off_gpu(settings: Settings, kind: str) -> None:
         )
 
 
-def _gpu_host_problems() -> list[str]:
-    """Why this host cannot run the GPU engine (empty when it can). exllamav3 is looked up, not
-    imported: importing it on a host without CUDA fails inside its extension build."""
+def _gpu_host_problems(num_devices: int) -> list[str]:
+    """Why this host, with `num_devices` CUDA devices, cannot run the GPU engine (empty when it
+    can). exllamav3 is looked up, not imported: importing it on a host without CUDA fails inside
+    its extension build."""
     import torch
 
     problems = []
-    if _num_cuda_devices() == 0:
+    if num_devices == 0:
         if torch.version.cuda is None:
             problems.append(f"this torch ({torch.__version__}) is a CPU build")
         else:
@@ -193,7 +194,8 @@ def refuse_unservable(settings: Settings) -> None:
     if kind != "gpu":
         return
     _refuse_nvme_exact_store(settings)
-    problems = _gpu_host_problems()
+    num_devices = _num_cuda_devices()
+    problems = _gpu_host_problems(num_devices)
     if problems:
         if any("exllamav3" not in p for p in problems):
             fix = (
@@ -203,7 +205,6 @@ def refuse_unservable(settings: Settings) -> None:
         else:
             fix = "install it with `pip install 'glm53[gpu]'`, or serve with --engine cpu"
         raise ConfigurationError(f"--engine gpu: {' and '.join(problems)}; {fix}")
-    num_devices = _num_cuda_devices()
     absent = [g for g in settings.gpus or () if g >= num_devices]
     if absent:
         raise ConfigurationError(
