@@ -60,3 +60,39 @@ def test_gpu_check_reads_the_same_groups():
                 capture_output=True, text=True, check=True,
             ).stdout.split()  # fmt: skip
             assert got == entry[kind], (name, kind)
+
+
+def _strict_run(tmp_path, strict: bool) -> subprocess.CompletedProcess:
+    """pytest on a copy of tests/gpu/conftest.py beside a file that needs a missing module."""
+    import os
+    import shutil
+    import sys
+
+    shutil.copy(GPU / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_needs_module.py").write_text(
+        "import pytest\n\npytest.importorskip('glm53_no_such_module')\n\n\n"
+        "def test_never_runs():\n    pass\n"
+    )
+    (tmp_path / "test_plain.py").write_text("def test_runs():\n    pass\n")
+    env = {k: v for k, v in os.environ.items() if k != "GLM53_GPU_STRICT"}
+    if strict:
+        env["GLM53_GPU_STRICT"] = "1"
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+         "--continue-on-collection-errors", "--rootdir", str(tmp_path), str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def test_on_the_gpu_machine_a_file_skipped_for_a_missing_module_fails(tmp_path):
+    """GLM53_GPU_STRICT=1 (tools/gpu-check.sh sets it): a tests/gpu file whose importorskip
+    fails is an error that names it, and the other files are still collected and reported;
+    unset (CI without a GPU), it is a skip."""
+    run = _strict_run(tmp_path, strict=True)
+    assert run.returncode != 0, run.stdout
+    assert "GLM53_GPU_STRICT: test_needs_module.py was skipped" in run.stdout, run.stdout
+    # the other file was collected and reported (passed on a GPU, skipped without one)
+    assert re.search(r"1 (passed|skipped), 1 error", run.stdout), run.stdout
+    assert "export GLM53_GPU_STRICT=1" in (REPO / "tools" / "gpu-check.sh").read_text()
+    lax = _strict_run(tmp_path, strict=False)
+    assert lax.returncode == 0 and "error" not in lax.stdout, lax.stdout

@@ -12,7 +12,8 @@ greedily (`ArgmaxSampler`, no stop tokens). SPEC (JSON):
                                        # max_batch_size 1; true: all enqueued together, in
                                        # order, at max_batch_size len(prompts)
                "generator": {extra Generator keyword arguments},
-               "max_new_tokens": 48}, ...]}     # optional: this run's, instead of the spec's
+               "max_new_tokens": 48,   # optional: this run's, instead of the spec's
+               "floor": true}, ...]}   # optional: also exllamav3's rounding floor (below)
 
 A spec may hold the runs of several test files on one checkpoint (tests/gpu/gpu_kit.py batches
 them so that the model loads once per checkpoint): each prompt run alone gets a fresh Generator,
@@ -20,6 +21,12 @@ so its result does not depend on the runs around it.
 
 OUT holds a list per run and in it, per prompt, the generated tokens (list) and the logits each
 was sampled from (a float tensor [n, vocab], as the Generator returns them with return_logits).
+
+A run with "floor" is also run in the other arrangement (prompts admitted together if the run
+runs them alone, each alone if it runs them together), teacher-forced on the run's own tokens:
+each prompt then also holds "floor_logits", the logits of that other arrangement at the same
+positions. They differ from "logits" only by exllamav3's own rounding at another batch (other
+GEMM shapes, other kernels), which is the floor a near-exact mode is judged against.
 """
 
 from __future__ import annotations
@@ -49,15 +56,50 @@ def run(spec: dict) -> list[list[dict]]:
         model.unload()
 
 
+def forced_sampler(tokens: list[int]):
+    """An exllamav3 Sampler that draws `tokens` in order, whatever the logits (teacher forcing
+    through the Generator's own decode path, which still returns the logits it drew from)."""
+    import torch
+    from exllamav3.generator.sampler import Sampler
+
+    class Forced(Sampler):
+        def __init__(self):
+            super().__init__()
+            self.i = 0
+
+        def forward(self, logits, *args, **kwargs):
+            token = tokens[self.i]
+            self.i += 1
+            return torch.tensor([token], dtype=torch.long).view(logits.shape[:-1])
+
+    return Forced()
+
+
 def _run_one(model, cache, tokenizer, vocab, spec, run_spec, chunk) -> list[dict]:
+    together = run_spec.get("together", False)
+    n_new = run_spec.get("max_new_tokens", spec["max_new_tokens"])
+    out = _generate(model, cache, tokenizer, vocab, run_spec, chunk, together, n_new)
+    if run_spec.get("floor"):
+        forced = [o["tokens"] for o in out]
+        other = _generate(model, cache, tokenizer, vocab, run_spec, chunk, not together, n_new,
+                          forced)  # fmt: skip
+        for o, f in zip(out, other, strict=True):
+            o["floor_logits"] = f["logits"]
+    return out
+
+
+def _generate(model, cache, tokenizer, vocab, run_spec, chunk, together, n_new, forced=None):
+    """The run's prompts alone (a fresh Generator at max_batch_size 1 each) or together (one
+    Generator at max_batch_size len(prompts)), with the run's extra Generator arguments either
+    way; greedy, or teacher-forced on `forced` (per prompt)."""
     import torch
     from exllamav3 import ArgmaxSampler, Generator, Job
 
-    together = run_spec.get("together", False)
     prompts = run_spec["prompts"]
     batch = len(prompts) if together else 1
     out = []
-    for group in [prompts] if together else [[p] for p in prompts]:
+    for first in range(0, len(prompts), batch):
+        group = prompts[first : first + batch]
         kwargs = {"max_batch_size": batch, "max_chunk_size": chunk}
         kwargs.update(run_spec.get("generator", {}))
         gen = Generator(model=model, cache=cache, tokenizer=tokenizer, **kwargs)
@@ -66,13 +108,14 @@ def _run_one(model, cache, tokenizer, vocab, spec, run_spec, chunk) -> list[dict
             gen.enqueue(
                 Job(
                     input_ids=torch.tensor([ids], dtype=torch.long),
-                    max_new_tokens=run_spec.get("max_new_tokens", spec["max_new_tokens"]),
-                    sampler=ArgmaxSampler(),
+                    max_new_tokens=n_new,
+                    sampler=ArgmaxSampler() if forced is None else forced_sampler(
+                        forced[first + i]),
                     stop_conditions=[],
                     return_logits=True,
                     identifier=i,
                 )
-            )
+            )  # fmt: skip
         while gen.num_remaining_jobs():
             for r in gen.iterate():
                 if r["stage"] == "error":

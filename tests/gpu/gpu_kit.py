@@ -11,6 +11,7 @@ together, is computed once and handed to every file that asks for it."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -101,18 +102,26 @@ def _load_key(spec: dict) -> str:
                        spec.get("max_chunk_size", 2048)])  # fmt: skip
 
 
+def _whole(run: dict) -> bool:
+    """Whether a run is one unit: prompts admitted together, or a run with its floor (whose
+    other arrangement needs the whole run)."""
+    return bool(run.get("together") or run.get("floor"))
+
+
 def _units(spec: dict) -> list[tuple[str, dict]]:
     """The spec's independent runs with their keys: each prompt of a run that runs prompts
     alone (a fresh Generator each, so nothing around it changes its result), each run of
-    prompts admitted together as a whole."""
+    prompts admitted together, or with its floor, as a whole."""
     out = []
     for r in spec["runs"]:
         n_new = r.get("max_new_tokens", spec["max_new_tokens"])
         gen = r.get("generator", {})
-        groups = [r["prompts"]] if r.get("together") else [[p] for p in r["prompts"]]
+        groups = [r["prompts"]] if _whole(r) else [[p] for p in r["prompts"]]
         for prompts in groups:
             unit = {"prompts": prompts, "together": bool(r.get("together")),
                     "generator": gen, "max_new_tokens": n_new}  # fmt: skip
+            if r.get("floor"):
+                unit["floor"] = True
             out.append((json.dumps([_load_key(spec), unit], sort_keys=True), unit))
     return out
 
@@ -125,7 +134,7 @@ def declare_reference(spec: dict) -> None:
 
 def stock_reference(spec: dict, tmp: Path) -> list:
     """Stock exllamav3's runs of `spec` (tools/exl3_reference.py's format): one list of
-    {"tokens", "logits"} per run. Runs computed earlier in the session are reused; the missing
+    {"tokens", "logits"} per run (with "floor_logits" for a run with "floor"). Runs computed earlier in the session are reused; the missing
     ones, with every declared run of the same checkpoint not yet computed, run in one
     tools/exl3_reference.py process."""
     wanted = _units(spec)
@@ -145,12 +154,12 @@ def stock_reference(spec: dict, tmp: Path) -> list:
         )  # fmt: skip
         results = torch.load(tmp / "ref.pt")
         for (key, unit), res in zip(missing.items(), results, strict=True):
-            _REFERENCE[key] = res if unit["together"] else res[0]
+            _REFERENCE[key] = res if _whole(unit) else res[0]
     out, i = [], 0
     for r in spec["runs"]:
-        n = 1 if r.get("together") else len(r["prompts"])
+        n = 1 if _whole(r) else len(r["prompts"])
         got = [_REFERENCE[key] for key, _ in wanted[i : i + n]]
-        out.append(got[0] if r.get("together") else got)
+        out.append(got[0] if _whole(r) else got)
         i += n
     return out
 
@@ -184,33 +193,76 @@ def run_engine(engine, prompts: list, n_new: int) -> list[dict]:
 def generator_greedy(loaded, prompts: list, n_new: int) -> tuple[dict, dict]:
     """exllamav3's own Generator (max_batch_size 4, ArgmaxSampler, no stop) over a model that
     exl3_load loaded: every prompt enqueued at once; tokens and logits by prompt index."""
+    return generator_run(loaded, prompts, n_new)
+
+
+@functools.cache
+def _reference_tool():
+    """tools/exl3_reference.py as a module (it is a script, not in a package)."""
+    import importlib.util
+
+    path = REPO / "tools" / "exl3_reference.py"
+    spec = importlib.util.spec_from_file_location("exl3_reference", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def forced_sampler(tokens: list[int]):
+    """tools/exl3_reference.py's teacher-forcing Sampler (draws `tokens` in order), so that the
+    stock reference and the tests force tokens the same way."""
+    return _reference_tool().forced_sampler(tokens)
+
+
+def generator_run(loaded, prompts: list, n_new: int, forced=None, together=True):
+    """exllamav3's own Generator (no stop) over a model that exl3_load loaded: every prompt
+    enqueued at once at max_batch_size 4 (together), or each alone at max_batch_size 1; greedy
+    (ArgmaxSampler), or teacher-forced on `forced` (a token list per prompt). Tokens and logits
+    by prompt index."""
     from exllamav3 import ArgmaxSampler, Generator, Job
 
-    gen = Generator(
-        model=loaded.model, cache=loaded.cache, tokenizer=loaded.tokenizer, max_batch_size=4
-    )
     tokens = {i: [] for i in range(len(prompts))}
     logits = {i: [] for i in range(len(prompts))}
-    for i, ids in enumerate(prompts):
-        gen.enqueue(
-            Job(
-                input_ids=ids,
-                max_new_tokens=n_new,
-                sampler=ArgmaxSampler(),
-                stop_conditions=[],
-                return_logits=True,
-                identifier=i,
-            )
+    batch = 4 if together else 1
+    for first in range(0, len(prompts), batch):
+        gen = Generator(
+            model=loaded.model, cache=loaded.cache, tokenizer=loaded.tokenizer, max_batch_size=batch
         )
-    while gen.num_remaining_jobs():
-        for r in gen.iterate():
-            if r.get("stage") == "streaming":
-                i = r["identifier"]
-                if "token_ids" in r:
-                    tokens[i] += r["token_ids"].view(-1).tolist()
-                if "logits" in r:
-                    logits[i].append(r["logits"].float().view(-1, r["logits"].shape[-1]).cpu())
+        for i in range(first, min(first + batch, len(prompts))):
+            gen.enqueue(
+                Job(
+                    input_ids=prompts[i],
+                    max_new_tokens=n_new,
+                    sampler=ArgmaxSampler() if forced is None else forced_sampler(forced[i]),
+                    stop_conditions=[],
+                    return_logits=True,
+                    identifier=i,
+                )
+            )
+        while gen.num_remaining_jobs():
+            for r in gen.iterate():
+                if r.get("stage") == "streaming":
+                    i = r["identifier"]
+                    if "token_ids" in r:
+                        tokens[i] += r["token_ids"].view(-1).tolist()
+                    if "logits" in r:
+                        logits[i].append(r["logits"].float().view(-1, r["logits"].shape[-1]).cpu())
     return tokens, {i: torch.cat(v) for i, v in logits.items()}
+
+
+def kl_top1(wants: list, gots: list, tokens: list) -> tuple[float, float]:
+    """Teacher-forced fidelity over every position of every prompt: the mean KL(want || got)
+    of the next-token distributions, and the share of positions where got's argmax is the
+    forced token (want's own greedy pick)."""
+    kls, agree, total = [], 0, 0
+    for want, got, toks in zip(wants, gots, tokens, strict=True):
+        want, got = want.float(), got.float()
+        assert got.shape == want.shape, (got.shape, want.shape)
+        pa, pb = torch.log_softmax(want, -1), torch.log_softmax(got, -1)
+        kls.append((pa.exp() * (pa - pb)).sum(-1))
+        agree += int((got.argmax(-1) == torch.tensor(toks)).sum())
+        total += len(toks)
+    return torch.cat(kls).mean().item(), agree / total
 
 
 def exl3_linears(expert, device) -> list:

@@ -9,8 +9,10 @@ tests/test_fast_lane.py (the host glue against a mock device) and tests/test_gpu
   bit for bit (exact mode's answer, which equals stock), with every published layer counted as a
   fallback.
 - A working lane, teacher-forced on exact's greedy tokens: decode KL of fast against exact and
-  top-1 agreement, reported; the bound (KL_BOUND) is PROVISIONAL, loose, until a GPU run
-  measures exllamav3's own rounding floor on this checkpoint (the issue's goal).
+  top-1 agreement, at c1 and at c4, each no worse than exllamav3's own rounding floor measured in
+  the same session on the same checkpoint and tokens: stock exllamav3's Generator at the other
+  batch (c1's prompts admitted together, c4's each alone), teacher-forced on the reference's
+  tokens, against the reference (tools/exl3_reference.py's "floor").
 - The real server (`--mode fast --allow-unrun-modes`) at c1 and c4 answers every request, and
   /stats and /metrics show the lane's work.
 
@@ -47,6 +49,8 @@ from gpu_kit import (  # noqa: E402
     batch_prompts,
     checkpoint_dir,
     expert_slots,
+    forced_sampler,
+    kl_top1,
     reference_spec,
     run_engine,
     single_prompts,
@@ -59,8 +63,6 @@ from serving_kit import Server  # noqa: E402
 LENGTHS = (1, 9, 257, 2049)
 CONTEXT = 8192
 VRAM_SHARE = 0.114  # the 24 GB RTX 3090's share of the experts
-KL_BOUND = 1e-2  # PROVISIONAL: per-token mean KL(exact || fast), until the floor is measured
-TOP1_BOUND = 0.95  # PROVISIONAL: share of positions where fast's argmax is exact's token
 EAGER_CT_B = 1e-6  # --ct-b so small that the router always sends misses to the lane
 SURE_WAIT_NS = 2_000_000_000  # a device wait that must succeed (the default is 2 ms)
 
@@ -69,8 +71,8 @@ def _spec(path):
     vocab = text_config(path)["vocab_size"]
     prompts = single_prompts(vocab, LENGTHS)
     return reference_spec(path, [
-        {"prompts": [prompts[n] for n in LENGTHS]},  # each alone: c1
-        {"prompts": batch_prompts(vocab), "together": True,
+        {"prompts": [prompts[n] for n in LENGTHS], "floor": True},  # each alone: c1
+        {"prompts": batch_prompts(vocab), "together": True, "floor": True,
          "generator": together_generator()},  # admitted together: c4
     ])  # fmt: skip
 
@@ -130,24 +132,6 @@ def test_a_stalled_lane_gives_exact_modes_tokens_and_logits_and_counts_every_fal
         e.close()
 
 
-def forced_sampler(tokens):
-    """An exllamav3 Sampler that returns exact's next token at each draw (teacher forcing
-    through the Generator's own decode path); the Generator hands back the logits it drew from."""
-    from exllamav3.generator.sampler import Sampler
-
-    class Forced(Sampler):
-        def __init__(self):
-            super().__init__()
-            self.i = 0
-
-        def forward(self, logits, *args, **kwargs):
-            token = tokens[self.i]
-            self.i += 1
-            return torch.tensor([token], dtype=torch.long).view(logits.shape[:-1])
-
-    return Forced()
-
-
 def teacher_forced(engine, prompts, forced) -> list:
     """Every prompt enqueued at once on the engine's Generator with exact's tokens forced; the
     logits of each decode step, per prompt. FastLane.step runs between iterations as
@@ -186,10 +170,14 @@ LANE_COUNTS = ("jobs", "lane_picks", "fallbacks")
 
 
 @pytest.mark.parametrize("batch", [1, 4])
-def test_a_working_lane_stays_near_exact_teacher_forced(case, working, batch, record_property):
+def test_a_working_lane_stays_within_exllamav3s_floor_teacher_forced(
+    case, working, batch, record_property
+):
     """c1: each prompt alone against the reference's lone runs; c4: the batch admitted together
     against its run at that batch (exact equals each bit for bit, so they are exact's). The
-    lane's counters are this case's: differences across it on the shared engine."""
+    bound is the floor: the reference against stock exllamav3 at the other batch, forced on the
+    same tokens. The lane's counters are this case's: differences across it on the shared
+    engine."""
     refs, prompts = case["ref"][batch], case["prompts"][batch]
     e = working
     before = {k: e.stats()["lane"][k] for k in LANE_COUNTS}
@@ -201,20 +189,15 @@ def test_a_working_lane_stays_near_exact_teacher_forced(case, working, batch, re
     st = {k: lane[k] - before[k] for k in LANE_COUNTS}
     assert st["jobs"] > 0 and st["lane_picks"] > 0, st
     assert st["fallbacks"] == 0, st  # every lane result was used: this measures the lane
-    kls, agree, total = [], 0, 0
-    for g, r in zip(got, refs, strict=True):
-        want = r["logits"].float()
-        assert g.shape == want.shape
-        pa, pb = torch.log_softmax(want, -1), torch.log_softmax(g, -1)
-        kls.append((pa.exp() * (pa - pb)).sum(-1))
-        agree += int((g.argmax(-1) == torch.tensor(r["tokens"])).sum())
-        total += len(r["tokens"])
-    kl = torch.cat(kls).mean().item()
-    top1 = agree / total
-    record_property("fast_vs_exact_kl", kl)
-    record_property("fast_vs_exact_top1", top1)
-    print(f"fast vs exact, c{batch}: mean KL {kl:.3e}, top-1 agreement {top1:.4f}")
-    assert kl < KL_BOUND and top1 >= TOP1_BOUND, (kl, top1)
+    wants, tokens = [r["logits"] for r in refs], [r["tokens"] for r in refs]
+    kl, top1 = kl_top1(wants, got, tokens)
+    floor_kl, floor_top1 = kl_top1(wants, [r["floor_logits"] for r in refs], tokens)
+    for name, value in (("fast_vs_exact_kl", kl), ("fast_vs_exact_top1", top1),
+                        ("floor_kl", floor_kl), ("floor_top1", floor_top1)):  # fmt: skip
+        record_property(name, value)
+    print(f"c{batch}: fast vs exact mean KL {kl:.3e}, top-1 {top1:.4f}; exllamav3's floor "
+          f"(c{batch} against c{5 - batch}) mean KL {floor_kl:.3e}, top-1 {floor_top1:.4f}")  # fmt: skip
+    assert kl <= floor_kl and top1 >= floor_top1, (kl, top1, floor_kl, floor_top1)
 
 
 @pytest.fixture(scope="module")

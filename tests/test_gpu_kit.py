@@ -1,0 +1,75 @@
+"""tests/gpu/gpu_kit.py's CPU-side logic: how a stock-reference spec splits into units (a run
+with its floor is one unit), how the units' results go back to the runs that asked, and the
+teacher-forced KL / top-1 measure the fast-mode tests judge against exllamav3's floor. The
+reference process itself (tools/exl3_reference.py) needs a GPU; here a MOCK stands in for its
+output file so that the bookkeeping around it can run."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+sys.path.insert(0, str(Path(__file__).parent / "gpu"))
+import gpu_kit  # noqa: E402
+
+
+def _spec(runs):
+    return {"model": "/nowhere", "max_new_tokens": 3, "runs": runs}
+
+
+def test_a_run_with_its_floor_is_one_unit_and_not_the_plain_runs_unit():
+    alone = {"prompts": [[1], [2, 3]]}
+    floor = dict(alone, floor=True)
+    plain_units = gpu_kit._units(_spec([alone]))
+    floor_units = gpu_kit._units(_spec([floor]))
+    assert len(plain_units) == 2  # each prompt alone is its own unit
+    assert len(floor_units) == 1 and floor_units[0][1]["prompts"] == [[1], [2, 3]]
+    assert floor_units[0][1]["floor"] is True and floor_units[0][1]["together"] is False
+    assert floor_units[0][0] not in {k for k, _ in plain_units}
+
+
+def test_results_go_back_to_the_runs_that_asked(tmp_path, monkeypatch):
+    """MOCK of the reference process: writes, per unit it was given, a result shaped as
+    tools/exl3_reference.py writes it (a list per run, a dict per prompt)."""
+    monkeypatch.setattr(gpu_kit, "_REFERENCE", {})
+    monkeypatch.setattr(gpu_kit, "_DECLARED", [])
+
+    def mock_reference(cmd, **kw):
+        spec = json.loads(Path(cmd[2]).read_text())
+        out = []
+        for run in spec["runs"]:
+            res = []
+            for p in run["prompts"]:
+                d = {"tokens": [len(p)], "logits": torch.zeros(1, 4)}
+                if run.get("floor"):
+                    d["floor_logits"] = torch.ones(1, 4)
+                res.append(d)
+            out.append(res)
+        torch.save(out, cmd[3])
+
+    monkeypatch.setattr(gpu_kit.subprocess, "run", mock_reference)
+    spec = _spec([
+        {"prompts": [[1], [2, 3]]},
+        {"prompts": [[4, 5, 6], [7]], "floor": True},
+        {"prompts": [[8], [9, 9]], "together": True},
+    ])  # fmt: skip
+    alone, floor, together = gpu_kit.stock_reference(spec, tmp_path)
+    assert [r["tokens"] for r in alone] == [[1], [2]]
+    assert [r["tokens"] for r in floor] == [[3], [1]]
+    assert all(torch.equal(r["floor_logits"], torch.ones(1, 4)) for r in floor)
+    assert [r["tokens"] for r in together] == [[1], [2]]
+    assert "floor_logits" not in alone[0]
+
+
+def test_kl_top1_is_zero_and_one_on_the_same_logits_and_counts_disagreements():
+    g = torch.Generator().manual_seed(0)
+    want = [torch.randn(5, 11, generator=g), torch.randn(3, 11, generator=g)]
+    tokens = [w.argmax(-1).tolist() for w in want]
+    kl, top1 = gpu_kit.kl_top1(want, [w.clone() for w in want], tokens)
+    assert kl == 0.0 and top1 == 1.0
+    worse = [w.clone() for w in want]
+    worse[0][2] = -want[0][2]  # one position's distribution flipped: its argmax moves
+    kl2, top1b = gpu_kit.kl_top1(want, worse, tokens)
+    assert kl2 > 0.0 and top1b == 7 / 8
