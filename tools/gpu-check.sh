@@ -2,7 +2,8 @@
 # Everything a GPU check needs, in one command, on a GPU machine without network access:
 #   tools/gpu-check.sh DEVICE_DIR OUT_DIR [STAGES]
 # DEVICE_DIR holds setup.sh (installs exllamav3 1.6.5 wheels + its prebuilt extension) and
-# optionally wheels312/ (build and test wheels for this Python); OUT_DIR receives logs and
+# wheels312/ (test wheels the image lacks, openai for the served tests: tools/device-wheels.sh
+# DEVICE_DIR fetches them, here, before the call); OUT_DIR receives logs and
 # JSON. STAGES (default "build synth tests bench") picks what runs. A Triton cache found at
 # DEVICE_DIR/triton-cache.tar.gz (or in its parts, .part-00 ...) is restored (and saved to
 # OUT_DIR in parts when GLM53_SAVE_TRITON is set).
