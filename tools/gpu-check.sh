@@ -4,7 +4,9 @@
 # DEVICE_DIR holds setup.sh (installs exllamav3 1.6.5 wheels + its prebuilt extension) and
 # wheels312/ (test wheels the image lacks, openai for the served tests: tools/device-wheels.sh
 # DEVICE_DIR fetches them, here, before the call); OUT_DIR receives logs and
-# JSON. STAGES (default "build synth tests bench") picks what runs. A Triton cache found at
+# JSON. STAGES (default "build synth tests bench") picks what runs; "warm" (not in the default)
+# runs tools/exl3_warm.py on each synthesized checkpoint in the background, to overlap the
+# first-use compiles with the synthesis of the next. A Triton cache found at
 # DEVICE_DIR/triton-cache.tar.gz (or in its parts, .part-00 ...) is restored (and saved to
 # OUT_DIR in parts when GLM53_SAVE_TRITON is set).
 # GLM53_GPU_GROUP=a|b|c runs one group of tests/gpu (tests/gpu/groups.txt: its files, and the
@@ -89,9 +91,21 @@ if stage build; then
 fi
 cd "$WORK" || exit 2  # import the installed package, not the source tree
 
+warm_pids=()
+warm() {  # warm PRESET: with the "warm" stage, tools/exl3_warm.py on it in the background
+  stage warm || return 0
+  [ "$1" = slice-resharded ] && return 0  # the slice's geometry: the same kernels
+  log "start warm-$1 (background)"
+  python3 "$REPO/tools/exl3_warm.py" "$WORK/$1" >"$OUT/warm-$1.log" 2>&1 &
+  warm_pids+=($!)
+}
 if stage synth; then
-  for preset in ${GLM53_SYNTH:-${group_synth:-demo slice slice-resharded}}; do
-    [ -d "$WORK/$preset" ] && continue
+  # the quick presets first, so that their warm-up (the "warm" stage) overlaps the slow ones
+  presets=${GLM53_SYNTH:-${group_synth:-demo slice slice-resharded}}
+  ordered=$(for p in $presets; do case $p in slice) echo "0 $p" ;; slice-resharded) echo "1 $p" ;;
+    demo) echo "2 $p" ;; *) echo "3 $p" ;; esac; done | sort -s -n -k1,1 | cut -d' ' -f2)
+  for preset in $ordered; do
+    if [ -d "$WORK/$preset" ]; then warm "$preset"; continue; fi
     if [ "$preset" = slice-resharded ]; then
       # uniform routing, rewritten in other shards and tensor order by a separate tool; the
       # source goes to RAM (/dev/shm) so that the disk never holds three slices
@@ -102,8 +116,14 @@ if stage synth; then
       rm -rf "$tmp"
       continue
     fi
-    run "synth-$preset" python3 -m glm53 synth --preset "$preset" --routing glm53 --out "$WORK/$preset"
+    run "synth-$preset" python3 -m glm53 synth --preset "$preset" --routing glm53 --out "$WORK/$preset" &&
+      warm "$preset"
   done
+fi
+if [ ${#warm_pids[@]} -gt 0 ]; then
+  t0=$SECONDS
+  for pid in "${warm_pids[@]}"; do wait "$pid" || log "a warm-up failed (see warm-*.log)"; done
+  log "warm-ups done, waited $((SECONDS - t0)) s after the last synth: $(cat "$OUT"/warm-*.log | grep '^warm ' | tr '\n' ';')"
 fi
 export GLM53_TEST_DEMO=$WORK/demo GLM53_TEST_SLICE=$WORK/slice GLM53_TEST_DEEP=$WORK/deep
 export GLM53_TEST_SLICE_RESHARDED=$WORK/slice-resharded
