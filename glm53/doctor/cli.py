@@ -13,6 +13,7 @@ from rich.console import Console
 from glm53.doctor.checks import Verdict, run_checks
 from glm53.doctor.cpu import format_cpu_list, parse_cpu_list
 from glm53.doctor.fleet import plan_per_gpu
+from glm53.doctor.hostfile import HostFileError, shipped
 from glm53.doctor.plan import PlanRequest, make_plan
 from glm53.doctor.probes import probe_host
 from glm53.doctor.report import DoctorReport, render, to_json
@@ -95,6 +96,18 @@ def add_parser(sub) -> None:
         metavar="DIR",
         help="plan from outputs saved with --capture instead of this host",
     )
+    p.add_argument(
+        "--host",
+        metavar="FILE",
+        action="append",
+        help="predict for a host described in a TOML file (or a shipped one by name: "
+        f"{', '.join(shipped())}) instead of probing this one; may be given more than once",
+    )
+    p.add_argument(
+        "--markdown",
+        action="store_true",
+        help="with --host: print one markdown table of every host and mode (docs/performance.md)",
+    )
     p.set_defaults(func=run)
 
 
@@ -113,6 +126,8 @@ def _request(args) -> PlanRequest:
 
 def run(args) -> int:
     err = Console(stderr=True)
+    if args.host:
+        return _run_hosts(args.host, args.json, args.markdown, err)
     try:
         req = _request(args)
     except ValueError as e:
@@ -177,4 +192,22 @@ def _run_per_gpu(host, req: PlanRequest, as_json: bool, err: Console) -> int:
     out.print(f"all instances: {fleet.pinned_bytes / 2**30:.1f} GiB pinned, budget {budget}")
     if fleet.warning:
         out.print(f"WARNING: {fleet.warning}")
+    return 0
+
+
+def _run_hosts(names: list[str], as_json: bool, markdown: bool, err: Console) -> int:
+    from glm53.doctor import host_outlook
+    from glm53.doctor.hostfile import load
+
+    try:
+        outlooks = [host_outlook.outlook(load(name)) for name in names]
+    except (HostFileError, ValueError) as e:
+        err.print(f"glm53 doctor: {e}", markup=False, highlight=False)
+        return 2
+    if as_json:
+        sys.stdout.write(msgspec.json.encode(outlooks).decode() + "\n")
+    elif markdown:
+        sys.stdout.write(host_outlook.render_markdown(outlooks))
+    else:
+        sys.stdout.write("\n".join(host_outlook.render_text(o) for o in outlooks))
     return 0
