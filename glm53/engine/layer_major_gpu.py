@@ -466,16 +466,16 @@ class LayerMajorPrefill:
 
     def after_iterate(self, decoded: bool) -> None:
         """After the Generator's iteration: `decoded` when some stream got tokens. The pause a
-        decoding stream saw is the time since the last iteration that gave it tokens, counted
-        when a pass ran a step in between."""
+        decoding stream saw is the time since the previous iteration that gave tokens, counted
+        when a pass step ran in between (a decoding stream gets a token every iteration)."""
         now = time.perf_counter()
         if decoded:
             if self._stepped_since_decode and self._last_decode_t is not None:
                 self.longest_pause_s = max(self.longest_pause_s, now - self._last_decode_t)
             self._last_decode_t = now
             self._stepped_since_decode = False
-        elif self.active is None:
-            self._last_decode_t = None  # no stream decoding: nothing is paused
+        else:  # an iteration without tokens had no stream decoding: nothing was paused
+            self._last_decode_t = None
 
     def cancel(self, job) -> bool:
         """Drop `job`'s pass (before the Generator cancels the job); True when it had one."""
