@@ -44,6 +44,7 @@ PosInt = Annotated[int, Meta(ge=1)]
 EngineKind = Literal["auto", "cpu", "gpu", "scripted"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 LanePrecision = Literal["auto", "exact", "fast"]
+PrefillOrder = Literal["chunk", "layer-major"]
 
 
 class Settings(msgspec.Struct, kw_only=True, frozen=True):
@@ -124,6 +125,16 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
             group="scheduling",
         ),
     ] = 2048
+    prefill: Annotated[
+        PrefillOrder,
+        _s(
+            "Prefill order for prompts longer than one chunk: chunk (each chunk through every "
+            "layer, exllamav3's Generator) or layer-major (every chunk through a layer before "
+            "the next: each touched expert crosses PCIe once per layer per prompt, same output). "
+            "GPU engine, exact mode; layer-major has not yet run on a GPU (--allow-unrun-modes).",
+            group="scheduling",
+        ),
+    ] = "chunk"
     queue_limit: Annotated[
         int,
         Meta(ge=0),

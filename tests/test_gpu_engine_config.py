@@ -254,3 +254,46 @@ def test_a_split_over_gpus_is_refused_until_its_gpu_tests_have_run(tmp_path):
     assert create(settings("--gpus", "0,1", "--allow-unrun-modes"), tmp_path).gpus == (0, 1)
     one = create(settings("--gpus", "1"), tmp_path)  # one entry: the one-GPU path on that GPU
     assert (one.gpus, one.device) == (None, "cuda:1")
+
+
+def test_prefill_is_chunk_major_unless_asked_for(tmp_path):
+    e = create(settings("--mode", "exact"), tmp_path)
+    assert e.prefill == "chunk" and e.layer_major is None
+    assert "layer-major" not in e.description
+
+
+def test_layer_major_prefill_is_refused_until_its_gpu_tests_ran_unless_asked_for(tmp_path):
+    with pytest.raises(ConfigurationError, match="--prefill layer-major .*not yet run on a GPU"):
+        create(settings("--mode", "exact", "--prefill", "layer-major"), tmp_path)
+    e = create(
+        settings("--mode", "exact", "--prefill", "layer-major", "--allow-unrun-modes"), tmp_path
+    )
+    assert e.prefill == "layer-major" and e.layer_major is None  # nothing loaded yet
+    assert "layer-major prefill (not yet run on a GPU)" in e.description
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--mode", "fast"], "--prefill layer-major runs in exact mode only"),
+        (["--mode", "nvme-exact", "--store", "/x"], "--prefill layer-major runs in exact mode"),
+        (["--mode", "exact", "--gpus", "0,1"], "--prefill layer-major runs on one GPU"),
+    ],
+)
+def test_layer_major_prefill_runs_in_exact_mode_on_one_gpu(tmp_path, argv, match):
+    with pytest.raises(ConfigurationError, match=match):
+        create(settings(*argv, "--prefill", "layer-major", "--allow-unrun-modes"), tmp_path)
+
+
+def test_layer_major_prefill_is_refused_off_the_gpu_engine():
+    from glm53.engine import create_engine
+
+    with pytest.raises(ConfigurationError, match="only the GPU engine .* the cpu engine would"):
+        create_engine(settings("--engine", "cpu", "--prefill", "layer-major"))
+
+
+def test_the_engine_takes_layer_major_only_in_exact_mode(tmp_path):
+    with pytest.raises(ValueError, match="layer-major in exact mode"):
+        GpuEngine(str(tmp_path), "stock", prefill="layer-major")
+    with pytest.raises(ValueError, match="chunk, or layer-major"):
+        GpuEngine(str(tmp_path), "exact", prefill="layers")

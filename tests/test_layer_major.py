@@ -10,10 +10,13 @@ import pytest
 
 from glm53.engine.exl3_load import VramInputs, cache_geometry, chunk_activation_bytes, plan_vram
 from glm53.engine.layer_major import (
+    GLM53_FLASH_CARRY,
     GLM53_FLASH_STREAMS,
     StatePlacement,
     StreamGeometry,
+    dsa_index_bytes,
     hidden_state_bytes,
+    layout_pass,
     lent_cache_slots,
     num_chunks,
     plan_hidden_states,
@@ -32,23 +35,38 @@ FLASH_CONFIG = text_config(replace(DEEP, name="flash", num_experts=288), token_i
 
 def test_glm53_flash_carries_four_fp32_streams_of_4096_between_layers():
     geo = StreamGeometry.from_text_config(FLASH_CONFIG)
-    assert geo == GLM53_FLASH_STREAMS == StreamGeometry(4096, 4, 45, 4)
-    assert geo.bytes_per_token == 4 * 4096 * 4 == 65_536
-    assert hidden_state_bytes(geo, 8192) == 8192 * 65_536 == 512 * MIB
-    assert hidden_state_bytes(geo, 32768) == 32768 * 65_536 == 2 * GIB
+    assert geo == GLM53_FLASH_CARRY == StreamGeometry(4096, 4, 45, 4, index_bytes=8320)
+    assert replace(geo, index_bytes=0) == GLM53_FLASH_STREAMS
+    assert geo.stream_bytes_per_token == GLM53_FLASH_STREAMS.bytes_per_token == 4 * 4096 * 4
+    assert GLM53_FLASH_STREAMS.bytes_per_token == 65_536
+    assert hidden_state_bytes(GLM53_FLASH_STREAMS, 8192) == 8192 * 65_536 == 512 * MIB
+    assert hidden_state_bytes(GLM53_FLASH_STREAMS, 32768) == 32768 * 65_536 == 2 * GIB
+
+
+def test_the_dsa_selection_of_every_chunk_rides_along():
+    """exllamav3's kpool indexer pads its top-k (2,048 pooled by 4, plus the 3-token tail)
+    to 2,080 int32 columns: 8,320 B a token, on top of the 65,536 B of streams."""
+    assert dsa_index_bytes(FLASH_CONFIG) == 4 * 2080 == 8320
+    assert GLM53_FLASH_CARRY.bytes_per_token == 65_536 + 8320 == 73_856
+    assert hidden_state_bytes(GLM53_FLASH_CARRY, 8192) == 8192 * 73_856  # 577 MiB
+    assert hidden_state_bytes(GLM53_FLASH_CARRY, 32768) == 32768 * 73_856  # 2.25 GiB
+    assert dsa_index_bytes({"index_topk": 2048, "index_kpool": 1}) == 8192
+    no_dsa = {**FLASH_CONFIG, "layer_types": ["linear_attention"] * 45}
+    assert StreamGeometry.from_text_config(no_dsa).index_bytes == 0
 
 
 def test_slice_and_demo_streams_are_their_own_widths():
     sl = StreamGeometry.from_text_config(text_config(SLICE, token_ids()))
-    assert sl == StreamGeometry(4096, 4, 8)
-    assert hidden_state_bytes(sl, 8192) == 512 * MIB
+    assert sl == StreamGeometry(4096, 4, 8, index_bytes=8320)
+    assert hidden_state_bytes(replace(sl, index_bytes=0), 8192) == 512 * MIB
     demo = StreamGeometry.from_text_config(text_config(DEMO, token_ids()))
-    assert demo == StreamGeometry(256, 4, 8) and demo.bytes_per_token == 4 * 256 * 4 == 4096
-    assert hidden_state_bytes(demo, 8192) == 32 * MIB
-    assert hidden_state_bytes(demo, 32768) == 128 * MIB
+    assert demo == StreamGeometry(256, 4, 8, index_bytes=8320)
+    assert demo.stream_bytes_per_token == 4 * 256 * 4 == 4096
+    assert hidden_state_bytes(replace(demo, index_bytes=0), 8192) == 32 * MIB
+    assert hidden_state_bytes(replace(demo, index_bytes=0), 32768) == 128 * MIB
     # a config without mHC carries one stream
     plain = StreamGeometry.from_text_config({**text_config(DEMO, token_ids()), "mhc": False})
-    assert plain.bytes_per_token == 256 * 4
+    assert plain.stream_bytes_per_token == 256 * 4
 
 
 def test_prompts_of_one_chunk_and_decode_keep_the_normal_path():
@@ -152,3 +170,43 @@ def test_the_accounting_and_the_doctor_import_without_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_pinned_states_keep_the_dsa_selections_in_vram():
+    """Pinned, only the streams leave the device: the selections are exllamav3's tensors."""
+    p = plan_hidden_states(GLM53_FLASH_CARRY, 8192, 2048, 400 * MIB)
+    assert p.placement == StatePlacement.PINNED
+    assert p.pinned_bytes == p.h2d_bytes_per_layer == 512 * MIB
+    assert p.vram_bytes == 256 * MIB + 8192 * 8320
+
+
+def test_a_pass_fills_free_vram_first_then_lends_as_few_slots_as_hold_the_rest():
+    geo = GLM53_FLASH_CARRY
+    chunks = [2048, 2048, 2048, 2047]  # an 8,192-token prompt: its last token runs as decode
+    index = sum(chunks) * 8320
+    # free VRAM holds the selections and the first chunk's streams (128 MiB): the other three
+    # chunks (128 + 128 + ~128 MiB) take ceil(...) = 43 slots of 9 MiB, packed from offset 0
+    lay = layout_pass(geo, chunks, index + 128 * MIB, 1591, RECORD)
+    assert lay.plan.placement == StatePlacement.VRAM
+    assert lay.piece_bytes == (128 * MIB, 128 * MIB, 128 * MIB, 2047 * 65_536)
+    assert lay.lent_slots == 43
+    assert lay.piece_offsets == (0, 128 * MIB, 256 * MIB, None)
+    assert lay.allocated_bytes == 2047 * 65_536 <= 128 * MIB
+    # room to spare: nothing is lent
+    roomy = layout_pass(geo, chunks, GIB, 1591, RECORD)
+    assert roomy.lent_slots == 0 and set(roomy.piece_offsets) == {None}
+
+
+def test_a_pass_too_big_for_vram_keeps_two_chunk_buffers_in_lent_slots():
+    chunks = [2048] * 15 + [2047]  # 32k: 2.25 GiB of carry
+    lay = layout_pass(GLM53_FLASH_CARRY, chunks, 32768 * 8320, 100, RECORD)  # 99 slots of room
+    assert lay.plan.placement == StatePlacement.PINNED
+    assert lay.piece_bytes == (128 * MIB, 128 * MIB)
+    assert lay.lent_slots == 29 and lay.piece_offsets == (0, 128 * MIB)  # ceil(256 MiB / 9 MiB)
+    with pytest.raises(ValueError, match="two 2048-token chunk buffers"):
+        layout_pass(GLM53_FLASH_CARRY, chunks, 32768 * 8320, 20, RECORD)
+
+
+def test_one_chunk_of_tokens_is_not_laid_out():
+    with pytest.raises(ValueError, match="keeps the normal"):
+        layout_pass(GLM53_FLASH_CARRY, [2048], GIB, 100, RECORD)

@@ -139,6 +139,17 @@ def refuse_ct_b(settings: Settings, kind: str) -> None:
     )
 
 
+def refuse_layer_major_off_gpu(settings: Settings, kind: str) -> None:
+    """--prefill layer-major is the GPU engine's (glm53.engine.layer_major_gpu); the other
+    engines would prefill chunk by chunk whatever it says, so a value is refused."""
+    if settings.prefill == "chunk" or kind == "gpu":
+        return
+    raise ConfigurationError(
+        f"--prefill {settings.prefill}: only the GPU engine (exact mode) prefills layer-major; "
+        f"the {kind} engine would ignore it. Leave --prefill (GLM53_PREFILL) out"
+    )
+
+
 def _refuse_gpus_off_gpu(settings: Settings, kind: str) -> None:
     if settings.gpus is not None and kind != "gpu":
         raise ConfigurationError(
@@ -220,6 +231,7 @@ def create_engine(settings: Settings) -> Engine:
     refuse_unbuilt(settings)
     kind = engine_kind(settings)
     refuse_ct_b(settings, kind)
+    refuse_layer_major_off_gpu(settings, kind)
     _refuse_gpus_off_gpu(settings, kind)
     if kind == "scripted":
         from glm53.engine.scripted import ScriptedEngine, read_script

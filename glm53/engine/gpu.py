@@ -265,6 +265,7 @@ class GpuEngine:
         lane_threads: int | None = None,
         lane_precision: str = "fast",
         ct_b: float | None = None,
+        prefill: str = "chunk",
     ):
         # nvme-exact (the RAM tier over --store as the experts' home) and fast (exact mode's
         # tiers + the CPU lane, glm53.tiers.fast_lane) are accepted here; serve runs them only
@@ -280,6 +281,10 @@ class GpuEngine:
                 f"--chunk-size {chunk_size}: the GPU engine needs a multiple of {PAGE} "
                 "(exllamav3's page size)"
             )
+        if prefill not in ("chunk", "layer-major") or (prefill != "chunk" and mode != "exact"):
+            raise ValueError(f"prefill {prefill!r}: chunk, or layer-major in exact mode")
+        self.prefill = prefill  # layer-major: glm53.engine.layer_major_gpu (not yet run on a GPU)
+        self.layer_major = None
         self.model_dir, self.mode, self.device = model_dir, mode, device
         self.context_length, self.num_slots, self.chunk_size = context, max_batch, chunk_size
         self.ec_max_slots, self.ec_reserve_gb = ec_max_slots, ec_reserve_gb
@@ -309,6 +314,8 @@ class GpuEngine:
             self.description += f", layers split over GPUs {','.join(map(str, self.gpus))}"
         if mode == "fast":
             self.description += " (fast mode: not yet run on a GPU)"
+        if prefill == "layer-major":
+            self.description += ", layer-major prefill (not yet run on a GPU)"
         self.generation_defaults: dict[str, float] = {}
         self.loaded = None
         self.generator = None
@@ -376,6 +383,8 @@ class GpuEngine:
             tokenizer=self.loaded.tokenizer,
             **generator_settings(self.num_slots, self.chunk_size, self.recurrent_cache_gb),
         )
+        if self.prefill == "layer-major":
+            self._start_layer_major()
         self.heat_file = self.heat_file or exl3_load.heat_path(self.model_dir)
         if self.mode == "fast":
             self._start_fast()
@@ -384,6 +393,16 @@ class GpuEngine:
         elif self.loaded.ec is not None and os.path.isfile(self.heat_file):
             with open(self.heat_file) as f:
                 self.loaded.ec.seed(json.load(f)["keys"])
+
+    def _start_layer_major(self) -> None:
+        from glm53.engine.layer_major_gpu import LayerMajorPrefill
+
+        with open(os.path.join(self.model_dir, "config.json"), encoding="utf-8") as f:
+            text_config = json.load(f)["text_config"]
+        self.layer_major = LayerMajorPrefill(
+            self.loaded, self.generator, self.chunk_size, text_config,
+            int(self.ec_reserve_gb * GIB), self.device,
+        )  # fmt: skip
 
     def _start_fast(self) -> None:
         """fast (not yet run on a GPU): the CPU lane over the pinned home, the hooks, the router
@@ -494,6 +513,8 @@ class GpuEngine:
         )
         self.generator.enqueue(job)
         align_prefix_reuse(job, self.chunk_size, self.prefix_cache)
+        if self.layer_major is not None:
+            self.layer_major.watch(job)
         if prompt_logits is not None:
             self._pending_prompt_logits[key] = prompt_logits
         self._jobs[key] = job
@@ -527,6 +548,8 @@ class GpuEngine:
         self._scored = [o for o in self._scored if o.key != key]
         job = self._jobs.pop(key, None)
         if job is not None:
+            if self.layer_major is not None:
+                self.layer_major.cancel(job)  # its pass's streams and lent slots, now
             self.generator.cancel(job)
 
     def has_work(self) -> bool:
@@ -541,6 +564,8 @@ class GpuEngine:
         t0 = time.perf_counter()
         nvme = self.loaded.nvme
         try:
+            if self.layer_major is not None:
+                self.layer_major.step()  # one module of a layer-major pass, then the decode
             if nvme is None:
                 results = self.generator.iterate()
             else:  # the tiers' owner; a read fault names its layer and expert
@@ -552,6 +577,8 @@ class GpuEngine:
         if self.fast is not None:  # the router's budgets for the next decode step
             with self._lock:
                 self.fast.step()
+        if self.layer_major is not None:
+            self.layer_major.after_iterate(any("token_ids" in r for r in results))
         vocab = self.tokenizer.vocab_size
         outs: dict[Any, JobOutput] = {o.key: o for o in self._scored}
         self._scored = []
@@ -603,6 +630,9 @@ class GpuEngine:
         out = dict(self._stats)
         out["chunk_size"] = self.chunk_size
         out["prefix_cache"] = self.prefix_cache
+        out["prefill"] = self.prefill
+        if self.layer_major is not None:
+            out["layer_major"] = self.layer_major.stats()
         out["warmup"] = {"ran": self.warmup, "passes_that_raised": list(self.warmup_failed)}
         if self.loaded is not None and self.loaded.ec is not None:
             with self._lock:
@@ -704,6 +734,31 @@ def _refuse_chunk(settings) -> None:
         )
 
 
+def _refuse_layer_major(settings, mode: str) -> None:
+    """--prefill layer-major: exact mode on one GPU, and only with --allow-unrun-modes until
+    tests/gpu/test_layer_major_gpu.py has passed."""
+    from glm53.config import ConfigurationError
+
+    if settings.prefill == "chunk":
+        return
+    if mode != "exact":
+        raise ConfigurationError(
+            f"--prefill layer-major runs in exact mode only (its staging and expert cache); "
+            f"--mode {settings.mode} prefills chunk by chunk: leave --prefill out"
+        )
+    if settings.gpus is not None and len(settings.gpus) > 1:
+        raise ConfigurationError(
+            f"--prefill layer-major runs on one GPU; --gpus {','.join(map(str, settings.gpus))} "
+            "names more"
+        )
+    if not settings.allow_unrun_modes:
+        raise _unrun(
+            "--prefill layer-major (every chunk through a layer before the next, "
+            "docs/layer-major.md)",
+            "Leave --prefill out (chunk).",
+        )
+
+
 def create(settings, checkpoint_dir) -> GpuEngine:
     """The GPU engine for these Settings (not loaded)."""
     from glm53.config import ConfigurationError
@@ -717,6 +772,7 @@ def create(settings, checkpoint_dir) -> GpuEngine:
         )
     if mode in UNRUN_MODES and not settings.allow_unrun_modes:
         raise _unrun(f"--mode {mode}: {UNRUN_MODES[mode]}", "Use --mode exact.")
+    _refuse_layer_major(settings, mode)
     if mode == "nvme-exact":
         return _create_nvme_exact(settings, checkpoint_dir)
     if mode == "fast":
@@ -735,7 +791,11 @@ def create(settings, checkpoint_dir) -> GpuEngine:
         )
     _refuse_chunk(settings)
     return GpuEngine(
-        str(checkpoint_dir), mode, ec_stage_gb=settings.ec_stage_gb, **_common(settings)
+        str(checkpoint_dir),
+        mode,
+        ec_stage_gb=settings.ec_stage_gb,
+        **_common(settings),
+        prefill=settings.prefill,
     )
 
 

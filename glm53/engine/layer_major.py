@@ -17,6 +17,13 @@ tensor. The KV pages of the DSA layers and the KDA recurrent state are per layer
 place, as in chunk-major order, and a chunk's other activations die inside its layer. So the
 hidden states of a whole prompt take prompt_tokens x hc_mult x hidden x 4 bytes: 64 KiB a
 token for GLM-5.3-Flash (4 streams x 4096 x fp32), 512 MiB at 8k, 2 GiB at 32k.
+
+One more thing rides from layer to layer in a chunk's params dict: a DSA layer whose indexer is
+"full" publishes its top-k selection there (`params["dsa_topk_indices"]`, int32, -1-padded to
+a multiple of 32 columns: at most ceil32(index_topk + index_kpool - 1) a token), the "shared"
+layers after it read it, and nothing frees it before the pass ends. Chunk-major holds one
+chunk's; layer-major holds every chunk's at once: 8,320 B a token for GLM-5.3-Flash, on top of
+the streams (`StreamGeometry.index_bytes`, an upper bound: shorter contexts pad less).
 """
 
 from __future__ import annotations
@@ -39,19 +46,39 @@ class StreamGeometry:
     hc_mult: int  # mHC residual streams per token (GLM-5.3-Flash: 4)
     num_layers: int  # decoder layers the streams pass between
     dtype_bytes: int = STREAM_DTYPE_BYTES
+    index_bytes: int = 0  # DSA top-k selection a token keeps in its chunk's params (upper bound)
+
+    @property
+    def stream_bytes_per_token(self) -> int:
+        return self.hc_mult * self.hidden_size * self.dtype_bytes
 
     @property
     def bytes_per_token(self) -> int:
-        return self.hc_mult * self.hidden_size * self.dtype_bytes
+        return self.stream_bytes_per_token + self.index_bytes
 
     @classmethod
     def from_text_config(cls, tc: dict) -> StreamGeometry:
-        """A glm5_next text_config's streams; a config without mHC has one stream."""
+        """A glm5_next text_config's streams and DSA selections; a config without mHC has one
+        stream, one without softmax-attention (DSA) layers keeps no selection."""
         hc = int(tc.get("hc_mult", 4)) if tc.get("mhc", True) else 1
-        return cls(int(tc["hidden_size"]), hc, int(tc["num_hidden_layers"]))
+        layers = int(tc["num_hidden_layers"])
+        types = tc.get("layer_types", [])[:layers]
+        has_dsa = any(t != "linear_attention" for t in types) and "index_topk" in tc
+        index = dsa_index_bytes(tc) if has_dsa else 0
+        return cls(int(tc["hidden_size"]), hc, layers, index_bytes=index)
+
+
+def dsa_index_bytes(tc: dict) -> int:
+    """The widest top-k selection exllamav3 1.6.5 keeps for one token (MLAttention's kpool
+    indexer: ceil32(pooled top-k + the kpool - 1 tail tokens) int32 columns)."""
+    topk, pool = int(tc["index_topk"]), int(tc.get("index_kpool", 1))
+    tail = pool - 1 if tc.get("index_kpool_always_select_tail", True) and pool > 1 else 0
+    return 4 * (-(-(topk // pool * pool + tail) // 32) * 32)
 
 
 GLM53_FLASH_STREAMS = StreamGeometry(hidden_size=4096, hc_mult=4, num_layers=45)
+# what a layer-major pass of GLM-5.3-Flash keeps per token: the streams and the DSA selection
+GLM53_FLASH_CARRY = StreamGeometry(4096, 4, 45, index_bytes=8320)
 
 
 def num_chunks(prompt_tokens: int, chunk_tokens: int) -> int:
@@ -86,7 +113,8 @@ class HiddenStatePlan:
     state_bytes: int  # the whole prompt's streams
     placement: StatePlacement
     vram_room_bytes: int  # what the placement could take
-    vram_bytes: int  # what it takes: the states, or (pinned) two chunks of them in flight
+    vram_bytes: int  # what it takes: the states, or (pinned) two chunks of streams in flight
+    # and the DSA selections
     pinned_bytes: int  # host RAM it pins: the states when pinned, else 0
     h2d_bytes_per_layer: int  # pinned: each layer reads the states in (0 in VRAM)
     d2h_bytes_per_layer: int  # pinned: each layer writes them back
@@ -117,7 +145,9 @@ def plan_hidden_states(
             vram_bytes=states, pinned_bytes=0, h2d_bytes_per_layer=0, d2h_bytes_per_layer=0,
             h2d_bytes_per_prompt=0, d2h_bytes_per_prompt=0,
         )  # fmt: skip
-    in_flight = 2 * chunk_tokens * geo.bytes_per_token
+    # the streams go to pinned RAM; the DSA selections are exllamav3's device tensors and stay
+    index = prompt_tokens * geo.index_bytes
+    in_flight = 2 * chunk_tokens * geo.stream_bytes_per_token + index
     if in_flight > vram_room_bytes:
         raise ValueError(
             f"layer-major prefill of {prompt_tokens} tokens: its {states / 2**30:.2f} GiB of "
@@ -126,11 +156,12 @@ def plan_hidden_states(
             "of VRAM left; lower --chunk-size or the VRAM the expert cache takes"
         )
     crossings = geo.num_layers - 1
+    pinned = states - index
     return HiddenStatePlan(
         prompt_tokens, chunk_tokens, chunks, states, StatePlacement.PINNED, vram_room_bytes,
-        vram_bytes=in_flight, pinned_bytes=states, h2d_bytes_per_layer=states,
-        d2h_bytes_per_layer=states, h2d_bytes_per_prompt=crossings * states,
-        d2h_bytes_per_prompt=crossings * states,
+        vram_bytes=in_flight, pinned_bytes=pinned, h2d_bytes_per_layer=pinned,
+        d2h_bytes_per_layer=pinned, h2d_bytes_per_prompt=crossings * pinned,
+        d2h_bytes_per_prompt=crossings * pinned,
     )  # fmt: skip
 
 
@@ -149,3 +180,72 @@ def lent_cache_slots(state_plan: HiddenStatePlan, free_bytes: int, record_bytes:
     """Expert cache slots the hidden states (or, pinned, their chunk buffers) take beyond the
     plan's free bytes: the slots that hold no expert during this prefill."""
     return max(0, -(-(state_plan.vram_bytes - free_bytes) // record_bytes))
+
+
+@dataclass(frozen=True, slots=True)
+class PassLayout:
+    """Where one layer-major pass puts its streams (glm53.engine.layer_major_gpu). `pieces`
+    are the stream tensors it keeps on the device: one per chunk when the states live in VRAM,
+    the two chunk buffers when they live in pinned RAM. Each piece sits at its byte offset in
+    the region of `lent_slots` expert-cache slots, or (offset None) is allocated from the
+    VRAM the plan leaves free; the DSA selections are always exllamav3's own allocations."""
+
+    plan: HiddenStatePlan
+    lent_slots: int
+    piece_bytes: tuple[int, ...]
+    piece_offsets: tuple[int | None, ...]
+
+    @property
+    def region_bytes(self) -> int:
+        return sum(
+            b for b, o in zip(self.piece_bytes, self.piece_offsets, strict=True) if o is not None
+        )
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(
+            b for b, o in zip(self.piece_bytes, self.piece_offsets, strict=True) if o is None
+        )
+
+
+def layout_pass(
+    geo: StreamGeometry,
+    chunk_lengths: list[int],
+    free_bytes: int,
+    cache_slots: int,
+    record_bytes: int,
+) -> PassLayout:
+    """Lay out a layer-major pass over chunks of `chunk_lengths` tokens (the Generator's cuts:
+    full chunks, then the piece up to the prompt's last page boundary). The room is the VRAM
+    left free (`free_bytes`, beyond exact mode's plan and its reserve) plus every cache slot but
+    one (decode steps interleaved with the pass keep one slot to admit into). The DSA
+    selections take the free VRAM first; the streams take what is left of it, then as few
+    cache slots as hold the rest. Raises ValueError where plan_hidden_states does, and when the
+    pass has no more than one chunk's tokens."""
+    prompt, chunk = sum(chunk_lengths), max(chunk_lengths)
+    room = free_bytes + max(0, cache_slots - 1) * record_bytes
+    plan = plan_hidden_states(geo, prompt, chunk, room)
+    per_token = geo.stream_bytes_per_token
+    if plan.placement == StatePlacement.VRAM:
+        pieces = [n * per_token for n in chunk_lengths]
+    else:
+        pieces = [chunk * per_token] * 2
+    free_for_streams = max(0, free_bytes - prompt * geo.index_bytes)
+    lend = max(0, -(-(sum(pieces) - free_for_streams) // record_bytes))
+    while True:
+        offsets, off, region = [], 0, lend * record_bytes
+        for p in pieces:
+            if off + p <= region:
+                offsets.append(off)
+                off += -(-p // 256) * 256
+            else:
+                offsets.append(None)
+        rest = sum(p for p, o in zip(pieces, offsets, strict=True) if o is None)
+        if rest <= free_for_streams:
+            return PassLayout(plan, lend, tuple(pieces), tuple(offsets))
+        if lend >= cache_slots - 1:
+            raise ValueError(
+                f"layer-major prefill of {prompt} tokens: {rest} bytes of streams fit neither "
+                f"{cache_slots - 1} lent cache slots nor the {free_for_streams} bytes left free"
+            )
+        lend += 1

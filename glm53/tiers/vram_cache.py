@@ -142,6 +142,7 @@ class DeviceExpertCache:
         props = torch.cuda.get_device_properties(dev)
         self.copy_blocks = int(copy_blocks or 4 * props.multi_processor_count)
         self._cuda = _cuda
+        self.lent = 0  # slots lent to a layer-major prefill (lend)
 
     def _stream(self) -> int:
         import torch
@@ -166,6 +167,48 @@ class DeviceExpertCache:
 
     def reset_tables(self) -> None:
         self._cuda.ec_reset_tables(self._ptr, self._stream())
+
+    def lend(self, n: int):
+        """Take the last n slots out of CLOCK's reach for a layer-major prefill
+        (glm53.engine.layer_major_gpu) and return their bytes (a uint8 CUDA tensor). The keys
+        they held go back to their homes (every table rewritten: no entry points into the lent
+        bytes, none points into a staging buffer either), and admissions use the first
+        n_slots - n slots only (`n_active`) until `unlend`. Synchronizes the device. Not yet
+        run on a GPU."""
+        import torch
+
+        if not 0 < n < self.n_slots:
+            raise ValueError(f"lend({n}): between 1 and {self.n_slots - 1} of {self.n_slots} slots")
+        torch.cuda.synchronize(self.device)
+        arr = np.frombuffer(self._struct.cpu().numpy().tobytes(), dtype=self._dtype).copy()
+        s = arr[0]
+        if int(s["n_active"]) != self.n_slots:
+            raise RuntimeError(f"{self.n_slots - int(s['n_active'])} slots are already lent")
+        keep = self.n_slots - n
+        tail = self._t["slot_key"][keep:]
+        keys = tail[tail >= 0].long()
+        self._t["key_slot"][keys] = -1
+        self._t["slot_key"][keep:] = -1
+        self._t["slot_ref"][keep:] = 0
+        s["n_used"] = int(s["n_used"]) - int(keys.numel())
+        s["n_active"], s["hand"] = keep, int(s["hand"]) % keep
+        self._struct.copy_(torch.from_numpy(arr.view(np.uint8).copy()).to(self.device))
+        self.reset_tables()
+        self.lent = n
+        rb = self.geo.record_bytes
+        return self._t["slots"][keep * rb :]
+
+    def unlend(self) -> None:
+        """Give the lent slots back to CLOCK (empty: the next misses fill them). The caller has
+        dropped every view of the lent bytes; the struct write is ordered on the current stream
+        after the kernels that used them. Synchronizes the device."""
+        import torch
+
+        torch.cuda.synchronize(self.device)
+        arr = np.frombuffer(self._struct.cpu().numpy().tobytes(), dtype=self._dtype).copy()
+        arr[0]["n_active"] = self.n_slots
+        self._struct.copy_(torch.from_numpy(arr.view(np.uint8).copy()).to(self.device))
+        self.lent = 0
 
     def state(self) -> dict:
         """Counters and per-layer hit rates (synchronizes with the device)."""
@@ -322,6 +365,12 @@ class PrefillStager:
         self.side = torch.cuda.Stream(dev)
         self.pending: dict = {}
         self.stages = 0
+        # a layer-major pass (glm53.engine.layer_major_gpu) runs every chunk through a layer in
+        # a row: while it holds, a layer staged during the pass whose buffer still holds it is
+        # not copied again (its entries point at that buffer, the slot or home: all exact)
+        self.hold = False
+        self.held: set = set()
+        self.skips = 0
 
     @property
     def nbytes(self) -> int:
@@ -344,12 +393,35 @@ class PrefillStager:
                         s)  # fmt: skip
         self.owner[b] = layer
         self.stages += 1
+        if self.hold:
+            self.held.add(layer)
+
+    def begin_hold(self, tables_reset: bool) -> None:
+        """A layer-major pass starts. `tables_reset`: the cache rewrote every table entry
+        (DeviceExpertCache.lend), so no entry points into a buffer and none needs unstaging."""
+        import torch
+
+        self.side.synchronize()
+        torch.cuda.current_stream(self.cache.device).wait_stream(self.side)
+        if tables_reset:
+            self.owner = [-1, -1]
+            self.pending.clear()
+        self.hold, self.held = True, set()
+
+    def end_hold(self) -> None:
+        self.hold, self.held = False, set()
 
     def on_layer(self, layer: int) -> None:
         """Called after MoE layer `layer`'s router, before its MoE kernel, on a prefill chunk."""
         import torch
 
         main = torch.cuda.current_stream(self.cache.device)
+        if (
+            self.hold and layer in self.held and self.owner[layer % 2] == layer
+            and layer not in self.pending
+        ):  # fmt: skip
+            self.skips += 1
+            return
         ready = self.pending.pop(layer, None)
         if ready is None:
             self._stage(layer, main)

@@ -1,0 +1,54 @@
+"""The torch-free parts of the GPU engine's layer-major prefill (glm53.engine.layer_major_gpu):
+which modules each step runs, and how the longest decode pause is counted. The GPU side is
+tests/gpu/test_layer_major_gpu.py."""
+
+from types import SimpleNamespace
+
+from glm53.engine.layer_major_gpu import LayerMajorPrefill, _module_steps
+from glm53.models.tokenizer import token_ids
+from glm53.synth.layout import text_config
+from glm53.synth.shapes import SLICE
+
+
+def _model(num_blocks: int):
+    """Embedding, ExpandStreams, the blocks, then the head (as glm5_next lays them out)."""
+    names = ["embed", "expand"] + [f"block{i}" for i in range(num_blocks)] + ["hc_head", "norm"]
+    fwd = [(SimpleNamespace(key=n), 0, i) for i, n in enumerate(names)]
+    last_kv = 2 + num_blocks - 1
+    return SimpleNamespace(fwd_modules=fwd, first_block_idx=2,
+                           last_kv_module_idx_instance=(last_kv, 0))  # fmt: skip
+
+
+def test_the_first_step_runs_everything_up_to_the_first_block_then_one_block_a_step():
+    steps = _module_steps(_model(8))
+    assert [[m[0].key for m in s] for s in steps] == (
+        [["embed", "expand", "block0"]] + [[f"block{i}"] for i in range(1, 8)]
+    )  # the head after the last KV module is not prefill's (prefill_ls stops there)
+
+
+def _ctl():
+    loaded = SimpleNamespace(
+        model=SimpleNamespace(loaded_tp=False, config=SimpleNamespace()), cache=None, ec=None,
+        stager=None, vram_plan=None,
+    )  # fmt: skip
+    gen = SimpleNamespace(draft_model=None)
+    return LayerMajorPrefill(loaded, gen, 1024, text_config(SLICE, token_ids()), 0, "cuda:0")
+
+
+def test_a_pause_counts_only_between_two_iterations_that_gave_tokens(monkeypatch):
+    import glm53.engine.layer_major_gpu as lm
+
+    clock = iter([1.0, 1.5, 3.0, 10.0, 10.2])
+    monkeypatch.setattr(lm.time, "perf_counter", lambda: next(clock))
+    ctl = _ctl()
+    ctl.after_iterate(True)  # t=1.0: a stream decodes
+    ctl.after_iterate(True)  # t=1.5: no pass step in between: not a pause
+    assert ctl.longest_pause_s == 0
+    ctl._stepped_since_decode = True  # a pass step ran (step() sets it)
+    ctl.after_iterate(True)  # t=3.0: the stream waited 1.5 s
+    assert ctl.longest_pause_s == 1.5
+    ctl.after_iterate(False)  # t=10: nothing decoding
+    ctl._stepped_since_decode = True
+    ctl.after_iterate(True)  # t=10.2: the first token after idle is no pause
+    assert ctl.longest_pause_s == 1.5
+    assert ctl.stats()["longest_decode_pause_s"] == 1.5
