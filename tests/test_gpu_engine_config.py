@@ -254,3 +254,33 @@ def test_a_split_over_gpus_is_refused_until_its_gpu_tests_have_run(tmp_path):
     assert create(settings("--gpus", "0,1", "--allow-unrun-modes"), tmp_path).gpus == (0, 1)
     one = create(settings("--gpus", "1"), tmp_path)  # one entry: the one-GPU path on that GPU
     assert (one.gpus, one.device) == (None, "cuda:1")
+
+
+# --- the load's VRAM accounting (exl3_load.held_vram_bytes) -------------------------------------
+
+
+def test_resident_bytes_count_what_the_load_holds_after_moving_experts_out_of_vram():
+    """Made-up allocator counts, as a fast-mode load gives them: 2 GB held by an earlier load,
+    12 GB at the peak while exllamav3 loaded experts into VRAM before the home hook moved them
+    out, 5 GB held at the end (weights, KV cache, expert cache). The driver's free count gave
+    -6.2 GB for such a load (issue #26); the allocator's live bytes give the 5 GB."""
+    from glm53.engine.exl3_load import VramUse, held_vram_bytes
+
+    before = VramUse(allocated=2_000_000_000, peak=2_000_000_000)
+    after = VramUse(allocated=7_000_000_000, peak=14_000_000_000)
+    assert held_vram_bytes(before, after) == (5_000_000_000, 12_000_000_000)
+    # a peak that was reset after the load began is at least what the load still holds
+    assert held_vram_bytes(before, VramUse(7_000_000_000, 0)) == (5_000_000_000, 5_000_000_000)
+    assert held_vram_bytes(before, before) == (0, 0)
+
+
+def test_resident_bytes_refuse_a_count_that_tensors_freed_during_the_load_made_negative():
+    from glm53.engine.exl3_load import VramUse, held_vram_bytes
+
+    with pytest.raises(RuntimeError) as err:
+        held_vram_bytes(VramUse(9_000, 9_000), VramUse(4_000, 9_000))
+    assert str(err.value) == (
+        "VRAM accounting: 9000 bytes were allocated before the load and 4000 after it; "
+        "something freed tensors the load did not allocate while it ran, so its resident bytes "
+        "cannot be told (collect garbage before loading)"
+    )
