@@ -6,7 +6,9 @@ zero-copy from pinned RAM (the floor); glm53 exact with a VRAM expert cache of -
 the experts (default 11.4 %, the 24 GB RTX 3090's 1,376 / 12,096), with its admission
 filter (exact) and without (exact_clock: plain CLOCK); stock exllamav3's own offload at the
 same VRAM budget, without and with its pinned arena; glm53 fast (exact's tiers + the CPU lane
-and its router, `--modes ...,fast` only: not yet run on a GPU). Decode tok/s at concurrency 1, 2, 4
+and its router, `--modes ...,fast` only: not yet run on a GPU), and on the same load a sweep of
+fixed shares of the misses on the lane (--fixed-splits, default 0, 10, 20, 30, 40 %) to compare
+the router against (ratios.fast_router_vs_best_fixed_split). Decode tok/s at concurrency 1, 2, 4
 (512-token prompts, 128 greedy tokens), prefill tok/s at 512 and 8k (8k at 2,048-token
 chunks and as one chunk), hit rate per MoE layer, and the roofline of exact mode at its
 measured hit rate.
@@ -220,6 +222,7 @@ def measure_mode(args, mode) -> dict:
         kw = exact_kwargs(args, "exact", geo.n_experts, len(geo.moe_layers))
         kw.update(store=args.store, ram_cap=nvme_ram_cap(args.store, mode))
         info["ram_share"] = NVME_RAM_SHARE[mode]
+    dev = torch.device("cuda:0")  # exl3_load.load's default device
     with torch.inference_mode():
         t0 = time.perf_counter()
         loaded = exl3_load.load(
@@ -228,6 +231,10 @@ def measure_mode(args, mode) -> dict:
         )  # fmt: skip
         fast = start_fast_row(args, loaded) if mode == "fast" else None
         load_s = time.perf_counter() - t0
+        resident = (loaded.resident_bytes, loaded.load_peak_bytes)
+        if fast is not None:  # the load's count, with the lane's device buffers
+            held = exl3_load.held_vram_bytes(loaded.vram_before, exl3_load.vram_use(dev))
+            resident = held if held is not None else (None, None)
         step = fast.step if fast is not None else None
         row = measure(loaded, loaded.config.vocab_size, args.quick, step)
         row["load_s"] = load_s
@@ -235,8 +242,10 @@ def measure_mode(args, mode) -> dict:
             from glm53.tiers.fast_lane import stop_fast
 
             row["lane"] = fast.stats()
+            if args.fixed_splits:
+                row["fixed_splits"] = fixed_split_sweep(loaded, fast, args.fixed_splits, args.quick)
             stop_fast(fast, loaded)
-        row["resident_bytes"] = loaded.resident_bytes
+        row["resident_bytes"], row["load_peak_bytes"] = resident
         if loaded.ec is not None:
             row["slots"] = loaded.ec.n_slots
             row["freq_window"] = loaded.ec.freq_window
@@ -247,6 +256,31 @@ def measure_mode(args, mode) -> dict:
         del loaded
         torch.cuda.empty_cache()
     return {"mode": mode, "info": info, "row": row}
+
+
+LANE_COUNTS = ("jobs", "fallbacks", "lane_picks")
+
+
+def fixed_split_sweep(loaded, fast, percents: list[int], quick: bool) -> dict:
+    """fast mode at fixed shares of each layer's misses on the lane (the router's forced_share,
+    its waits still predicted), on the row's load: per share (its percent as the key) decode
+    tok/s at concurrency 1 and 4, and the lane's jobs, fallbacks and picks in those runs."""
+    out = {}
+    n_new = 32 if quick else 128
+    vocab = loaded.config.vocab_size
+    try:
+        for pct in percents:
+            fast.router.set_forced_share(pct / 100)
+            before = fast.stats()
+            decode = {f"c{b}": decode_run(loaded, vocab, b, n_new=n_new, step=fast.step)
+                      for b in (1, 4)}  # fmt: skip
+            after = fast.stats()
+            lane = {k: (after[k] - before[k]) if after[k] is not None else None
+                    for k in LANE_COUNTS}  # fmt: skip
+            out[str(pct)] = {"decode": decode, "lane": lane}
+    finally:
+        fast.router.set_forced_share(None)
+    return out
 
 
 def start_fast_row(args, loaded):
@@ -409,11 +443,20 @@ def combine(results: list[dict], args) -> dict:
     figures["full_model"] = full_model(args, vs_predicted.get("exact"))
     c4_agg = rows["exact"]["decode"]["c4"]["aggregate_tok_s"] if "exact" in rows else None
     fast_c4_agg = rows["fast"]["decode"]["c4"]["aggregate_tok_s"] if "fast" in rows else None
-    figures["fast_lane"] = (
+    fast_lane = figures["fast_lane"] = (
         {k: rows["fast"]["lane"].get(k) for k in ("jobs", "fallbacks", "lane_picks", "lane_ms")}
         if "fast" in rows and "lane" in rows["fast"]
         else None
     )
+    splits = (rows["fast"].get("fixed_splits") or {}) if "fast" in rows else {}
+    figures["fast_fixed_split_c1_tok_s"] = {
+        pct: s["decode"]["c1"]["per_stream_tok_s"] for pct, s in splits.items()
+    }
+    figures["fast_fixed_split_c4_aggregate_tok_s"] = {
+        pct: s["decode"]["c4"]["aggregate_tok_s"] for pct, s in splits.items()
+    }
+    figures["fast_fixed_split_lane"] = {pct: s["lane"] for pct, s in splits.items()}
+    best_fixed = max(figures["fast_fixed_split_c1_tok_s"].values(), default=None)
     ratios = {
         "exact_vs_roofline": ratio(ex, roof),
         "exact_vs_zerocopy": ratio(ex, c1("zerocopy")),
@@ -427,6 +470,10 @@ def combine(results: list[dict], args) -> dict:
         "fast_vs_exact": ratio(c1("fast"), ex),
         "fast_vs_best_stock_offload": ratio(c1("fast"), max(offload)) if offload else None,
         "fast_c4_aggregate_vs_exact": ratio(fast_c4_agg, c4_agg),
+        "fast_router_vs_best_fixed_split": ratio(c1("fast"), best_fixed),
+        "fast_lane_fallback_share": fast_lane["fallbacks"] / fast_lane["jobs"]
+        if fast_lane and fast_lane["jobs"] and fast_lane["fallbacks"] is not None
+        else None,
         "exact_c1_measured_vs_predicted": (vs_predicted.get("exact") or {}).get("decode_c1_tok_s"),
         "measured_vs_predicted": vs_predicted,
         "prefill8k_vs_target_ref": ratio(best8k("exact"), prefill_ref),
@@ -491,6 +538,17 @@ def plot(rows: dict, path: str) -> None:
     fig.savefig(path)
 
 
+FIXED_SPLITS = (0, 10, 20, 30, 40)  # percent of the misses, issue #26's sweep
+
+
+def percent_list(text: str) -> list[int]:
+    pcts = [int(p) for p in text.split(",") if p.strip()]
+    bad = [p for p in pcts if not 0 <= p <= 100]
+    if bad:
+        raise argparse.ArgumentTypeError(f"percentages must be in 0..100, got {bad}")
+    return pcts
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=os.environ.get("GLM53_TEST_SLICE"),
@@ -515,6 +573,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="write each row to DIR/row-MODE.json as soon as it is measured")  # fmt: skip
     ap.add_argument("--combine", default=None, metavar="DIR",
                     help="measure nothing: combine the row files in DIR")  # fmt: skip
+    ap.add_argument("--fixed-splits", type=percent_list, default=list(FIXED_SPLITS),
+                    metavar="PCTS", help="the fast row's sweep of fixed shares of the misses on "
+                    "the lane, in percent (default 0,10,20,30,40; '' for none)")  # fmt: skip
     ap.add_argument("--offload-timeout", type=int, default=600,
                     help="seconds for each stock-offload subprocess")  # fmt: skip
     args = ap.parse_args(argv)

@@ -90,8 +90,11 @@ def test_gpu_slice_deep_budget_arguments_plan_exact_and_stock_offload_alike():
     assert gs.exact_kwargs(plain, "exact", 288, 6) == {"ec_freq_window": None, "ec_max_slots": 197}
 
 
-def test_gpu_slice_refuses_unknown_modes_and_a_missing_model(capsys):
+def test_gpu_slice_refuses_unknown_modes_a_missing_model_and_a_bad_split(capsys):
     gs = _gpu_slice()
+    with pytest.raises(SystemExit):
+        gs.parse_args(["--model", "/x", "--fixed-splits", "0,150"])
+    assert "percentages must be in 0..100, got [150]" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         gs.parse_args(["--model", "/x", "--modes", "exact,turbo"])
     assert "--modes: unknown ['turbo']" in capsys.readouterr().err
@@ -184,24 +187,37 @@ def test_gpu_slice_nvme_exact_rows_need_a_store_and_give_their_ratios_against_ex
     assert ratios["nvme_exact_vs_exact_ram40"] == 20.0 / 40.0
 
 
-def test_gpu_slice_fast_row_gives_issue_16s_ratios(tmp_path):
+def test_gpu_slice_fast_row_gives_issue_16s_and_26s_ratios(tmp_path):
     """MOCK rows (made-up figures; the fast row has not run on a GPU): issue 16's JSON contract,
-    figures.decode_c1_tok_s.fast and the three fast ratios; fast runs only when asked for."""
+    figures.decode_c1_tok_s.fast and the three fast ratios, and issue 26's fixed-split sweep and
+    fallback share; fast runs only when asked for."""
     gs = _gpu_slice()
     assert "fast" not in gs.parse_args(["--model", "/x"]).modes.split(",")
-    assert gs.parse_args(["--model", "/x", "--modes", "exact,fast"]).modes == "exact,fast"
+    args = gs.parse_args(["--model", "/x", "--modes", "exact,fast"])
+    assert args.modes == "exact,fast" and args.fixed_splits == [0, 10, 20, 30, 40]
+    assert gs.parse_args(["--model", "/x", "--fixed-splits", ""]).fixed_splits == []
     from glm53.doctor.geometry import Geometry
 
     geo = Geometry("slice", 8, 8, 288, 8, 9_437_184, 1_000_000_000, 3)
     info = {"moe_layers": 8, "experts": 288, "record_bytes": 9_437_184, "device": "MOCK",
             "geometry": {f: getattr(geo, f) for f in geo.__struct_fields__}}  # fmt: skip
     lane = {"jobs": 500, "fallbacks": 3, "lane_picks": 900, "lane_ms": 120.0, "layers": []}
+
+    def split(c1, c4_agg, jobs, fallbacks):
+        return {"decode": {"c1": {"per_stream_tok_s": c1, "aggregate_tok_s": c1},
+                           "c4": {"per_stream_tok_s": c4_agg / 4, "aggregate_tok_s": c4_agg}},
+                "lane": {"jobs": jobs, "fallbacks": fallbacks, "lane_picks": 2 * jobs}}  # fmt: skip
+
+    fixed = {"0": split(40.0, 80.0, 0, 0), "10": split(47.0, 90.0, 200, 1),
+             "20": split(54.0, 101.0, 400, 4), "30": split(50.0, 96.0, 600, 30),
+             "40": split(44.0, 85.0, 800, 120)}  # fmt: skip
     rows = {
         "exact": _mock_row(40.0, 30.0, 20.0, 80.0, 900.0, 3000.0, 6000.0, decode_hit_rate=0.5,
                            cache={"layer_hit_rate": [0.5] * 8}, slots=262),
         "stock_offload": _mock_row(10.0, 8.0, 6.0, 24.0, 300.0, 1500.0, 3000.0),
         "stock_offload_arena": _mock_row(16.0, 12.0, 8.0, 32.0, 400.0, 2000.0, 4000.0),
-        "fast": _mock_row(52.0, 38.0, 25.0, 100.0, 900.0, 3000.0, 6000.0, lane=lane),
+        "fast": _mock_row(52.0, 38.0, 25.0, 100.0, 900.0, 3000.0, 6000.0, lane=lane,
+                          fixed_splits=fixed),
     }  # fmt: skip
     for mode, row in rows.items():
         (tmp_path / f"row-{mode}.json").write_text(
@@ -215,6 +231,14 @@ def test_gpu_slice_fast_row_gives_issue_16s_ratios(tmp_path):
     assert ratios["fast_c4_aggregate_vs_exact"] == 100.0 / 80.0
     assert figures["fast_lane"] == {"jobs": 500, "fallbacks": 3, "lane_picks": 900,
                                     "lane_ms": 120.0}  # fmt: skip
+    # issue 26: fallbacks per lane job, and the router against the best of the fixed splits
+    assert ratios["fast_lane_fallback_share"] == 3 / 500
+    assert figures["fast_fixed_split_c1_tok_s"] == {"0": 40.0, "10": 47.0, "20": 54.0,
+                                                    "30": 50.0, "40": 44.0}  # fmt: skip
+    assert figures["fast_fixed_split_c4_aggregate_tok_s"]["20"] == 101.0
+    assert figures["fast_fixed_split_lane"]["30"] == {"jobs": 600, "fallbacks": 30,
+                                                      "lane_picks": 1200}  # fmt: skip
+    assert ratios["fast_router_vs_best_fixed_split"] == 52.0 / 54.0
     assert "fast" not in figures["predicted"]  # the cost model has no fast row here
 
 

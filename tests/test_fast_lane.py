@@ -48,13 +48,19 @@ class MockDevice:
 
 
 class MockDeviceLayer:
-    """A mock of fast_hooks.FastLayer's device counters (the real ones read g53_lane_dev)."""
+    """A mock of fast_hooks.FastLayer's device counters and timings (the real ones read
+    g53_lane_dev and CUDA events) and of its wait, which FastLane.step sets."""
 
-    def __init__(self, published, lane_picks, fallbacks):
+    def __init__(self, published=0, lane_picks=0, fallbacks=0, timings=()):
         self.values = {"published": published, "lane_picks": lane_picks, "fallbacks": fallbacks}
+        self.timings = list(timings)
+        self.wait_ns = 0
 
     def counters(self):
         return dict(self.values)
+
+    def take_timing(self):
+        return self.timings.pop(0) if self.timings else None
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +89,7 @@ def test_each_step_sets_the_routers_budgets_and_stats_show_the_split(table, ct_b
             assert budgets == [0, 0]
         st = fast.stats()
         assert st["status"] == STATUS and "not yet run on a GPU" in st["status"]
-        assert st["steps"] == 1 and st["rates"]["ct_b"] == ct_b
+        assert st["steps"] == 1 and st["ct_b"] == ct_b
         assert [layer["budget"] for layer in st["layers"]] == budgets
         assert [layer["misses"] for layer in st["layers"]] == [5, 6]
         for layer, k, n in zip(st["layers"], budgets, (5, 6), strict=True):
@@ -111,10 +117,12 @@ def test_the_lanes_jobs_and_time_reach_the_router_and_the_stats(table):
         assert st["jobs"] == 1 and st["lane_ms"] > 0 and st["failed"] == 0
         assert (st["layers"][0]["lane_jobs"], st["layers"][1]["lane_jobs"]) == (0, 1)
         assert st["layers"][1]["lane_ms"] > 0 and st["layers"][0]["lane_ms"] == 0
-        assert fast.router.layers[1].lane_ms > 0  # the job's time moved the router's estimate
-        assert fast.router.lane_b[0].n + fast.router.lane_a.n == 1
+        assert fast.router.layers[1].lane_ms > 0  # the job's time reached the router
+        assert fast.router.seen_by_rows == [1, 0, 0, 0, 0, 0, 0, 0]  # one-row experts only
+        assert st["lane_warmup_jobs"] == 1  # the first job of its row count is not fitted
+        assert fast.rows_per_miss == [1.0, 1.0]  # each sent expert had one row
         fast.step()  # no new job: the router observes nothing more
-        assert fast.router.lane_b[0].n + fast.router.lane_a.n == 1
+        assert sum(fast.router.seen_by_rows) == 1
 
 
 def test_device_counters_are_summed_and_shown_per_layer(table):
@@ -123,6 +131,26 @@ def test_device_counters_are_summed_and_shown_per_layer(table):
         st = FastLane(lane, LaneRouter(2, EXPERT_BYTES), devs).stats()
         assert (st["published"], st["lane_picks"], st["fallbacks"]) == (17, 39, 2)
         assert [layer["fallbacks"] for layer in st["layers"]] == [2, 0]
+
+
+def test_timed_layers_teach_the_router_the_gpus_rates_and_each_layer_gets_its_wait(table):
+    """A timed decode call's GPU share (publish to wait) reaches the router with the step's
+    resident and zero-copy counts (the misses the lane took are neither); the router's wait
+    for the next step lands on the device layer."""
+    with MailboxLane(CpuLane(LaneLayout((0,))), [table, table]) as lane:
+        devs = [MockDeviceLayer(timings=[(1.5, 0.0)]), MockDeviceLayer()]
+        fast = FastLane(lane, LaneRouter(2, EXPERT_BYTES, ct_b=1e-4), devs)
+        device = MockDevice(lane.mailboxes[0], 0)
+        device.report(3, 5)
+        device.publish(rows(2), [0, 1, 1], [3, 3, 4], [0.5, 0.25, 0.25])  # 2 experts sent
+        device.wait()
+        fast.step()
+        assert list(fast.router.gpu.samples) == [((3.0, 3.0), 1.5)]  # 5 misses, 2 on the lane
+        assert fast.router.layers[0].waited_ms == 0.0
+        assert fast.rows_per_miss == [1.5, 1.0]  # expert 3 had two rows, expert 4 one
+        assert fast.budgets[0] > 0 and devs[0].wait_ns == fast.waits_ns[0] > 0
+        assert devs[1].wait_ns == 0  # no report: no step, no wait
+        assert fast.stats()["layers"][0]["wait_ns"] == devs[0].wait_ns
 
 
 def test_a_router_of_another_layer_count_is_refused(table):

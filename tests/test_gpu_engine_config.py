@@ -297,3 +297,29 @@ def test_the_engine_takes_layer_major_only_in_exact_mode(tmp_path):
         GpuEngine(str(tmp_path), "stock", prefill="layer-major")
     with pytest.raises(ValueError, match="chunk, or layer-major"):
         GpuEngine(str(tmp_path), "exact", prefill="layers")
+
+
+# --- the load's VRAM accounting (exl3_load.held_vram_bytes) -------------------------------------
+
+
+def test_resident_bytes_count_what_the_load_holds_after_moving_experts_out_of_vram():
+    """Made-up allocator counts, as a fast-mode load gives them: 2 GB held by an earlier load,
+    12 GB at the peak while exllamav3 loaded experts into VRAM before the home hook moved them
+    out, 5 GB held at the end (weights, KV cache, expert cache). The driver's free count gave
+    -6.2 GB for such a load (issue #26); the allocator's live bytes give the 5 GB."""
+    from glm53.engine.exl3_load import VramUse, held_vram_bytes
+
+    before = VramUse(allocated=2_000_000_000, peak=2_000_000_000)
+    after = VramUse(allocated=7_000_000_000, peak=14_000_000_000)
+    assert held_vram_bytes(before, after) == (5_000_000_000, 12_000_000_000)
+    # a peak that was reset after the load began is at least what the load still holds
+    assert held_vram_bytes(before, VramUse(7_000_000_000, 0)) == (5_000_000_000, 5_000_000_000)
+    assert held_vram_bytes(before, before) == (0, 0)
+
+
+def test_resident_bytes_are_unknown_when_tensors_freed_during_the_load_made_them_negative():
+    """Not a negative count and not a failed load: None, which the load logs with both numbers
+    and /stats shows as null."""
+    from glm53.engine.exl3_load import VramUse, held_vram_bytes
+
+    assert held_vram_bytes(VramUse(9_000, 9_000), VramUse(4_000, 9_000)) is None

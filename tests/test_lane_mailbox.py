@@ -283,11 +283,39 @@ def test_the_cuda_library_reads_the_same_layout():
         lane_dev_dtype([0, 8])
 
 
+def test_reports_carry_the_devices_counts_the_sent_rows_and_the_lanes_newest_job(layer):
+    """Between steps the host reads each layer's report once: the device's hits and misses,
+    the rows per expert of what it sent, and the lane's newest job (its rows per expert from
+    the payload it computed, and its time)."""
+    experts, table = layer
+    with MailboxLane(CpuLane(LaneLayout((0,))), [table, table]) as lane:
+        for i, mbox in enumerate(lane.mailboxes):
+            mbox.header[4], mbox.header[5] = 2, 6 + i  # as the device's publish writes them
+        reports = lane.take_reports()
+        assert [(r.n_hit, r.n_miss, r.sent_rows, r.job_rows) for r in reports] == [
+            (2, 6, [], []),
+            (2, 7, [], []),
+        ]
+        # read once: a step without a decode call reports nothing
+        assert [(r.n_hit, r.n_miss) for r in lane.take_reports()] == [(0, 0), (0, 0)]
+        device = MockDevice(lane.mailboxes[1], 1)
+        lane.mailboxes[1].header[4], lane.mailboxes[1].header[5] = 1, 3
+        rows = fp16_rows(np.random.default_rng(7), 2)
+        device.publish(rows, [0, 1, 1, 0], [1, 2, 1, 3], [0.5, 0.5, 0.25, 0.25])
+        assert device.wait(SETTLE_S)
+        rep = lane.take_reports()[1]
+        assert (rep.n_hit, rep.n_miss, rep.sent_rows, rep.job_rows) == (1, 3, [2, 1, 1], [2, 1, 1])
+        assert rep.job_ms > 0
+        again = lane.take_reports()[1]  # the job is reported once
+        assert (again.sent_rows, again.job_rows) == ([], [])
+
+
 @pytest.mark.parametrize("lane_ms, sends", [(1e-4, True), (1e3, False)])
 def test_budgets_follow_the_router_on_the_reported_misses(layer, lane_ms, sends):
     """The device reports a layer's hits and misses in the mailbox; between steps the router
     turns them into that layer's budget: some misses for a lane much faster than the link, none
     for one far slower (fast mode then runs as exact mode)."""
+    from glm53.tiers.fast_lane import FastLane
     from glm53.tiers.lane_router import LaneRouter
 
     experts, table = layer
@@ -296,7 +324,8 @@ def test_budgets_follow_the_router_on_the_reported_misses(layer, lane_ms, sends)
         router = LaneRouter(2, expert_bytes=9_440_000, ct_b=lane_ms)
         for i, mbox in enumerate(lane.mailboxes):
             mbox.header[4], mbox.header[5] = 2, 6 + i  # as the device's publish writes them
-        budgets = lane.update_budgets(router)
+        fast = FastLane(lane, router)
+        budgets = fast.step()
         assert [m.load("budget") for m in lane.mailboxes] == budgets
         if sends:
             assert all(0 < k <= n for k, n in zip(budgets, (6, 7), strict=True)), budgets
@@ -306,6 +335,7 @@ def test_budgets_follow_the_router_on_the_reported_misses(layer, lane_ms, sends)
         device = MockDevice(lane.mailboxes[1], 1)
         device.publish(fp16_rows(np.random.default_rng(7), 1), [0, 0], [1, 2], [0.5, 0.5])
         assert device.wait(SETTLE_S)
-        lane.update_budgets(router)
+        fast.step()
         assert router.layers[1].lane_ms > 0 and router.layers[0].lane_ms == 0
-        assert router.lane_b[0].n + router.lane_a.n == 1  # one observation moved an estimate
+        # one job seen: the first of its row count, warm-up (counted, not fitted)
+        assert router.seen_by_rows[0] == 1 and router.lane.n == 0

@@ -8,6 +8,7 @@ Its total time is compared with every fixed split (the sweep a person would run)
 mode (nothing on the lane)."""
 
 import json
+import math
 import random
 from pathlib import Path
 
@@ -88,7 +89,7 @@ def test_a_fast_lane_is_used_and_the_split_is_within_10_percent_of_the_best_fixe
     assert total < 0.8 * sweep[0]  # well ahead of exact mode
     st = router.stats()
     assert all(layer["to_lane"] > 0 for layer in st["layers"])
-    assert st["rates"]["lane_b_ms_by_rows"][0] == pytest.approx(0.12, rel=0.2)
+    assert st["rates"]["lane_b_ms_by_rows"]["value"][0] == pytest.approx(0.12, rel=0.2)
 
 
 def test_a_slow_lane_converges_to_exact_mode_and_never_falls_below_it():
@@ -148,3 +149,170 @@ def test_split_is_the_argmin_of_cost_over_every_k():
         if best_k and best > gpu0 * (1 - router.margin):
             best_k = 0
         assert router.split(0, n_hit, rows) == best_k, trial
+
+
+# --- the fits ----------------------------------------------------------------------------------
+
+
+def lane_job_ms(rows, a=0.05, b=0.36, c=0.04):
+    """A lane job's time on a deterministic lane: a + b per expert + c per extra row."""
+    return a + b * len(rows) + c * (sum(rows) - len(rows))
+
+
+def test_the_first_job_of_each_row_count_is_not_fitted_and_the_warm_rate_is_learned():
+    """The H200 run: a first one-row job paid page faults and thread wake-up (9.9 ms an expert)
+    and priced the lane 27x too high. Discarded, it moves nothing; the warm jobs that follow
+    give the lane's own rate."""
+    router = LaneRouter(1, EXPERT_BYTES)
+    router.observe_lane(0, [1, 1], 19.86)  # the cold first job of one-row experts
+    for n in (1, 2, 3, 4, 5, 6) * 4:
+        router.observe_lane(0, [1] * n, lane_job_ms([1] * n))
+    st = router.stats()
+    assert st["lane_warmup_jobs"] == 1
+    assert st["rates"]["lane_b_ms_by_rows"]["samples"] == [24, 0, 0, 0, 0, 0, 0, 0]
+    assert st["rates"]["lane_a_ms"] == {"value": pytest.approx(0.05, abs=2e-3), "samples": 24}
+    assert st["rates"]["lane_b_ms_by_rows"]["value"][0] == pytest.approx(0.36, rel=1e-2)
+    # the misses go to the lane again: 8 misses at 0.38 ms each on the GPU, 0.36 on the lane
+    assert router.split(0, 0, [1] * 8) > 0
+
+
+def test_the_extra_row_cost_is_fitted_from_jobs_whose_experts_have_several_rows():
+    router = LaneRouter(1, EXPERT_BYTES)
+    jobs = [[1, 1, 2], [2, 2], [1], [3, 1, 1, 1], [4, 2], [1, 1, 1, 1, 1]] * 5
+    for rows in jobs:
+        router.observe_lane(0, rows, lane_job_ms(rows))
+    by_rows = router.stats()["rates"]["lane_b_ms_by_rows"]
+    assert by_rows["value"][:4] == pytest.approx([0.36, 0.40, 0.44, 0.48], rel=2e-2)
+    # fitted per the most rows an expert of the job has; the first of each count is warm-up
+    assert by_rows["samples"] == [9, 9, 4, 4, 0, 0, 0, 0]
+
+
+def test_a_preempted_job_does_not_move_the_mean_but_widens_the_lanes_upper_bound():
+    router = LaneRouter(1, EXPERT_BYTES)
+    for i in range(100):
+        rows = [1] * (1 + i % 6)
+        ms = lane_job_ms(rows) * (10.0 if i % 25 == 7 else 1.0)  # 4 jobs of 100 preempted
+        router.observe_lane(0, rows, ms)
+    st = router.stats()
+    assert st["rates"]["lane_b_ms_by_rows"]["value"][0] == pytest.approx(0.36, rel=1e-2)
+    assert st["lane_rejected"] == 4
+    # the budget must cover what really happens, the preempted jobs included (4 % > 1 %)
+    assert router.lane.upper > 5.0
+
+
+def test_the_gpus_resident_and_zero_copy_costs_and_the_link_rate_are_fitted():
+    router = LaneRouter(1, EXPERT_BYTES)
+    hit, miss = 0.03, 0.03 + EXPERT_BYTES / 50e6  # a 50 GB/s link, against the 25 prior
+    for n_hit in range(9):
+        for n_zc in range(0, 9 - n_hit):
+            router.observe_gpu(n_hit, n_zc, hit * n_hit + miss * n_zc)
+    rates = router.stats()["rates"]
+    assert rates["hit_ms"] == {"value": pytest.approx(hit, rel=1e-2), "samples": 44}
+    assert rates["miss_ms"]["value"] == pytest.approx(miss, rel=1e-3)
+    assert rates["link_gbps"]["value"] == pytest.approx(50.0, rel=1e-2)
+    assert rates["pickup_ms"] == {"value": 0.25, "samples": 0}  # a prior: nothing measures it
+
+
+# --- the wait budget ---------------------------------------------------------------------------
+
+
+def test_the_wait_is_the_lanes_upper_bound_past_the_gpus_share_plus_its_pickup():
+    router = LaneRouter(1, EXPERT_BYTES, rates=Rates(hit_ms=0.05, link_gbps=EXPERT_BYTES / 0.15e6,
+                                                     lane_a_ms=0.1, lane_b_ms=0.3, tok=0.0))  # fmt: skip
+    # before 16 lane samples the upper bound is the prior's 1.5x; no GPU samples: lower 0.5x
+    assert router.wait_ns(0, 2, [1] * 6) == 0  # nothing sent, nothing waited for
+    lane = (0.1 + 4 * 0.3) * 1.5 + 0.25
+    gpu = (2 + 2) * 0.05 * 0.5  # every GPU expert as fast as a resident one, at its lower bound
+    assert router.wait_ns(4, 2, [1] * 6) == int((lane - gpu) * 1e6)
+    # a lane far inside the GPU's share: the wait is the pick-up delay alone
+    assert router.wait_ns(1, 40, [1] * 6) == 250_000
+    k = router.split(0, 2, [1] * 6)
+    assert router.stats()["layers"][0]["wait_ns"] == router.wait_ns(k, 2, [1] * 6)
+
+
+def run_late(system, events, router, pickup_ms=0.25, seed=0, waits=None):
+    """The engine's loop: each layer's split and wait are decided on its previous step's report
+    and applied to this step's misses (the device takes min(budget, misses)); a lane that lands
+    after the GPU's share plus the wait is a fallback, which costs the wait and the whole layer
+    again. Layer 0 finds the poller asleep (a random pick-up delay up to `pickup_ms`), the
+    others find it spinning. A lane job's time reaches the router once it finishes (a late one
+    a step later; the order does not matter to the fit), a stalled one's never. Returns (total ms, lane jobs, fallbacks);
+    `waits` collects the wait budget of every lane job."""
+    rng = random.Random(seed)
+    plan = {}  # layer -> (budget, wait_ns)
+    total, jobs, fallbacks = 0.0, 0, 0
+    for ev in events:
+        misses, layer = ev["miss_rows"], ev["layer"]
+        budget, wait_ns = plan.get(layer, (0, 0))
+        k = min(budget, len(misses))
+        gpu_ms = system.gpu(ev["n_hit"], len(misses) - k) * system.noise()
+        router.observe_gpu(ev["n_hit"], len(misses) - k, gpu_ms)
+        if k:
+            jobs += 1
+            lane_ms = system.lane(misses[:k]) * system.noise()
+            late = lane_ms + (rng.uniform(0, pickup_ms) if layer == 0 else 0.0) - gpu_ms
+            if waits is not None:
+                waits.append(wait_ns)
+            if math.isfinite(lane_ms):
+                router.observe_lane(layer, misses[:k], lane_ms)
+            if late > wait_ns / 1e6:
+                fallbacks += 1
+                total += gpu_ms + wait_ns / 1e6 + system.gpu(ev["n_hit"], len(misses))
+            else:
+                total += gpu_ms + max(late, 0.0)
+        else:
+            total += gpu_ms
+        k_next = router.split(layer, ev["n_hit"], misses)
+        plan[layer] = (k_next, router.layers[layer].wait_ns)
+    return total, jobs, fallbacks
+
+
+@pytest.mark.parametrize("lane_b", [0.12, 0.36, 0.6])
+def test_fallbacks_stay_under_2_percent_of_lane_jobs_and_the_router_beats_exact(lane_b):
+    events = TRACE["events"] * 4
+    router = LaneRouter(TRACE["n_layers"], EXPERT_BYTES)
+    total, jobs, fallbacks = run_late(TrueSystem(lane_b), events, router)
+    exact = run(TrueSystem(lane_b, seed=1), events, lambda ev: 0)
+    best, sweep = best_fixed(TrueSystem(lane_b), events)
+    assert jobs > 500 and fallbacks <= 0.02 * jobs, (jobs, fallbacks)
+    # the fixed splits are run without pick-up delays or fallbacks: the router pays for its
+    # margin against them, and still stays within 10 %
+    assert total < exact and total <= 1.10 * best, (total, exact, sweep)
+
+
+def test_a_stalled_lane_falls_back_after_the_predicted_wait_and_every_fallback_is_counted():
+    class Stalled(TrueSystem):
+        def lane(self, rows):
+            return math.inf if rows else 0.0
+
+    events = TRACE["events"]
+    router = LaneRouter(TRACE["n_layers"], EXPERT_BYTES, ct_b=1e-6)  # always sends
+    waits = []
+    total, jobs, fallbacks = run_late(Stalled(0.1), events, router, waits=waits)
+    assert jobs > 500 and fallbacks == jobs
+    # each wait is the predicted one: a stalled lane costs that, not the old fixed 2 ms
+    assert all(0 < w < 2_000_000 for w in waits), sorted(waits)[-5:]
+
+
+# --- knobs -------------------------------------------------------------------------------------
+
+
+def test_a_forced_share_sends_that_share_of_the_misses_whatever_the_rates():
+    router = LaneRouter(2, EXPERT_BYTES, rates=Rates(lane_b_ms=50.0), forced_share=0.1)
+    sent = [router.split(0, 4, [1, 1, 1, 1]) for _ in range(10)]
+    assert sum(sent) == 4 and sent == [0, 0, 1, 0, 1, 0, 0, 1, 0, 1]
+    assert router.layers[0].wait_ns > 0  # the wait is still the predicted one
+    none = LaneRouter(1, EXPERT_BYTES, rates=Rates(lane_b_ms=1e-3), forced_share=0.0)
+    assert [none.split(0, 0, [1] * 8) for _ in range(5)] == [0] * 5
+    with pytest.raises(ValueError, match="forced_share 1.5 is outside 0..1"):
+        LaneRouter(1, EXPERT_BYTES, forced_share=1.5)
+
+
+def test_a_lane_priced_too_high_is_probed_and_then_used():
+    router = LaneRouter(1, EXPERT_BYTES, rates=Rates(lane_b_ms=50.0), probe_after=8)
+    misses = [1] * 6
+    sent = [router.split(0, 2, misses) for _ in range(9)]
+    assert sent == [0] * 8 + [1] and router.layers[0].probes == 1
+    for n in (1, 1, 2, 3, 1, 2, 3, 4) * 3:  # what the probes (and a few more jobs) measure
+        router.observe_lane(0, [1] * n, lane_job_ms([1] * n))
+    assert router.split(0, 2, misses) > 1

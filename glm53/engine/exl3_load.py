@@ -12,7 +12,9 @@
 
 from __future__ import annotations
 
+import gc
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 
@@ -20,6 +22,7 @@ import msgspec
 
 from glm53.tiers import exl3_hooks
 
+log = logging.getLogger(__name__)
 GIB = 1 << 30
 EMBEDDING_SUFFIX = "embed_tokens.weight"  # exllamav3's embedding module prefers host memory
 
@@ -78,7 +81,11 @@ class Loaded:
     ec: object | None = None
     stager: object | None = None
     vram_plan: VramPlan | None = None  # with a VRAM budget: where the budget went
-    resident_bytes: int | None = None  # VRAM the load took (weights, cache), measured
+    # VRAM the load holds (weights, KV cache, VRAM expert cache, staging), measured at its end:
+    # held_vram_bytes(vram_before, vram_use(device))
+    resident_bytes: int | None = None
+    load_peak_bytes: int | None = None  # the most the load held at once, the same way
+    vram_before: VramUse | None = None  # the allocator's counts before the load
     split: object | None = None  # --gpus with two or more entries: the SplitPlan (exl3_split)
     nvme: object | None = None  # nvme-exact: glm53.tiers.nvme_device.NvmeHome
 
@@ -89,6 +96,36 @@ class Loaded:
         self.model.unload()
         if self.home is not None:
             self.home.close()
+
+
+@dataclass(frozen=True, slots=True)
+class VramUse:
+    """What torch's CUDA caching allocator holds on one device (bytes): `allocated` in live
+    tensors, `peak` the most allocated since its peak was last reset. exllamav3 1.6.5's weights
+    and KV cache and glm53's VRAM cache, staging and fast-mode buffers are torch tensors; what
+    is allocated outside the allocator (the CUDA context, library workspaces) is not counted."""
+
+    allocated: int
+    peak: int
+
+
+def vram_use(device) -> VramUse:
+    import torch
+
+    return VramUse(torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device))
+
+
+def held_vram_bytes(before: VramUse, after: VramUse) -> tuple[int, int] | None:
+    """(resident, peak): the VRAM a load holds after it, and the most it held during it, over
+    what was allocated before it. Live tensors, not free memory: the driver's free count
+    (mem_get_info) also moves with the allocator's cached blocks and whatever else frees or
+    allocates meanwhile, and came out at -6.2 GB for a fast-mode load (issue #26). A negative
+    count means tensors allocated before the load were freed during it, so the count would not
+    be the load's: None then (the caller says so; a statistic never fails a load)."""
+    resident, peak = after.allocated - before.allocated, after.peak - before.allocated
+    if resident < 0:
+        return None
+    return resident, max(peak, resident)
 
 
 STAGE_SHARE = 0.25  # of the VRAM left after the model, at most, for the default staging buffers
@@ -308,8 +345,12 @@ def load(
     if nvme_src is not None:
         _check_store_geometry(nvme_src[0], geo)
     dev = torch.device(device)
+    # a previous load's tensors held only by reference cycles would be freed while this load
+    # runs and make its count negative: collect them first
+    gc.collect()
+    torch.cuda.reset_peak_memory_stats(dev)
+    vram_before = vram_use(dev)
     free, _ = torch.cuda.mem_get_info(dev)
-    free_before = free
     if vram_budget is not None:
         if vram_budget > free:
             raise RuntimeError(
@@ -350,10 +391,9 @@ def load(
     tokenizer = Tokenizer.from_config(config)
     moe = exl3_hooks.moe_modules(model)
     loaded = Loaded(mode, config, model, cache, tokenizer, geo, moe, home, vram_plan=plan)
-    torch.cuda.synchronize(dev)
-    loaded.resident_bytes = free_before - torch.cuda.mem_get_info(dev)[0]
+    loaded.vram_before = vram_before
     if mode == "stock":
-        return loaded
+        return _measured(loaded, dev)
 
     home_addr = home.home_addresses()
     _check_tables_point_home(moe, home_addr, home.geo)
@@ -396,6 +436,25 @@ def load(
         rows = max(max_chunk, max_batch)
         loaded.nvme = _start_nvme(loaded, nvme_src, ram_cap, read_timeout_s, rows)
         exl3_hooks.attach_nvme(moe, loaded.nvme)
+    return _measured(loaded, dev)
+
+
+def _measured(loaded: Loaded, dev) -> Loaded:
+    """The load's VRAM, counted at its very end: the tiers included, and after exllamav3 and
+    the home hook have moved the experts out of VRAM."""
+    import torch
+
+    torch.cuda.synchronize(dev)
+    after = vram_use(dev)
+    held = held_vram_bytes(loaded.vram_before, after)
+    if held is None:
+        log.warning(
+            "VRAM accounting: %d bytes were allocated before the load and %d after it; "
+            "something freed tensors the load did not allocate while it ran, so its resident "
+            "bytes are not known (reported as null)", loaded.vram_before.allocated, after.allocated
+        )  # fmt: skip
+        held = (None, None)
+    loaded.resident_bytes, loaded.load_peak_bytes = held
     return loaded
 
 

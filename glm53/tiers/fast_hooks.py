@@ -26,7 +26,11 @@ import numpy as np
 from glm53.tiers.exl3_hooks import DECODE_MAX_ROWS
 from glm53.tiers.lane_mailbox import Mailbox, lane_dev_dtype
 
-DEFAULT_BUDGET_NS = 2_000_000  # the device's wait for the lane before it falls back
+# The device's wait for the lane before it falls back is the router's predicted one, set per
+# layer by FastLane.step (FastLayer.wait_ns); FastLayer.budget_ns, when set, pins it instead.
+# Every TIME_EVERY-th decode call of a layer is timed with CUDA events (the GPU's share and the
+# wait), for the router's GPU and link rates: three event records a layer, a few us of host time
+TIME_EVERY = 8
 # A forward whose params hold this key runs exact: none of its MoE calls publish (prefill, and
 # the engine's cache-free prompt scoring)
 NO_LANE = "g53_no_lane"
@@ -64,7 +68,11 @@ def unmark_prefill_exact(model) -> None:
 
 class FastLayer:
     """The device-side buffers of one MoE module's hand-off: g53_lane_dev, the saved and the
-    fallback selections, the combine scratch. Owned by the engine thread."""
+    fallback selections, the combine scratch. Owned by the engine thread.
+
+    The wait for the lane is `budget_ns` when set (a fixed wait: attach_fast's argument, or a
+    test that assigns it), else `wait_ns`, the router's prediction for the step (0 until the
+    first FastLane.step, when the budget of experts is 0 too and nothing is waited for)."""
 
     def __init__(self, module, moe_index: int, mailbox: Mailbox, cache=None, budget_ns=None):
         import torch
@@ -81,7 +89,13 @@ class FastLayer:
         host = np.zeros(1, lane_dev_dtype(_cuda.lane_dev_layout()))
         host["mbox"] = mailbox.pin()
         self.module, self.moe_index, self.mailbox, self.cache = module, moe_index, mailbox, cache
-        self.budget_ns = DEFAULT_BUDGET_NS if budget_ns is None else budget_ns
+        self.budget_ns: int | None = budget_ns
+        self.wait_ns = 0
+        self.calls = 0  # decode calls that published
+        # CUDA events of a timed call: after the publish, before and after the wait
+        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        self.timed = False  # this call is timed
+        self.timing_pending = False  # a timed call's events are recorded, not read yet
         self.state = torch.from_numpy(host.view(np.uint8).copy()).to(dev)
         n_sel = DECODE_MAX_ROWS * module.num_experts_per_tok
         self.orig_sel = torch.empty(n_sel, dtype=torch.long, device=dev)
@@ -118,6 +132,10 @@ class FastLayer:
             self.moe_index, torch.cuda.current_stream(z.device).cuda_stream,
         )  # fmt: skip
         self.pending_input = z
+        self.timed = self.calls % TIME_EVERY == 0
+        self.calls += 1
+        if self.timed:
+            self.events[0].record(torch.cuda.current_stream(z.device))
 
     def combine(self, final_hidden_states) -> None:
         import torch
@@ -128,12 +146,19 @@ class FastLayer:
         bsz, hidden = z.shape[0], self.module.hidden_size
         top_k = self.module.num_experts_per_tok
         out = final_hidden_states.view(-1, hidden)
-        stream = torch.cuda.current_stream(z.device).cuda_stream
+        torch_stream = torch.cuda.current_stream(z.device)
+        stream = torch_stream.cuda_stream
+        wait_ns = self.wait_ns if self.budget_ns is None else self.budget_ns
+        if self.timed:
+            self.events[1].record(torch_stream)
         _cuda.lane_wait(
             self.state.data_ptr(), out.data_ptr(), bsz, hidden, out.stride(0),
             self.acc.data_ptr(), self.fb_sel.data_ptr(), self.fb_w.data_ptr(),
-            self.orig_sel.data_ptr(), self.orig_w.data_ptr(), self.budget_ns, stream,
+            self.orig_sel.data_ptr(), self.orig_w.data_ptr(), wait_ns, stream,
         )  # fmt: skip
+        if self.timed:
+            self.events[2].record(torch_stream)
+            self.timing_pending, self.timed = True, False
         fb_sel = self.fb_sel[: bsz * top_k].view(bsz, top_k)
         fb_w = self.fb_w[: bsz * top_k].view(bsz, top_k)
         self.module.bc.run_bszN(z, fb_sel, fb_w)  # writes the same out_bszn rows
@@ -141,6 +166,16 @@ class FastLayer:
             self.state.data_ptr(), out.data_ptr(), self.acc.data_ptr(), bsz, hidden,
             out.stride(0), stream,
         )  # fmt: skip
+
+    def take_timing(self) -> tuple[float, float] | None:
+        """(the GPU's share in ms: its MoE call and the cache's route, from the publish to the
+        wait; the wait in ms) of the newest timed call, once; None when no timed call is
+        unread or its events have not completed (never blocks)."""
+        if not self.timing_pending or not self.events[2].query():
+            return None
+        self.timing_pending = False
+        start, before_wait, after_wait = self.events
+        return start.elapsed_time(before_wait), before_wait.elapsed_time(after_wait)
 
     def counters(self) -> dict:
         """published, lane_picks, fallbacks (a device read: syncs the stream)."""

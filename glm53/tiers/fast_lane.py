@@ -7,7 +7,8 @@ only with --allow-unrun-modes (glm53.engine.gpu.create), for its GPU tests
 pinned home's arenas (the lane reads the same bytes the GPU reads zero-copy: no second copy in
 RAM), fast_hooks' `FastLayer` on every MoE module, and a `LaneRouter`. Between Generator
 iterations the engine calls `FastLane.step`: the router sees each layer's newest lane time and
-sets each layer's budget for the next step (one step late: docs/fast-mode.md). `FastLane` itself
+the device's timed layers, and sets each layer's budget and wait for the next step (one step
+late: docs/fast-mode.md). `FastLane` itself
 needs no CUDA (its device layers are optional), so CI drives it against a mock device.
 """
 
@@ -19,7 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from glm53.tiers.lane_mailbox import MailboxLane
+from glm53.tiers.lane_mailbox import MAX_PICKS, MailboxLane
 from glm53.tiers.lane_router import LaneRouter
 
 STATUS = "written, not yet run on a GPU (served only with --allow-unrun-modes)"
@@ -37,13 +38,37 @@ class FastLane:
         self.lane, self.router, self.layers = lane, router, list(layers)
         self.steps = 0
         self.budgets = [int(m.load("budget")) for m in lane.mailboxes]
+        self.waits_ns = [0] * len(lane.mailboxes)  # the router's wait per layer, newest step
+        self.rows_per_miss = [1.0] * len(lane.mailboxes)
 
     def step(self) -> list[int]:
-        """Between Generator iterations: the router's split of each layer's last reported
-        misses becomes that layer's budget for the next decode step."""
-        self.budgets = self.lane.update_budgets(self.router)
+        """Between Generator iterations: the lane's newest job times and (on the GPU path) the
+        device's timed layers reach the router; the router's split of each layer's last
+        reported misses becomes that layer's budget for the next decode step, and its
+        predicted wait the device layer's wait. Rows per missed expert are not reported, so
+        each miss counts as the mean rows per expert of the layer's last lane payload (1 before
+        any). A layer with no decode call since the last step keeps its budget and is not
+        counted again. Returns the budgets."""
+        for i, rep in enumerate(self.lane.take_reports()):
+            if rep.job_rows:
+                self.router.observe_lane(i, rep.job_rows, rep.job_ms)
+            if rep.sent_rows:
+                self.rows_per_miss[i] = sum(rep.sent_rows) / len(rep.sent_rows)
+            timing = self.layers[i].take_timing() if self.layers else None
+            if timing is not None and rep.n_hit + rep.n_miss:
+                gpu_ms, waited_ms = timing
+                self.router.observe_gpu(rep.n_hit, rep.n_miss - len(rep.sent_rows), gpu_ms)
+                self.router.observe_wait(i, waited_ms)
+            if rep.n_hit == 0 and rep.n_miss == 0:
+                continue
+            k = self.router.split(i, rep.n_hit, [self.rows_per_miss[i]] * rep.n_miss)
+            self.lane.mailboxes[i].set_budget(min(k, MAX_PICKS))
+            self.budgets[i] = k
+            self.waits_ns[i] = self.router.layers[i].wait_ns
+            if self.layers:
+                self.layers[i].wait_ns = self.waits_ns[i]
         self.steps += 1
-        return self.budgets
+        return list(self.budgets)
 
     def device_counters(self) -> list[dict]:
         """Per layer, the device's published / lane_picks / fallbacks (reads the device)."""
@@ -61,6 +86,9 @@ class FastLane:
             entry = {
                 "split": r["split"],
                 "budget": self.budgets[i],
+                "wait_ns": self.waits_ns[i],
+                "waited_ms": r["waited_ms"],
+                "probes": r["probes"],
                 "to_lane": r["to_lane"],
                 "misses": r["misses"],
                 "lane_jobs": slot["jobs"],
@@ -84,6 +112,10 @@ class FastLane:
             "lane_picks": sum(d["lane_picks"] for d in dev) if dev else None,
             "fallbacks": sum(d["fallbacks"] for d in dev) if dev else None,
             "rates": router["rates"],
+            "lane_warmup_jobs": router["lane_warmup_jobs"],
+            "lane_rejected": router["lane_rejected"],
+            "ct_b": router["ct_b"],
+            "forced_share": router["forced_share"],
             "layers": layers,
         }
 
@@ -127,7 +159,9 @@ def start_fast(
     loaded, model_dir: str, cpu_lane, ct_b: float | None = None, budget_ns: int | None = None
 ) -> FastLane:
     """Fast mode on an exact-mode load (exl3_load.load(..., "exact")): the lane over its pinned
-    home, the hooks on its MoE modules (prefill marked exact), the router. GPU only."""
+    home, the hooks on its MoE modules (prefill marked exact), the router. `budget_ns` pins
+    every layer's wait for the lane (None: the router's predicted wait, per layer and step).
+    GPU only."""
     from glm53.tiers import fast_hooks
 
     if loaded.home is None or loaded.ec is None:

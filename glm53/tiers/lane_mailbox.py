@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import mmap
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from glm53 import _gemv, _lane
 from glm53.tiers.cpu_lane import SWIGLU_LIMIT, CpuLane
-from glm53.tiers.lane_router import LaneRouter
 
 PICK_DTYPE = np.dtype([("row", "<i4"), ("expert", "<i4"), ("weight", "<f4")])
 MAX_ROWS = _lane.MAX_ROWS
@@ -34,6 +34,26 @@ LANE_DEV_FIELDS = [
     ("lane_picks", "<u8"),
     ("fallbacks", "<u8"),
 ]
+
+
+@dataclass(slots=True)
+class LayerReport:
+    """One layer's report between two decode steps (MailboxLane.take_reports)."""
+
+    n_hit: int  # the last decode call's distinct VRAM-cache hits and misses (0, 0: no call)
+    n_miss: int
+    # rows per distinct expert that call sent to the lane (empty: it published nothing)
+    sent_rows: list[int] = field(default_factory=list)
+    job_rows: list[int] = field(default_factory=list)  # rows per expert of the lane's newest job
+    job_ms: float = 0.0  # that job's time (job_rows empty: no job finished since the last report)
+
+
+def expert_rows(picks: np.ndarray) -> list[int]:
+    """Rows per distinct expert of a mailbox's picks, in first-pick order."""
+    counts: dict[int, int] = {}
+    for e in picks["expert"].tolist():
+        counts[e] = counts.get(e, 0) + 1
+    return list(counts.values())
 
 
 def lane_dev_dtype(layout: Sequence[int]) -> np.dtype:
@@ -143,7 +163,8 @@ class MailboxLane:
         for i, (mbox, table) in enumerate(zip(self.mailboxes, self.tables, strict=True)):
             self.poller.set_slot(i, mbox.buf, table, act_limit, lane.variant, lane.precision)
         self.poller.start()
-        self._observed = [0] * len(self.tables)  # jobs per layer the router has seen
+        self._observed = [0] * len(self.tables)  # jobs per layer already reported
+        self._seen_seq = [m.seq for m in self.mailboxes]  # seq per layer already reported
 
     def stats(self) -> dict:
         """The lane's counters, with each layer's as `layers` (jobs, busy_ns, last_job_ns,
@@ -152,29 +173,35 @@ class MailboxLane:
         st["layers"] = [self.poller.slot_stats(i) for i in range(len(self.mailboxes))]
         return st
 
-    def update_budgets(self, router: LaneRouter) -> list[int]:
-        """Between decode steps, on the engine thread: feed `router` the lane's time for each
-        layer's newest job, then set each layer's budget to the router's split of the misses the
-        device last reported (mailbox n_hit / n_miss). Rows per missed expert are not reported,
-        so each miss counts as one row. A report is consumed (zeroed) once read: a layer with no
-        decode call since the last update (an iteration of prefill only) keeps its budget and
-        is not counted again. The device writes the report on every decode call and is idle
-        between Generator iterations, which is when the engine calls this. Returns the budgets."""
-        budgets = []
+    def take_reports(self) -> list[LayerReport]:
+        """Between decode steps, on the engine thread: per layer, what the device reported for
+        its last decode call and the lane's newest job. The device writes the report on every
+        decode call and is idle between Generator iterations, which is when the engine calls
+        this. A report is consumed (zeroed) once read: a layer with no decode call since the
+        last one (an iteration of prefill only) reports (0, 0)."""
+        reports = []
         for i, mbox in enumerate(self.mailboxes):
+            rep = LayerReport(int(mbox.header[4]), int(mbox.header[5]))
+            mbox.header[4] = mbox.header[5] = 0
+            seq = mbox.seq
+            payload = None
+            if seq != self._seen_seq[i]:  # published since the last report: this step's picks
+                self._seen_seq[i] = seq
+                payload = expert_rows(mbox.picks[: int(mbox.header[1])])
+                rep.sent_rows = payload
             st = self.poller.slot_stats(i)
             if st["jobs"] > self._observed[i]:
                 self._observed[i] = st["jobs"]
-                router.observe_lane(i, [1] * st["last_picks"], st["last_job_ns"] / 1e6)
-            n_hit, n_miss = int(mbox.header[4]), int(mbox.header[5])
-            if n_hit == 0 and n_miss == 0:
-                budgets.append(int(mbox.load("budget")))
-                continue
-            mbox.header[4] = mbox.header[5] = 0
-            k = router.split(i, n_hit, [1] * n_miss)
-            mbox.set_budget(min(k, MAX_PICKS))
-            budgets.append(k)
-        return budgets
+                # the job is the mailbox's payload when its result is the newest one; else the
+                # payload moved on (the job came late) and only its pick count is known: each
+                # pick counts as an expert of one row
+                if mbox.done == seq and payload is None:
+                    payload = expert_rows(mbox.picks[: int(mbox.header[1])])
+                if mbox.done != seq or payload is None:
+                    payload = [1] * st["last_picks"]
+                rep.job_rows, rep.job_ms = payload, st["last_job_ns"] / 1e6
+            reports.append(rep)
+        return reports
 
     def close(self) -> None:
         self.poller.close()

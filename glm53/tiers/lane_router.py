@@ -1,56 +1,146 @@
 """The fast-mode router: per MoE layer and decode step, how many of the coldest VRAM-cache misses
-go to the CPU lane instead of the GPU's zero-copy path.
+go to the CPU lane instead of the GPU's zero-copy path, and how long the GPU may wait for them.
 
-The GPU reads a missed expert over PCIe while it computes (zero-copy), so its time for a layer is
-about  t_gpu(k) = n_hit * hit_ms + (n_miss - k) * (expert_bytes / link + zc_ms)  when k misses
-go to the lane; the lane computes those k in  t_lane(k) = lane_a + sum_i lane_b(rows) * (1 + tok
-* (cnt_i - 1))  (cnt_i: the rows that picked expert i), in parallel. The layer takes about
-max(t_gpu(k), t_lane(k)) plus the wait for the lane, so the router picks the k in [0, max_k] that
-minimises that, and k = 0 unless it is strictly faster than the GPU alone by `margin`: with a
-slow lane (few cores) fast mode converges to exact mode's speed and never falls below it.
+The GPU reads a missed expert over PCIe while it computes (zero-copy), so its share of a layer
+takes about  t_gpu(k) = n_hit * hit_ms + (n_miss - k) * miss_ms  when k misses go to the lane;
+the lane computes those k in  t_lane(k) = lane_a + sum_i (lane_b + lane_c * (rows_i - 1))  (rows_i:
+the rows that picked expert i), in parallel. The router prices the lane at its upper bound
+t_lane(k) * (1 + tail), `tail` being a high quantile of the lane's own relative misprediction,
+and picks the k in [0, max_k] that minimises  max(t_gpu(k), upper lane time); k = 0 unless that
+beats the GPU alone by `margin`, so with a slow lane fast mode converges to exact mode's speed.
 
-Unlike the seed project's policy vector (constants measured once), every rate here is a moving
-estimate of what the running system measures: the lane's ms per expert for each row count
-(from the lane's own job timings), its fixed cost per job, the link's GB/s and the GPU's ms per
-resident and per zero-copy expert (from timed layers). `ct_b` (--ct-b) pins the lane's ms per
-expert to a given value instead. The coldest misses go first: they are the least likely to be
-admitted into the VRAM cache soon, so computing them on the CPU costs the cache nothing.
+The device's wait for the lane starts when the GPU's share ends, so the wait budget of a layer
+(`wait_ns`) is the lane's upper bound minus the GPU's fastest plausible share, plus the poller's
+pick-up time: the lane is predicted to finish inside it, and what it is not predicted to finish
+in a wait worth having is never sent. A stalled lane then costs that wait and the fallback.
+
+Every rate is fitted from what the running system measures (`LinearFit`): the lane's fixed
+cost and per-expert and per-extra-row costs from its own job timings, after its first jobs per
+row count are discarded (they pay page faults and thread wake-up: on the H200 host such jobs
+took 9.9 ms an expert against 0.36 measured warm); the GPU's ms per resident and per zero-copy
+expert from timed layers, and from their difference the link's effective GB/s. `ct_b` (--ct-b)
+pins the lane's ms per expert instead. The coldest misses go first: they are the least likely
+to be admitted into the VRAM cache soon, so computing them on the CPU costs the cache nothing.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
-MAX_ROWS = 8  # row-count buckets of the lane's per-expert estimate (decode batches up to 8)
+import numpy as np
+
+MAX_ROWS = 8  # rows a decode batch can give one expert
+# Below this many samples a fit's quantiles mean little: its upper margin is PRIOR_TAIL
+MIN_TAIL_SAMPLES = 16
+PRIOR_TAIL = 0.5
 
 
-class Ewma:
-    """An exponentially weighted moving average that starts at a prior and counts its samples."""
+class LinearFit:
+    """time_ms = x . theta, fitted over the newest `window` samples.
 
-    __slots__ = ("alpha", "n", "value")
+    Least squares with a ridge toward the prior: the prior counts as a pseudo sample of weight
+    `prior_weight` per coefficient, so a coefficient the samples cannot tell apart (the
+    per-extra-row cost while every expert has one row) stays at its prior instead of swinging
+    on noise, while a few samples move the others off a wrong prior (the weight is small: a
+    prior 100x off biases a fit of 20 samples by under 1 %). A least-squares fit over a window
+    rather than an EWMA: the lane's cost has a fixed part and a per-expert part, and one job's
+    time cannot say which of the two it measured; a fit over jobs of different sizes can. One
+    pass of outlier rejection (residuals beyond `reject` robust sigmas, from the median
+    absolute deviation) keeps a preempted job from moving the mean. The rejected samples still
+    count in the quantiles of the relative residual (`upper`, `lower`): what the budget must
+    cover is the real spread, outliers included. Owned by the router's thread."""
 
-    def __init__(self, prior: float, alpha: float):
-        self.value, self.alpha, self.n = float(prior), float(alpha), 0
+    def __init__(
+        self,
+        prior: tuple[float, ...],
+        window: int = 128,
+        prior_weight: float = 0.01,
+        reject: float = 4.0,
+        quantile: float = 0.99,
+    ):
+        self.prior = np.asarray(prior, dtype=np.float64)
+        self.samples: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
+        self.prior_weight, self.reject, self.quantile = prior_weight, reject, quantile
+        self.n = 0  # samples ever added
+        self.rejected = 0  # samples the newest fit left out
+        self._theta = self.prior.copy()
+        self._upper, self._lower = PRIOR_TAIL, -PRIOR_TAIL
+        self._dirty = False
 
-    def update(self, sample: float) -> None:
-        # the first samples weigh more, so a wrong prior is forgotten within a few observations
-        a = max(self.alpha, 1.0 / (self.n + 2))
-        self.value += a * (float(sample) - self.value)
+    def add(self, x: tuple[float, ...], ms: float) -> None:
+        self.samples.append((tuple(float(v) for v in x), float(ms)))
         self.n += 1
+        self._dirty = True
+
+    @property
+    def theta(self) -> np.ndarray:
+        if self._dirty:
+            self._fit()
+        return self._theta
+
+    @property
+    def upper(self) -> float:
+        """The `quantile` of (measured - predicted) / predicted, at least 0: how much longer
+        than predicted a sample may take."""
+        if self._dirty:
+            self._fit()
+        return self._upper
+
+    @property
+    def lower(self) -> float:
+        """The 1 - `quantile` quantile of the relative residual, at most 0."""
+        if self._dirty:
+            self._fit()
+        return self._lower
+
+    def _solve(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        lam = self.prior_weight * np.eye(len(self.prior))
+        return np.linalg.solve(x.T @ x + lam, x.T @ y + lam @ self.prior)
+
+    def _fit(self) -> None:
+        self._dirty = False
+        if not self.samples:
+            return
+        x = np.array([s[0] for s in self.samples], dtype=np.float64)
+        y = np.array([s[1] for s in self.samples], dtype=np.float64)
+        theta = self._solve(x, y)
+        res = y - x @ theta
+        sigma = 1.4826 * np.median(np.abs(res - np.median(res)))
+        keep = np.abs(res) <= max(self.reject * sigma, 1e-6)
+        if keep.sum() >= len(self.prior) and not keep.all():
+            theta = self._solve(x[keep], y[keep])
+        self.rejected = int((~keep).sum())
+        self._theta = theta
+        pred = x @ theta
+        rel = (y - pred) / np.maximum(pred, 1e-9)
+        if len(rel) < MIN_TAIL_SAMPLES:
+            self._upper, self._lower = PRIOR_TAIL, -PRIOR_TAIL
+        else:
+            self._upper = max(0.0, float(np.quantile(rel, self.quantile, method="higher")))
+            self._lower = min(0.0, float(np.quantile(rel, 1 - self.quantile, method="lower")))
+
+
+def _check_share(share: float | None) -> None:
+    if share is not None and not 0.0 <= share <= 1.0:
+        raise ValueError(f"forced_share {share} is outside 0..1")
 
 
 @dataclass
 class Rates:
-    """Priors for the estimates (ms; GB/s). The defaults are the seed's H200-class figures scaled
-    to a 3 bpw GLM-5.3-Flash expert of 9.44 MB; the estimates move off them as soon as the engine
-    measures."""
+    """Priors for the fits (ms; GB/s). The defaults are the seed's H200-class figures scaled to
+    a 3 bpw GLM-5.3-Flash expert of 9.44 MB; the fits move off them as soon as the engine
+    measures. A zero-copy expert costs a resident one's compute plus its transfer over the link:
+    miss_ms = hit_ms + expert_bytes / link."""
 
     hit_ms: float = 0.023
-    zc_ms: float = 0.02  # GPU compute per zero-copy expert beyond its transfer
     link_gbps: float = 25.0
     lane_a_ms: float = 0.11
     lane_b_ms: float = 0.4  # per expert at one row
-    tok: float = 0.2  # extra fraction of lane_b per extra row of one expert
+    tok: float = 0.2  # each extra row of one expert costs this share of lane_b
+    # the poller's pick-up delay after an idle gap: its longest sleep (200 us) plus the timer's
+    # slack (about 50 us), docs/fast-mode.md; the job timings cannot see it
+    pickup_ms: float = 0.25
 
 
 @dataclass
@@ -59,116 +149,199 @@ class LayerStats:
     lane_steps: int = 0
     misses: int = 0
     to_lane: int = 0
+    probes: int = 0
     lane_ms: float = 0.0
     predicted_ms: float = 0.0
+    waited_ms: float = 0.0  # the device's measured waits for the lane (timed steps)
+    since_lane: int = 0  # steps with misses since this layer last sent the lane anything
+    owed: float = 0.0  # forced_share: the share's fractional experts not sent yet
+    wait_ns: int = 0  # the newest wait budget
 
 
 @dataclass
 class LaneRouter:
+    """Owned by the engine thread; `stats` may run on another thread under the engine's lock.
+
+    `forced_share` (benchmark and diagnostic knob, bench/gpu_slice.py's fixed-split sweep):
+    send that share of each layer's misses to the lane whatever the rates say (the fraction
+    carried from step to step, so 10 % of 4 misses is one expert every 2.5 steps); the wait
+    budget is still the predicted one. `probe_after`: a layer whose misses have not gone to the
+    lane for that many steps sends one, so a lane priced too high is measured again instead of
+    never being chosen."""
+
     n_layers: int
     expert_bytes: int
     rates: Rates = field(default_factory=Rates)
     max_k: int = 32
     margin: float = 0.02  # a split must beat the GPU alone by this share
-    alpha: float = 0.1
+    window: int = 128  # samples per fit
+    warmup_jobs: int = 1  # lane jobs discarded per row count before fitting
+    quantile: float = 0.99  # of the lane's relative misprediction that its upper bound covers
+    probe_after: int = 256
     ct_b: float | None = None  # --ct-b: pin the lane's ms per expert
+    forced_share: float | None = None
 
     def __post_init__(self):
-        r, a = self.rates, self.alpha
-        self.hit_ms, self.zc_ms = Ewma(r.hit_ms, a), Ewma(r.zc_ms, a)
-        self.link_gbps = Ewma(r.link_gbps, a)
-        self.lane_a = Ewma(r.lane_a_ms, a)
-        # per row-count bucket: the lane's ms per expert
-        self.lane_b = [Ewma(r.lane_b_ms * (1 + r.tok * i), a) for i in range(MAX_ROWS)]
+        _check_share(self.forced_share)
+        r = self.rates
+        # lane: ms = a + b * experts + c * (picks - experts)
+        self.lane = LinearFit(
+            (r.lane_a_ms, r.lane_b_ms, r.tok * r.lane_b_ms), self.window, quantile=self.quantile
+        )
+        # GPU share: ms = hit * n_hit + miss * n_zero_copy
+        miss = r.hit_ms + self.expert_bytes / (r.link_gbps * 1e6)
+        self.gpu = LinearFit((r.hit_ms, miss), 2 * self.window, quantile=self.quantile)
+        self.pickup_ms = r.pickup_ms
         self.tok = r.tok
+        self.seen_by_rows = [0] * MAX_ROWS  # lane jobs seen per row count, warm-up included
+        self.fitted_by_rows = [0] * MAX_ROWS  # of those, the ones the fit took
         self.layers = [LayerStats() for _ in range(self.n_layers)]
 
-    # --- the decision --------------------------------------------------------------------------
+    def set_forced_share(self, share: float | None) -> None:
+        """The benchmark knob (see the class): a share in 0..1, or None for the router's own."""
+        _check_share(share)
+        self.forced_share = share
+        for st in self.layers:
+            st.owed = 0.0
+
+    # --- the rates -----------------------------------------------------------------------------
+    @property
+    def hit_ms(self) -> float:
+        return float(self.gpu.theta[0])
+
+    @property
     def miss_ms(self) -> float:
         """GPU time per zero-copy miss: its transfer at the link's rate plus its compute."""
-        return self.expert_bytes / (self.link_gbps.value * 1e6) + self.zc_ms.value
+        return float(self.gpu.theta[1])
 
-    def lane_expert_ms(self, rows: int) -> float:
+    def link_gbps(self) -> float | None:
+        """The link's effective rate: an expert's bytes over what a zero-copy expert costs beyond
+        a resident one. None while the fit puts the two at the same cost."""
+        extra = self.miss_ms - self.hit_ms
+        return self.expert_bytes / (extra * 1e6) if extra > 0 else None
+
+    def lane_expert_ms(self, rows: float) -> float:
+        """The lane's ms for one expert picked by `rows` rows (a mean may be fractional)."""
+        extra = min(max(rows, 1.0), MAX_ROWS) - 1
         if self.ct_b is not None:
-            return self.ct_b * (1 + self.tok * (min(rows, MAX_ROWS) - 1))
-        return self.lane_b[min(rows, MAX_ROWS) - 1].value
+            return self.ct_b * (1 + self.tok * extra)
+        _, b, c = self.lane.theta
+        return max(float(b), 0.0) + max(float(c), 0.0) * extra
 
-    def cost(self, k: int, n_hit: int, miss_rows: list[int]) -> tuple[float, float]:
-        """(GPU ms, lane ms) of a layer with the first k of `miss_rows` on the lane."""
-        n_miss = len(miss_rows)
-        gpu = n_hit * self.hit_ms.value + (n_miss - k) * self.miss_ms()
-        lane = 0.0
-        if k:
-            lane = self.lane_a.value + sum(self.lane_expert_ms(r) for r in miss_rows[:k])
-        return gpu, lane
+    def lane_ms(self, miss_rows) -> float:
+        """The lane's predicted ms for a job of these experts (rows per expert)."""
+        if not len(miss_rows):
+            return 0.0
+        return max(float(self.lane.theta[0]), 0.0) + sum(self.lane_expert_ms(r) for r in miss_rows)
 
-    def split(self, layer: int, n_hit: int, miss_rows: list[int]) -> int:
+    def cost(self, k: int, n_hit: int, miss_rows) -> tuple[float, float]:
+        """(GPU ms, the lane's upper-bound ms) of a layer with the first k of `miss_rows` on
+        the lane."""
+        gpu = n_hit * self.hit_ms + (len(miss_rows) - k) * self.miss_ms
+        return gpu, self.lane_ms(miss_rows[:k]) * (1 + self.lane.upper)
+
+    # --- the decision --------------------------------------------------------------------------
+    def split(self, layer: int, n_hit: int, miss_rows) -> int:
         """How many of the misses, listed coldest first with the rows that picked each, go to
-        the lane. 0 whenever no split beats the GPU alone by the margin."""
-        gpu0, _ = self.cost(0, n_hit, miss_rows)
-        best_k, best = 0, gpu0
-        # cost(k) for every k in one pass: the lane's sum grows by one expert a step (summed in
-        # the same order as cost() sums it, so the same floats), the GPU's shrinks by one miss
-        hit, miss, lane_sum = n_hit * self.hit_ms.value, self.miss_ms(), 0.0
-        for k in range(1, min(self.max_k, len(miss_rows)) + 1):
-            lane_sum += self.lane_expert_ms(miss_rows[k - 1])
-            t = max(hit + (len(miss_rows) - k) * miss, self.lane_a.value + lane_sum)
-            if t < best:
-                best_k, best = k, t
-        if best_k and best > gpu0 * (1 - self.margin):
-            best_k, best = 0, gpu0
+        the lane. 0 whenever no split beats the GPU alone by the margin (a probe aside)."""
         st = self.layers[layer]
+        n_miss = len(miss_rows)
+        gpu0 = n_hit * self.hit_ms + n_miss * self.miss_ms
+        best_k, best = 0, gpu0
+        if self.forced_share is not None:
+            st.owed += self.forced_share * n_miss
+            best_k = min(int(st.owed), n_miss, self.max_k)
+            st.owed -= best_k
+            best = max(self.cost(best_k, n_hit, miss_rows))
+        else:
+            # cost(k) for every k in one pass: the lane's sum grows by one expert a step (summed
+            # in the order lane_ms sums it, so the same floats), the GPU's shrinks by one miss
+            hit, miss, scale = n_hit * self.hit_ms, self.miss_ms, 1 + self.lane.upper
+            lane_a, lane_sum = max(float(self.lane.theta[0]), 0.0), 0.0
+            for k in range(1, min(self.max_k, n_miss) + 1):
+                lane_sum += self.lane_expert_ms(miss_rows[k - 1])
+                t = max(hit + (n_miss - k) * miss, (lane_a + lane_sum) * scale)
+                if t < best:
+                    best_k, best = k, t
+            if best_k and best > gpu0 * (1 - self.margin):
+                best_k, best = 0, gpu0
+            if best_k == 0 and n_miss and self.ct_b is None and st.since_lane >= self.probe_after:
+                best_k, best = 1, max(self.cost(1, n_hit, miss_rows))
+                st.probes += 1
         st.steps += 1
-        st.misses += len(miss_rows)
+        st.misses += n_miss
         st.to_lane += best_k
         st.lane_steps += best_k > 0
         st.predicted_ms += best
+        if best_k:
+            st.since_lane = 0
+        elif n_miss:
+            st.since_lane += 1
+        st.wait_ns = self.wait_ns(best_k, n_hit, miss_rows)
         return best_k
 
+    def wait_ns(self, k: int, n_hit: int, miss_rows) -> int:
+        """The device's wait budget for a layer that sends the first k misses: the lane's upper
+        bound, plus its pick-up delay, minus the GPU's fastest plausible share (its fitted time
+        at its lower residual quantile, every expert as fast as a resident one: the budget is
+        set a step ahead, on the last step's counts). The wait starts when that share ends, so
+        a lane on its upper bound lands inside it. 0 for k = 0 (nothing is sent, nothing
+        waited for)."""
+        if k == 0:
+            return 0
+        lane = self.lane_ms(miss_rows[:k]) * (1 + self.lane.upper) + self.pickup_ms
+        gpu = (n_hit + len(miss_rows) - k) * min(self.hit_ms, self.miss_ms) * (1 + self.gpu.lower)
+        return int(max(lane - max(gpu, 0.0), self.pickup_ms) * 1e6)
+
     # --- what the engine measured --------------------------------------------------------------
-    def observe_lane(self, layer: int, miss_rows: list[int], ms: float) -> None:
+    def observe_lane(self, layer: int, miss_rows, ms: float) -> None:
         """The lane computed these experts (rows per expert) in `ms`, its job overhead included.
-        The per-expert rate of the job's dominant row count absorbs what the fixed cost does not
-        explain."""
-        if not miss_rows:
+        The first `warmup_jobs` jobs of each row count (the most rows any of its experts has)
+        are counted but not fitted."""
+        if not len(miss_rows):
             return
         self.layers[layer].lane_ms += ms
-        per = (ms - self.lane_a.value) / len(miss_rows)
-        rows = max(set(miss_rows), key=miss_rows.count)
-        if per > 0:
-            self.lane_b[min(rows, MAX_ROWS) - 1].update(per)
-        else:  # the job was faster than its fixed cost: the fixed cost is too high
-            self.lane_a.update(ms)
-
-    def observe_link(self, nbytes: int, ms: float) -> None:
-        if ms > 0 and nbytes > 0:
-            self.link_gbps.update(nbytes / (ms * 1e6))
+        bucket = min(int(max(miss_rows)), MAX_ROWS) - 1
+        self.seen_by_rows[bucket] += 1
+        if self.seen_by_rows[bucket] <= self.warmup_jobs:
+            return
+        self.fitted_by_rows[bucket] += 1
+        experts = len(miss_rows)
+        self.lane.add((1.0, experts, float(sum(miss_rows)) - experts), ms)
 
     def observe_gpu(self, n_hit: int, n_zc: int, ms: float) -> None:
-        """A layer's GPU expert time with n_hit resident and n_zc zero-copy experts: splits the
-        time between them by the current estimates and moves each toward its share."""
-        if ms <= 0 or n_hit + n_zc == 0:
-            return
-        want_hit = n_hit * self.hit_ms.value
-        want_zc = n_zc * self.miss_ms()
-        scale = ms / (want_hit + want_zc)
-        if n_hit:
-            self.hit_ms.update(self.hit_ms.value * scale)
-        if n_zc:
-            transfer = self.expert_bytes / (self.link_gbps.value * 1e6)
-            self.zc_ms.update(max(0.0, self.miss_ms() * scale - transfer))
+        """A layer's GPU share (from the publish to the wait) with n_hit resident and n_zc
+        zero-copy experts took `ms`."""
+        if ms > 0 and n_hit + n_zc > 0:
+            self.gpu.add((n_hit, n_zc), ms)
+
+    def observe_wait(self, layer: int, ms: float) -> None:
+        """The device waited `ms` for the lane at the end of a timed layer."""
+        self.layers[layer].waited_ms += ms
 
     # --- introspection -------------------------------------------------------------------------
     def stats(self) -> dict:
+        """Each rate with the samples behind it (the newest fit's window; lane_b_ms_by_rows:
+        the jobs fitted per row count, ever)."""
+        a, b, c = (float(v) for v in self.lane.theta)
+        lane_n, gpu_n = len(self.lane.samples), len(self.gpu.samples)
         return {
             "rates": {
-                "hit_ms": self.hit_ms.value,
-                "zc_ms": self.zc_ms.value,
-                "link_gbps": self.link_gbps.value,
-                "lane_a_ms": self.lane_a.value,
-                "lane_b_ms_by_rows": [e.value for e in self.lane_b],
-                "ct_b": self.ct_b,
+                "lane_a_ms": {"value": a, "samples": lane_n},
+                "lane_b_ms_by_rows": {
+                    "value": [self.lane_expert_ms(r) for r in range(1, MAX_ROWS + 1)],
+                    "samples": list(self.fitted_by_rows),
+                },
+                "lane_upper_share": {"value": self.lane.upper, "samples": lane_n},
+                "hit_ms": {"value": self.hit_ms, "samples": gpu_n},
+                "miss_ms": {"value": self.miss_ms, "samples": gpu_n},
+                "link_gbps": {"value": self.link_gbps(), "samples": gpu_n},
+                "pickup_ms": {"value": self.pickup_ms, "samples": 0},
             },
+            "lane_warmup_jobs": sum(self.seen_by_rows) - sum(self.fitted_by_rows),
+            "lane_rejected": self.lane.rejected,
+            "ct_b": self.ct_b,
+            "forced_share": self.forced_share,
             "layers": [
                 {
                     "split": st.to_lane / st.misses if st.misses else 0.0,
@@ -176,6 +349,9 @@ class LaneRouter:
                     "steps": st.steps,
                     "to_lane": st.to_lane,
                     "misses": st.misses,
+                    "probes": st.probes,
+                    "wait_ns": st.wait_ns,
+                    "waited_ms": st.waited_ms,
                 }
                 for st in self.layers
             ],
