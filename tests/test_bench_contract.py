@@ -278,6 +278,22 @@ def test_gpu_slice_fast_row_gives_issue_16s_ratios(tmp_path):
     assert "fast" not in figures["predicted"]  # the cost model has no fast row here
 
 
+def test_ram_tier_policy_contract(tmp_path):
+    synthetic = ("--layers", "2", "--experts", "32", "--top-k", "4", "--hidden", "64",
+                 "--tokens", "24", "--vram-share", "0.1")  # fmt: skip
+    trace = tmp_path / "trace.npz"
+    r = run_bench("ram_tier_policy", *synthetic, "--write-trace", str(trace))
+    f, ratios, cfg = r["figures"], r["ratios"], r["config"]
+    assert (cfg["num_keys"], cfg["ram_slots"]) == (64, 45)
+    assert f["hits"]["oracle"] >= max(f["hits"]["ram_tier"], f["hits"]["clock"])
+    assert f["ram_tier_hit_rate"] == f["hits"]["ram_tier"] / f["accesses"]
+    assert f["oracle_hit_rate"] == f["hits"]["oracle"] / f["accesses"]
+    assert ratios["ram_tier_vs_oracle"] == f["ram_tier_hit_rate"] / f["oracle_hit_rate"]
+    assert f["waves"] == 24 * 2 and f["widest_wave"] <= 4
+    again = run_bench("ram_tier_policy", "--trace", str(trace))
+    assert again["figures"]["hits"] == f["hits"] and again["config"]["trace"] == str(trace)
+
+
 def test_prefix_cache_contract(tmp_path):
     from glm53.synth.shapes import preset
     from glm53.synth.writer import write_checkpoint
