@@ -169,7 +169,7 @@ def test_a_read_fault_names_every_row_whose_picks_needed_the_record(glue):
     assert str(info.value) == (
         f"a read error for layer {layer} expert 4: reading layer {layer} expert 4 from the store "
         f"failed at offset {offset} of {data}: read of {4 * RECORD} bytes at offset {run} of "
-        f"{data} failed at offset {offset}: Input/output error; picked by rows 0, 2 of this "
+        f"{data} failed at offset {offset}: Input/output error; picked by 2 rows (0, 2) of this "
         "forward's 3"
     )
 

@@ -46,10 +46,10 @@ class ReadFault(TierError):
         """This fault with the rows (token rows of a forward of `num_rows`) that picked the
         expert, named in the message."""
         rows = tuple(int(r) for r in rows)
-        which = ", ".join(map(str, rows))
-        plural = "s" if len(rows) != 1 else ""
+        which = ", ".join(map(str, rows[:8])) + (", ..." if len(rows) > 8 else "")
+        what = f"row {which}" if len(rows) == 1 else f"{len(rows)} rows ({which})"
         return ReadFault(
-            f"{self}; picked by row{plural} {which} of this forward's {num_rows}",
+            f"{self}; picked by {what} of this forward's {num_rows}",
             self.layer,
             self.expert,
             rows,
