@@ -13,6 +13,18 @@ the router against (ratios.fast_router_vs_best_fixed_split). Decode tok/s at con
 chunks and as one chunk), hit rate per MoE layer, and the roofline of exact mode at its
 measured hit rate.
 
+The disk bound (nvme_exact rows, --store): beside each nvme row the bench reads the store with
+O_DIRECT through the engine's own reader (glm53.store.read_rate: ExpertStore with its 4 reader
+threads, the engine's queue depth, --read-batch distinct random records per batch, for
+--read-rate-s seconds), giving R bytes/s on the store's disk. Each nvme row counts the bytes its
+RAM tier read from the store (the RAM home's bytes_read counter) per token: per decoded token
+while every stream decodes, per prefilled token over the measured prefill. With exact's measured
+seconds per token t in the same phase (exact reads nothing from the store; its routed experts
+sit in pinned RAM) and the row's store bytes per token b, figures.disk_bound_tok_s gives
+serial = 1 / (t + b / R) (reads stall compute, as nvme-exact's blocking reads do) and
+overlap = 1 / max(t, b / R) (reads hidden behind compute). ratios.nvme_exact_ramNN_vs_disk_bound
+is the row's decode c1 tok/s over its serial bound.
+
 --vram-budget SIZE plans exact mode within SIZE as on a card that size (exl3_load.plan_vram);
 the expert cache is then as large as the budget allows unless --share caps it, and the stock
 offload rows keep as many experts per layer in VRAM as exact's cache and staging take. Every
@@ -49,9 +61,12 @@ H200_VRAM_GBPS = 4800.0
 H200_FP16_TFLOPS = 989.0
 
 
-def decode_run(loaded, vocab, batch, prompt_len=512, n_new=128, seed=0, step=None):
+def decode_run(
+    loaded, vocab, batch, prompt_len=512, n_new=128, seed=0, step=None, store_bytes=None
+):
     """`step`: called after each Generator iteration (fast mode's FastLane.step, as the
-    engine calls it)."""
+    engine calls it). `store_bytes`: the store's bytes read so far (nvme rows); the result
+    then has the bytes read per token decoded once every stream is decoding."""
     from exllamav3 import ArgmaxSampler, Generator, Job
 
     gen = Generator(
@@ -63,6 +78,7 @@ def decode_run(loaded, vocab, batch, prompt_len=512, n_new=128, seed=0, step=Non
         gen.enqueue(Job(input_ids=ids, max_new_tokens=n_new, sampler=ArgmaxSampler(),
                         stop_conditions=[], identifier=i))  # fmt: skip
     first, last, count = {}, {}, {}
+    bytes0, window_tokens = None, 0
     while gen.num_remaining_jobs():
         results = gen.iterate()
         if step is not None:
@@ -74,14 +90,20 @@ def decode_run(loaded, vocab, batch, prompt_len=512, n_new=128, seed=0, step=Non
             n = r["token_ids"].numel()
             if i not in first:
                 first[i], count[i] = now, 0
+                if store_bytes is not None and len(first) == batch:
+                    bytes0 = store_bytes()
             else:
                 count[i] += n
+                window_tokens += n if bytes0 is not None else 0
             last[i] = now
     torch.cuda.synchronize()
     per_stream = [count[i] / (last[i] - first[i]) for i in first if last[i] > first[i]]
     t0, t1 = max(first.values()), min(last.values())  # all streams decoding together
     agg = sum(per_stream) if t1 > t0 else None
-    return {"per_stream_tok_s": sum(per_stream) / len(per_stream), "aggregate_tok_s": agg}
+    out = {"per_stream_tok_s": sum(per_stream) / len(per_stream), "aggregate_tok_s": agg}
+    if bytes0 is not None and window_tokens:
+        out["store_bytes_per_token"] = (store_bytes() - bytes0) / window_tokens
+    return out
 
 
 def prefill_run(loaded, vocab, n_tokens, seed=1, chunk=2048):
@@ -105,14 +127,24 @@ def prefill_run(loaded, vocab, n_tokens, seed=1, chunk=2048):
 PREFILL = (("p512", 512, 2048), ("p8192", 8192, 2048), ("p8192_c8192", 8192, 8192))
 
 
+def store_bytes_counter(loaded):
+    """The nvme rows' bytes read from the store so far (the RAM home's counter), else None."""
+    if getattr(loaded, "nvme", None) is None:
+        return None
+    return lambda: loaded.nvme.home.counters["bytes_read"]
+
+
 def measure(loaded, vocab, quick=False, step=None):
     out = {"decode": {}, "prefill": {}}
+    store_bytes = store_bytes_counter(loaded)
     decode_run(loaded, vocab, 1, prompt_len=64, n_new=16, step=step)  # warm-up (Triton JIT)
     if loaded.ec is not None:
         st0 = loaded.ec.state()
     for b in (1, 2, 4):
         n_new = 32 if quick else 128
-        out["decode"][f"c{b}"] = decode_run(loaded, vocab, b, n_new=n_new, step=step)
+        out["decode"][f"c{b}"] = decode_run(
+            loaded, vocab, b, n_new=n_new, step=step, store_bytes=store_bytes
+        )
     if loaded.ec is not None:
         st1 = loaded.ec.state()
         looked = (st1["hits"] - st0["hits"]) + (st1["misses"] - st0["misses"])
@@ -125,7 +157,11 @@ def measure(loaded, vocab, quick=False, step=None):
         # new shapes, reconstruct-and-hgemm above 1,024 rows) whose one-time cost is not prefill
         try:
             prefill_run(loaded, vocab, n, seed=2, chunk=chunk)
+            bytes0 = store_bytes() if store_bytes is not None else None
             out["prefill"][name] = prefill_run(loaded, vocab, n, chunk=chunk)
+            if bytes0 is not None:
+                per_token = (store_bytes() - bytes0) / n
+                out.setdefault("prefill_store_bytes_per_token", {})[name] = per_token
         except Exception as exc:  # keep the row: one prefill shape failing is a finding
             out["prefill"][name] = None
             out.setdefault("prefill_errors", {})[name] = repr(exc)[:500]
@@ -222,6 +258,7 @@ def measure_mode(args, mode) -> dict:
         kw = exact_kwargs(args, "exact", geo.n_experts, len(geo.moe_layers))
         kw.update(store=args.store, ram_cap=nvme_ram_cap(args.store, mode))
         info["ram_share"] = NVME_RAM_SHARE[mode]
+        info["store_read"] = store_read_rate(args)
     dev = torch.device("cuda:0")  # exl3_load.load's default device
     with torch.inference_mode():
         t0 = time.perf_counter()
@@ -290,6 +327,58 @@ def start_fast_row(args, loaded):
     from glm53.tiers.fast_lane import start_fast
 
     return start_fast(loaded, args.model, CpuLane(lane_layout(), precision="fast"))
+
+
+def store_read_rate(args) -> dict:
+    """The store's O_DIRECT read rate on its disk, through the engine's reader at its queue
+    depth (glm53.store.read_rate), measured in the run beside each nvme row."""
+    from glm53.store.read_rate import read_rate
+
+    rate = read_rate(args.store, batch_records=args.read_batch, max_seconds=args.read_rate_s)
+    return msgspec.to_builtins(rate)
+
+
+def disk_bound_tok_s(exact_tok_s, store_bytes_per_token, read_bytes_per_s) -> dict | None:
+    """The rate a row could reach on this disk: exact's time per token plus the store bytes
+    that row reads per token at the measured read rate (serial), or the larger of the two
+    (full overlap of reads and compute). None when a figure is missing."""
+    if not exact_tok_s or store_bytes_per_token is None or not read_bytes_per_s:
+        return None
+    compute_s, read_s = 1 / exact_tok_s, store_bytes_per_token / read_bytes_per_s
+    return {"serial": 1 / (compute_s + read_s), "overlap": 1 / max(compute_s, read_s)}
+
+
+# phase -> (a row's tok/s, its store bytes per token), for the disk bound
+DISK_BOUND_PHASES = {
+    "decode_c1": (
+        lambda r: r["decode"]["c1"]["per_stream_tok_s"],
+        lambda r: r["decode"]["c1"].get("store_bytes_per_token"),
+    ),
+    **{
+        f"prefill_{name}": (
+            lambda r, n=name: r["prefill"].get(n),
+            lambda r, n=name: (r.get("prefill_store_bytes_per_token") or {}).get(n),
+        )
+        for name, _, _ in PREFILL
+    },
+}
+
+
+def disk_bounds(rows: dict, read_rates: dict) -> tuple[dict, dict]:
+    """Per nvme row and phase, its store bytes per token and disk_bound_tok_s against exact's
+    measured tok/s in the same phase (`read_rates`: row -> bytes/s measured beside it)."""
+    per_token, bounds = {}, {}
+    exact = rows.get("exact")
+    for mode, row in rows.items():
+        if mode not in read_rates:
+            continue
+        per_token[mode], bounds[mode] = {}, {}
+        for phase, (tok_s, bytes_per_token) in DISK_BOUND_PHASES.items():
+            b = bytes_per_token(row)
+            per_token[mode][phase] = b
+            ex = tok_s(exact) if exact is not None else None
+            bounds[mode][phase] = disk_bound_tok_s(ex, b, read_rates[mode])
+    return per_token, bounds
 
 
 def nvme_ram_cap(store: str, mode: str) -> int:
@@ -441,6 +530,18 @@ def combine(results: list[dict], args) -> dict:
         predicted, vs_predicted = predictions(rows, geo, args)
     figures["predicted"] = predicted
     figures["full_model"] = full_model(args, vs_predicted.get("exact"))
+    read_rates = {
+        r["mode"]: r["info"]["store_read"]["bytes_per_s"]
+        for r in results
+        if r["mode"] in rows and "store_read" in r["info"]
+    }
+    figures["store_read_bytes_per_s"] = read_rates
+    figures["store_bytes_per_token"], figures["disk_bound_tok_s"] = disk_bounds(rows, read_rates)
+
+    def vs_disk_bound(m):  # decode c1 against its serial bound
+        bound = figures["disk_bound_tok_s"].get(m, {}).get("decode_c1")
+        return ratio(c1(m), bound["serial"]) if bound else None
+
     c4_agg = rows["exact"]["decode"]["c4"]["aggregate_tok_s"] if "exact" in rows else None
     fast_c4_agg = rows["fast"]["decode"]["c4"]["aggregate_tok_s"] if "fast" in rows else None
     fast_lane = figures["fast_lane"] = (
@@ -466,6 +567,8 @@ def combine(results: list[dict], args) -> dict:
         "exact_vs_exact_clock": ratio(ex, c1("exact_clock")),
         "nvme_exact_vs_exact_ram70": ratio(c1("nvme_exact_ram70"), ex),
         "nvme_exact_vs_exact_ram40": ratio(c1("nvme_exact_ram40"), ex),
+        "nvme_exact_ram70_vs_disk_bound": vs_disk_bound("nvme_exact_ram70"),
+        "nvme_exact_ram40_vs_disk_bound": vs_disk_bound("nvme_exact_ram40"),
         "exact_c4_aggregate_vs_c1": ratio(c4_agg, ex),
         "fast_vs_exact": ratio(c1("fast"), ex),
         "fast_vs_best_stock_offload": ratio(c1("fast"), max(offload)) if offload else None,
@@ -569,6 +672,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "all but fast; the nvme_exact rows only with --store)")  # fmt: skip
     ap.add_argument("--store", default=None,
                     help="packed store of --model, for the nvme_exact rows")  # fmt: skip
+    ap.add_argument("--read-rate-s", type=float, default=5.0,
+                    help="seconds of O_DIRECT reads measuring the store's rate beside each "
+                    "nvme row")  # fmt: skip
+    ap.add_argument("--read-batch", type=int, default=8,
+                    help="records per read batch in that measurement (a decode layer's "
+                    "top-k)")  # fmt: skip
     ap.add_argument("--rows-dir", default=None,
                     help="write each row to DIR/row-MODE.json as soon as it is measured")  # fmt: skip
     ap.add_argument("--combine", default=None, metavar="DIR",

@@ -185,6 +185,66 @@ def test_gpu_slice_nvme_exact_rows_need_a_store_and_give_their_ratios_against_ex
     ratios = run_bench("gpu_slice", "--combine", str(tmp_path))["ratios"]
     assert ratios["nvme_exact_vs_exact_ram70"] == 36.0 / 40.0
     assert ratios["nvme_exact_vs_exact_ram40"] == 20.0 / 40.0
+    assert ratios["nvme_exact_ram70_vs_disk_bound"] is None  # rows without a read rate
+
+
+def test_disk_bound_adds_the_store_reads_to_exacts_time_serial_or_overlapped():
+    gs = _gpu_slice()
+    # exact 100 tok/s = 10 ms a token; 20 MB a token at 2 GB/s = 10 ms of reads
+    assert gs.disk_bound_tok_s(100.0, 20e6, 2e9) == {"serial": 50.0, "overlap": 100.0}
+    # reads longer than compute: overlap is bound by the disk alone (40 ms -> 25 tok/s)
+    assert gs.disk_bound_tok_s(100.0, 80e6, 2e9) == pytest.approx({"serial": 20.0,
+                                                                   "overlap": 25.0})  # fmt: skip
+    assert gs.disk_bound_tok_s(100.0, 0.0, 2e9) == {"serial": 100.0, "overlap": 100.0}
+    assert gs.disk_bound_tok_s(None, 20e6, 2e9) is None
+    assert gs.disk_bound_tok_s(100.0, None, 2e9) is None
+
+
+def test_gpu_slice_nvme_rows_give_their_disk_bound_from_the_read_rate_beside_them(tmp_path):
+    """MOCK rows (made-up figures): each nvme row's store bytes per token and read rate give
+    figures.disk_bound_tok_s per phase and the decode c1 ratio against the serial bound."""
+    from glm53.doctor.geometry import Geometry
+
+    geo = Geometry("slice", 8, 8, 288, 8, 9_437_184, 1_000_000_000, 3)
+    info = {"moe_layers": 8, "experts": 288, "record_bytes": 9_437_184, "device": "MOCK",
+            "geometry": {f: getattr(geo, f) for f in geo.__struct_fields__}}  # fmt: skip
+    ram70 = _mock_row(36.0, 28.0, 18.0, 72.0, 800.0, 2500.0, 5000.0,
+                      prefill_store_bytes_per_token={"p512": 1e6, "p8192": 2e5,
+                                                     "p8192_c8192": 1e5})  # fmt: skip
+    ram70["decode"]["c1"]["store_bytes_per_token"] = 50e6
+    ram40 = _mock_row(20.0, 16.0, 10.0, 40.0, 500.0, 1500.0, 3000.0)
+    ram40["decode"]["c1"]["store_bytes_per_token"] = 100e6
+    rows = {
+        "exact": _mock_row(40.0, 30.0, 20.0, 80.0, 1000.0, 4000.0, 8000.0,
+                           decode_hit_rate=0.5, cache={"layer_hit_rate": [0.5] * 8}, slots=262),
+        "nvme_exact_ram70": ram70,
+        "nvme_exact_ram40": ram40,
+    }  # fmt: skip
+    rates = {"nvme_exact_ram70": 2e9, "nvme_exact_ram40": 1e9}
+    for mode, row in rows.items():
+        i = dict(info, store_read={"bytes_per_s": rates[mode]}) if mode in rates else info
+        (tmp_path / f"row-{mode}.json").write_text(
+            json.dumps({"mode": mode, "info": i, "row": row})
+        )
+    r = run_bench("gpu_slice", "--combine", str(tmp_path))
+    f, ratios = r["figures"], r["ratios"]
+    assert f["store_read_bytes_per_s"] == rates
+    assert f["store_bytes_per_token"]["nvme_exact_ram70"] == {
+        "decode_c1": 50e6, "prefill_p512": 1e6, "prefill_p8192": 2e5, "prefill_p8192_c8192": 1e5
+    }  # fmt: skip
+    b70 = f["disk_bound_tok_s"]["nvme_exact_ram70"]
+    # exact 25 ms a token + 50 MB / 2 GB/s = 25 ms: serial 20 tok/s, overlapped 40
+    assert b70["decode_c1"] == pytest.approx({"serial": 20.0, "overlap": 40.0})
+    # prefill 512: exact 1 ms a token + 1 MB / 2 GB/s = 0.5 ms
+    assert b70["prefill_p512"] == pytest.approx({"serial": 1 / 1.5e-3, "overlap": 1000.0})
+    assert b70["prefill_p8192"] == pytest.approx({"serial": 1 / 3.5e-4, "overlap": 4000.0})
+    b40 = f["disk_bound_tok_s"]["nvme_exact_ram40"]
+    # 25 ms + 100 MB / 1 GB/s = 100 ms: serial 8 tok/s, overlapped 10
+    assert b40["decode_c1"] == pytest.approx({"serial": 8.0, "overlap": 10.0})
+    assert b40["prefill_p512"] is None  # the row counted no prefill bytes
+    assert "exact" not in f["disk_bound_tok_s"]
+    assert ratios["nvme_exact_ram70_vs_disk_bound"] == pytest.approx(36.0 / 20.0)
+    assert ratios["nvme_exact_ram40_vs_disk_bound"] == pytest.approx(20.0 / 8.0)
 
 
 def test_gpu_slice_fast_row_gives_issue_16s_and_26s_ratios(tmp_path):
@@ -240,6 +300,22 @@ def test_gpu_slice_fast_row_gives_issue_16s_and_26s_ratios(tmp_path):
                                                       "lane_picks": 1200}  # fmt: skip
     assert ratios["fast_router_vs_best_fixed_split"] == 52.0 / 54.0
     assert "fast" not in figures["predicted"]  # the cost model has no fast row here
+
+
+def test_ram_tier_policy_contract(tmp_path):
+    synthetic = ("--layers", "2", "--experts", "32", "--top-k", "4", "--hidden", "64",
+                 "--tokens", "24", "--vram-share", "0.1")  # fmt: skip
+    trace = tmp_path / "trace.npz"
+    r = run_bench("ram_tier_policy", *synthetic, "--write-trace", str(trace))
+    f, ratios, cfg = r["figures"], r["ratios"], r["config"]
+    assert (cfg["num_keys"], cfg["ram_slots"]) == (64, 45)
+    assert f["hits"]["oracle"] >= max(f["hits"]["ram_tier"], f["hits"]["clock"])
+    assert f["ram_tier_hit_rate"] == f["hits"]["ram_tier"] / f["accesses"]
+    assert f["oracle_hit_rate"] == f["hits"]["oracle"] / f["accesses"]
+    assert ratios["ram_tier_vs_oracle"] == f["ram_tier_hit_rate"] / f["oracle_hit_rate"]
+    assert f["waves"] == 24 * 2 and f["widest_wave"] <= 4
+    again = run_bench("ram_tier_policy", "--trace", str(trace))
+    assert again["figures"]["hits"] == f["hits"] and again["config"]["trace"] == str(trace)
 
 
 def test_prefix_cache_contract(tmp_path):

@@ -359,3 +359,29 @@ def test_serve_refuses_a_ram_cap_below_one_layer_before_loading(demo, good_store
     log = server.log()
     assert "nvme-exact on the GPU needs one MoE layer's picks resident at once" in log, log
     assert "raise --ram-cap to at least" in log
+
+
+def test_rows_picking_finds_the_rows_whose_top_k_holds_the_expert():
+    from glm53.tiers.gpu_home import rows_picking
+
+    picks = np.array([[4, 1], [2, 3], [9, 4], [4, 4]])
+    assert rows_picking(picks, 4, 4).tolist() == [0, 2, 3]
+    assert rows_picking(picks.reshape(-1), 4, 3).tolist() == [1]
+    assert rows_picking(picks, 4, 7).tolist() == []
+
+
+def test_a_read_fault_lists_at_most_eight_of_the_rows_that_picked_it():
+    fault = ReadFault("a read error for layer 3 expert 5: EIO", 3, 5)
+    one = fault.picked_by([6], 9)
+    assert (str(one), one.layer, one.expert, one.rows) == (
+        "a read error for layer 3 expert 5: EIO; picked by row 6 of this forward's 9",
+        3,
+        5,
+        (6,),
+    )
+    many = fault.picked_by(range(10), 2048)
+    assert str(many) == (
+        "a read error for layer 3 expert 5: EIO; picked by 10 rows (0, 1, 2, 3, 4, 5, 6, 7, ...) "
+        "of this forward's 2048"
+    )
+    assert many.rows == tuple(range(10))

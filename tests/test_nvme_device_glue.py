@@ -140,10 +140,38 @@ def test_a_read_fault_writes_the_evictions_it_made_before_it_propagates(glue):
     home.route(0, torch.arange(32, dtype=torch.int64).view(8, 4), False, {})  # 32 of 40 slots
     real = home.tier.source.reader
     home.tier.source.reader = FailingReader(real, [(EXPERTS + 9) * RECORD + 4096], errno.EIO)
-    with pytest.raises(ReadFault, match="expert 9"):
+    with pytest.raises(ReadFault, match="expert 9") as info:
         home.route(1, torch.arange(16, dtype=torch.int64).view(4, 4), False, {})
     home.tier.source.reader = real
+    layer = home.tier.source.moe_layers[1]
+    assert (info.value.layer, info.value.expert, info.value.rows) == (layer, 9, (2,))
+    assert str(info.value).endswith("; picked by row 2 of this forward's 4")
     assert np.array_equal(ec._t["home"].numpy(), home.home.expected())
+
+
+def test_a_read_fault_names_every_row_whose_picks_needed_the_record(glue):
+    import errno
+
+    from store_kit import FailingReader
+
+    home, ec, lib = glue
+    real = home.tier.source.reader
+    home.tier.source.reader = FailingReader(real, [(2 * EXPERTS + 4) * RECORD], errno.EIO)
+    selected = torch.tensor([[4, 1], [2, 3], [9, 4]], dtype=torch.int64)  # rows 0 and 2 pick 4
+    with pytest.raises(ReadFault) as info:
+        home.route(2, selected, decode=True, params={})
+    home.tier.source.reader = real
+    layer = home.tier.source.moe_layers[2]
+    assert (info.value.layer, info.value.expert, info.value.rows) == (layer, 4, (0, 2))
+    # experts 1-4 are neighbours in the file: one read of 4 records, from expert 1's offset
+    offset, run = (2 * EXPERTS + 4) * RECORD, (2 * EXPERTS + 1) * RECORD
+    data = home.tier.source.data_path
+    assert str(info.value) == (
+        f"a read error for layer {layer} expert 4: reading layer {layer} expert 4 from the store "
+        f"failed at offset {offset} of {data}: read of {4 * RECORD} bytes at offset {run} of "
+        f"{data} failed at offset {offset}: Input/output error; picked by 2 rows (0, 2) of this "
+        "forward's 3"
+    )
 
 
 def test_table_bad_fails_the_step_once_and_flushes_the_vram_cache(glue):

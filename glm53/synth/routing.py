@@ -165,3 +165,32 @@ def hidden_like_inputs(num_tokens: int, hidden_size: int, seed: int, layer: int)
     for t in range(1, num_tokens):
         x[t] = 0.6 * x[t - 1] + 0.8 * noise[t]
     return x * torch.rsqrt(x.square().mean(-1, keepdim=True))
+
+
+def stand_in_decode_picks(
+    mode: str,
+    num_experts: int,
+    top_k: int,
+    hidden_size: int,
+    num_tokens: int,
+    seed: int,
+    layer: int,
+    num_streams: int = 1,
+    fit_tokens: int = 1024,
+) -> np.ndarray:
+    """One MoE layer's decode picks on stand-in router inputs, as a synthetic checkpoint's
+    router makes them: a random gate weight (std hidden_size**-0.5), the selection bias fitted
+    to `mode`'s curve on `fit_tokens` stand-in rows, then top-k over fresh stand-in rows (AR(1),
+    so a token reuses many of the previous token's picks). Returns int64
+    [num_streams, num_tokens, top_k], each stream its own rows."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + 7919 * layer + 1)
+    weight = torch.randn(num_experts, hidden_size, generator=gen) * hidden_size**-0.5
+    target = np.empty(num_experts)
+    target[hot_order(num_experts, seed, layer)] = target_pick_rates(mode, num_experts, top_k)
+    fit_x = hidden_like_inputs(fit_tokens, hidden_size, seed, layer)
+    bias = fit_bias(router_scores(fit_x, weight), target, top_k)
+    out = np.empty((num_streams, num_tokens, top_k), dtype=np.int64)
+    for stream in range(num_streams):
+        x = hidden_like_inputs(num_tokens, hidden_size, seed + 1 + stream, layer)
+        out[stream] = select(router_scores(x, weight), bias, top_k).numpy()
+    return out

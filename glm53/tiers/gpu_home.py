@@ -84,6 +84,13 @@ def check_home_cap(
     )
 
 
+def rows_picking(picks, num_rows: int, expert: int) -> np.ndarray:
+    """The rows of a forward (`picks`: its [num_rows, top-k] picks, any shape of that size)
+    that picked `expert`: the requests a failed read of that expert must fail."""
+    picks = np.asarray(picks).reshape(num_rows, -1)
+    return np.flatnonzero((picks == expert).any(axis=1))
+
+
 def open_home_source(model_dir, store_dir, ram_cap: int | None, rows: int, threads: int = 4):
     """The packed store nvme-exact serves `model_dir` from, opened and checked before anything
     loads: a missing --store, a store of another checkpoint (its fingerprint, with the store's

@@ -26,8 +26,8 @@ import threading
 
 import numpy as np
 
-from glm53.tiers.gpu_home import RamHome, verify_home
-from glm53.tiers.ram_tier import RamTier, TierError
+from glm53.tiers.gpu_home import RamHome, rows_picking, verify_home
+from glm53.tiers.ram_tier import RamTier, ReadFault, TierError
 
 log = logging.getLogger("glm53.tiers")
 
@@ -74,8 +74,16 @@ class NvmeHome:
         picks, in_vram = host[:n], host[n:] >= 0
         try:
             update = self.home.resolve(self.moe_layers[layer], picks, in_vram)
-        except Exception:
+        except ReadFault as exc:  # name the rows whose picks needed the record
             self._write(self.home.take_pending())  # evictions a failed wave made
+            num_rows = selected.numel() // selected.shape[-1]
+            if params.get("activate_all_experts"):  # every row reads every expert
+                rows = np.arange(num_rows)
+            else:
+                rows = rows_picking(picks, num_rows, exc.expert)
+            raise exc.picked_by(rows, num_rows) from None
+        except Exception:
+            self._write(self.home.take_pending())
             raise
         self._write(update)
         stream = torch.cuda.current_stream(self.device).cuda_stream

@@ -36,10 +36,24 @@ class ReadFault(TierError):
     """Reading a missed expert from the source failed (a disk error or a short read): the
     request that needed it fails; the tier stays consistent and serves the others."""
 
-    def __init__(self, message: str, layer: int, expert: int):
+    def __init__(self, message: str, layer: int, expert: int, rows: tuple[int, ...] = ()):
         super().__init__(message)
         self.layer = layer
         self.expert = expert
+        self.rows = rows  # the rows of the forward whose picks needed the expert, where known
+
+    def picked_by(self, rows, num_rows: int) -> ReadFault:
+        """This fault with the rows (token rows of a forward of `num_rows`) that picked the
+        expert, named in the message."""
+        rows = tuple(int(r) for r in rows)
+        which = ", ".join(map(str, rows[:8])) + (", ..." if len(rows) > 8 else "")
+        what = f"row {which}" if len(rows) == 1 else f"{len(rows)} rows ({which})"
+        return ReadFault(
+            f"{self}; picked by {what} of this forward's {num_rows}",
+            self.layer,
+            self.expert,
+            rows,
+        )
 
 
 @dataclass(slots=True)

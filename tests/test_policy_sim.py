@@ -1,0 +1,136 @@
+"""The RAM-tier policy replay (glm53.tiers.policy_sim): Belady, plain CLOCK and the tier's own
+wave policy on hand-worked traces, Belady against both on random ones, the tier's replay
+against a real RamTier, and the trace file."""
+
+import shutil
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from store_kit import EXPERTS, direct_dir, make_checkpoint
+
+from glm53.tiers import policy_sim
+from glm53.tiers.policy_sim import (
+    PolicyResult,
+    Trace,
+    misses_after_vram,
+    replay_belady,
+    replay_clock,
+    replay_ram_tier,
+)
+
+
+def waves_of(*waves):
+    return [np.array(w, dtype=np.int32) for w in waves]
+
+
+def test_belady_evicts_the_key_used_farthest_ahead():
+    # 2 slots, 1 2 3 1 2 1: 3 evicts 2 (next use at 4, 1's at 3), then 1 hits; 2 evicts 3
+    # (never used again), then 1 hits: 2 hits
+    assert replay_belady(waves_of([1], [2], [3], [1], [2], [1]), 2, 4) == PolicyResult(2, 6)
+
+
+def test_belady_over_waves_laid_end_to_end():
+    # 3 slots, 0 1 2 | 3 | 0 1 | 2 3: 3 evicts 2 (used last), 0 and 1 hit, 2 evicts 0 or 1
+    # (neither is used again), 3 hits: 3 hits of 8
+    assert replay_belady(waves_of([0, 1, 2], [3], [0, 1], [2, 3]), 3, 4) == PolicyResult(3, 8)
+
+
+def test_clock_on_a_known_sequence():
+    # 2 slots, 1 2 1 3 2 1: 1 -> slot 0, 2 -> slot 1, 1 hits (ref bit); 3: the hand clears slot
+    # 0's bit and evicts 2 from slot 1; 2 evicts 1 (bit cleared), 1 evicts 3: 1 hit
+    waves = waves_of([1], [2], [1], [3], [2], [1])
+    assert replay_clock(waves, 2, 4) == PolicyResult(1, 6)
+    # Belady: 3 evicts 1 (next use 5, 2's is 4), 2 hits: 2 hits
+    assert replay_belady(waves, 2, 4) == PolicyResult(2, 6)
+
+
+def test_the_tier_serves_a_waves_hits_before_its_misses_evict():
+    # 2 slots, waves [1 2] [3 1]: the tier takes 1 as a hit first (protected), 3 evicts 2;
+    # plain CLOCK admits 3 first, evicting 1 (ref bit clear), then misses 1
+    waves = waves_of([1, 2], [3, 1])
+    assert replay_ram_tier(waves, 2, 4) == PolicyResult(1, 4)
+    assert replay_clock(waves, 2, 4) == PolicyResult(0, 4)
+    assert replay_belady(waves, 2, 4) == PolicyResult(1, 4)
+
+
+def test_a_wave_wider_than_the_tier_goes_in_further_waves():
+    # 2 slots, one wave of 3 keys: two are placed, the third in a second wave; then 2 hits
+    assert replay_ram_tier(waves_of([0, 1, 2], [2]), 2, 3) == PolicyResult(1, 4)
+
+
+def test_waves_with_a_repeated_or_foreign_key_are_refused():
+    with pytest.raises(ValueError, match=r"^wave 1 names a key twice: \[2, 2\]$"):
+        replay_belady(waves_of([1], [2, 2]), 2, 4)
+    with pytest.raises(ValueError, match=r"^wave 0 has a key outside \[0, 4\): \[4\]$"):
+        replay_clock(waves_of([4]), 2, 4)
+
+
+@st.composite
+def traces(draw):
+    num_keys = draw(st.integers(1, 24))
+    num_slots = draw(st.integers(1, 8))
+    wave = st.lists(st.integers(0, num_keys - 1), unique=True, min_size=0, max_size=num_slots)
+    return draw(st.lists(wave, max_size=60)), num_slots, num_keys
+
+
+@settings(max_examples=300, deadline=None)
+@given(traces())
+def test_belady_has_at_least_the_hits_of_every_other_policy(trace):
+    waves, num_slots, num_keys = trace
+    waves = waves_of(*waves)
+    best = replay_belady(waves, num_slots, num_keys)
+    for replay in (replay_ram_tier, replay_clock):
+        got = replay(waves, num_slots, num_keys)
+        assert got.accesses == best.accesses
+        assert got.hits <= best.hits, replay.__name__
+
+
+def test_vram_hits_leave_the_trace_and_each_forwards_misses_are_one_wave():
+    # 4 experts a layer, 1 VRAM slot: forward 1 admits expert 1 (2 finds no victim), forward 2
+    # hits 1, forward 3 hits 1 and misses layer 1's expert 0 (key 4)
+    forwards = [np.array(f) for f in ([[0, 1], [0, 2]], [[0, 1]], [[1, 0], [0, 1]])]
+    waves = misses_after_vram(forwards, 4, 1)
+    assert [w.tolist() for w in waves] == [[1, 2], [], [4]]
+
+
+def test_trace_files_round_trip(tmp_path):
+    trace = Trace(waves_of([3, 1], [], [0]), 5, 5)
+    policy_sim.write_trace(tmp_path / "t.npz", trace)
+    back = policy_sim.read_trace(tmp_path / "t.npz")
+    assert [w.tolist() for w in back.waves] == [[3, 1], [], [0]]
+    assert (back.num_keys, back.num_experts, back.num_accesses) == (5, 5, 3)
+
+
+@pytest.fixture(scope="module")
+def store_dir(tmp_path_factory):
+    from glm53.store.pack import pack
+
+    ckpt = make_checkpoint(tmp_path_factory.mktemp("policy") / "ckpt")
+    out = direct_dir(tmp_path_factory.mktemp("policy-store")) / "store"
+    pack(ckpt, out, threads=2, io_threads=2)
+    yield out
+    shutil.rmtree(out, ignore_errors=True)
+
+
+def test_the_tiers_replay_counts_the_hits_a_real_ram_tier_has(store_dir):
+    from glm53.store.reader import ExpertStore
+    from glm53.tiers.ram_tier import RamTier
+
+    store = ExpertStore(store_dir)
+    tier = RamTier(store, ram_cap_bytes=5 * store.record_bytes)
+    rng = np.random.default_rng(11)  # seed 11: a trace of 40 waves of up to 4 experts
+    waves = []
+    real_hits = 0
+    for _ in range(40):
+        moe_index = int(rng.integers(0, len(store.moe_layers)))
+        experts = rng.choice(EXPERTS, size=int(rng.integers(1, 5)), replace=False)
+        resident = tier.make_resident(store.moe_layers[moe_index], experts.astype(np.int32))
+        real_hits += resident.num_hits
+        waves.append(experts + moe_index * EXPERTS)
+    tier.close()
+    got = replay_ram_tier(waves_of(*waves), 5, len(store.moe_layers) * EXPERTS)
+    assert real_hits > 0  # the trace revisits experts the tier still holds
+    assert got.hits == real_hits
+    assert got.accesses == sum(len(w) for w in waves)
