@@ -2,12 +2,12 @@
 
 In exact mode every routed expert has a home record in pinned host memory and the device-side
 VRAM cache (cuda/ec.cu) points exllamav3's pointer tables at a VRAM slot or at that home. In
-nvme-exact the home is the RAM tier (glm53.tiers.ram_tier, the CPU engine's own tier: one
-arena of --ram-cap records, plain CLOCK with no frequency gate (glm53.tiers.policy_sim measures
-it against Belady), O_DIRECT reads from the packed store, its faults and counters), whose
-arena the GPU engine registers with CUDA as one pinned, mapped buffer. The device cache's `home[key]` table becomes a table the host rewrites: the UVA
-address of the RAM slot holding the key, or `absent` (a poison record in VRAM) when the key is
-in no RAM slot.
+nvme-exact the home is the RAM tier (glm53.tiers.ram_tier, the CPU engine's own tier: one arena
+of --ram-cap records, plain CLOCK with no frequency gate (glm53.tiers.policy_sim measures it
+against Belady), O_DIRECT reads from the packed store, its faults and counters), whose arena
+the GPU engine registers with CUDA as one pinned, mapped buffer. The device cache's `home[key]`
+table becomes a table the host rewrites: the UVA address of the RAM slot holding the key, or
+`absent` (a poison record in VRAM) when the key is in no RAM slot.
 
 Per MoE layer the routing hook brings the router's picks (and which of them the VRAM cache
 holds) to the host: one sync per layer, inherent in reading from the store, since the read
