@@ -12,16 +12,34 @@
  *                  with no shift or mask
  *   3 x vpmul*w, 2 x vpmaddubsw   the byte sums s, as in the AVX2 fast kernel
  *   vpdpwssd       per activation row
- * At the end of a tile the accumulator is centred, converted and added with the block scale. */
+ * The accumulator starts at -510 sum(q) (the centre, gemv_fast.h), so a tile ends with one
+ * convert and one fma per activation row; whether the tile takes two or four zmm (K >= 4.5) is
+ * a compile-time case, not a test per row pair.
+ *
+ * Where the time goes (one thread, m = 1, K = 3, kernel alone, best of interleaved runs on a
+ * 2-core Zen 4 EPYC VM, 5.83 GB/s of trellis, 2.1 ns per row pair): the ten vector operations
+ * per row pair above; the trellis read is not (a pool in DRAM runs as fast as one in L3).
+ * Ablations (results wrong, timing only): dropping the two vpmaddubsw is 1.54x, the three
+ * multiplies 1.34x, the gather and vpmultishiftqb 1.20x, all three 2.4x. Trading a vpmaddubsw
+ * for and + shift (or vpshufb) + add is 0.92x (0.88x): on Zen 4 the count of 512-bit
+ * operations is the limit, and on Intel's server cores (uops.info's tables; not measured here)
+ * every multiply above issues on port 0 alone (six per row pair), so neither a cheaper byte sum
+ * nor 32-bit products (vpmulld: two port-0 uops there) cuts the per-weight cost on both. */
 #include <immintrin.h>
 #include <pthread.h>
 #include <string.h>
 
 #include "gemv_fast.h"
 
+/* Software prefetch distance in the trellis stream (about 21 tiles at K = 3), stopping at the
+ * end of the call's tile rows. Kernel alone on the Zen 4 VM: 1.02x at two threads (5.90 against
+ * 5.78 GB/s each, 3 of 3 runs), 1.01x at one; 1024 and 4096 bytes measure the same. Its point
+ * is all-core load, where each thread's stream waits longer on DRAM. */
+#define PREFETCH_BYTES 2048
+
 typedef struct {
-    uint8_t idx[8][64];   /* per row pair: byte of the tile for each qword byte */
-    uint8_t shift[8][64]; /* per row pair: vpmultishiftqb control (bit offset of each byte) */
+    _Alignas(64) uint8_t idx[8][64];   /* per row pair: byte of the tile for each qword byte */
+    _Alignas(64) uint8_t shift[8][64]; /* per row pair: vpmultishiftqb control (bit offsets) */
 } fast_tables;
 
 static fast_tables tables[17]; /* by k2 */
@@ -57,18 +75,35 @@ static void build_tables(void)
     }
 }
 
-static inline __attribute__((always_inline)) void
-tiles_m(const uint8_t *trellis, int n_tiles, int k2, int kt0, int kt1, const float *xh,
-        int x_stride, const int m, float *acc)
+/* Row pair p's byte sums s (0..1020) as 16-bit lanes, from the tile in two (or four) zmm. */
+static inline __attribute__((always_inline)) __m512i pair_sums(const fast_tables *tab, int p,
+                                                               __m512i t0, __m512i t1, __m512i t2,
+                                                               __m512i t3, const int wide)
 {
-    const fast_tables *tab = &tables[k2];
     const __m512i mlo = _mm512_set1_epi16((short)(GEMV_MUL1_MULT & 0xFFFF));
     const __m512i mhi = _mm512_set1_epi16((short)(GEMV_MUL1_MULT >> 16));
     const __m512i ones8 = _mm512_set1_epi8(1);
+    __m512i idx = _mm512_load_si512(tab->idx[p]);
+    __m512i raw = _mm512_permutex2var_epi8(t0, idx, t1);
+    if (wide)
+        raw = _mm512_mask_blend_epi8(_mm512_movepi8_mask(idx), raw,
+                                     _mm512_permutex2var_epi8(t2, idx, t3));
+    __m512i state = _mm512_multishift_epi64_epi8(_mm512_load_si512(tab->shift[p]), raw);
+    __m512i lo = _mm512_mullo_epi16(state, mlo);
+    __m512i hi = _mm512_add_epi16(_mm512_mulhi_epu16(state, mlo), _mm512_mullo_epi16(state, mhi));
+    return _mm512_add_epi16(_mm512_maddubs_epi16(lo, ones8), _mm512_maddubs_epi16(hi, ones8));
+}
+
+static inline __attribute__((always_inline)) void
+tiles_m(const uint8_t *trellis, int n_tiles, int k2, int kt0, int kt1, const float *xh,
+        int x_stride, const int m, float *acc, const int wide)
+{
+    const fast_tables *tab = &tables[k2];
     const size_t tile_bytes = (size_t)gemv_tile_bytes(k2), n = 16 * (size_t)n_tiles;
-    const int wide = tile_bytes > 128;
     /* Bytes of the last zmm load that lie inside the tile (masked: never reads past it). */
     const __mmask64 tail = tile_bytes % 64 ? ((__mmask64)1 << (tile_bytes % 64)) - 1 : ~(__mmask64)0;
+    const int full1 = tile_bytes >= (wide ? 192 : 64), full2 = tile_bytes > (wide ? 192 : 64);
+    const uint8_t *end = trellis + (size_t)kt1 * (size_t)n_tiles * tile_bytes; /* of this call */
     _Alignas(64) int16_t q[GEMV_MAX_ROWS][128];
     int32_t xpair[GEMV_MAX_ROWS][8]; /* per row pair: (q[r], q[r + 1]) as one int32 */
     float scale[GEMV_MAX_ROWS], sx[GEMV_MAX_ROWS];
@@ -96,41 +131,32 @@ tiles_m(const uint8_t *trellis, int n_tiles, int k2, int kt0, int kt1, const flo
         }
         const uint8_t *tile = trellis + (size_t)kt * (size_t)n_tiles * tile_bytes;
         for (int nt = 0; nt < n_tiles; nt++, tile += tile_bytes) {
+            if (tile + PREFETCH_BYTES < end) /* every line: a tile is at most 4 lines */
+                for (size_t off = 0; off < tile_bytes; off += 64)
+                    _mm_prefetch((const char *)tile + PREFETCH_BYTES + off, _MM_HINT_T0);
             __m512i t0, t1, t2 = _mm512_setzero_si512(), t3 = _mm512_setzero_si512();
             if (!wide) {
-                t0 = tile_bytes >= 64 ? _mm512_loadu_si512(tile) : _mm512_maskz_loadu_epi8(tail, tile);
-                t1 = tile_bytes > 64 ? _mm512_maskz_loadu_epi8(tail, tile + 64) : _mm512_setzero_si512();
+                t0 = full1 ? _mm512_loadu_si512(tile) : _mm512_maskz_loadu_epi8(tail, tile);
+                t1 = full2 ? _mm512_maskz_loadu_epi8(tail, tile + 64) : _mm512_setzero_si512();
             } else {
                 t0 = _mm512_loadu_si512(tile);
                 t1 = _mm512_loadu_si512(tile + 64);
-                t2 = tile_bytes >= 192 ? _mm512_loadu_si512(tile + 128)
-                                       : _mm512_maskz_loadu_epi8(tail, tile + 128);
-                t3 = tile_bytes > 192 ? _mm512_maskz_loadu_epi8(tail, tile + 192)
-                                      : _mm512_setzero_si512();
+                t2 = full1 ? _mm512_loadu_si512(tile + 128)
+                           : _mm512_maskz_loadu_epi8(tail, tile + 128);
+                t3 = full2 ? _mm512_maskz_loadu_epi8(tail, tile + 192) : _mm512_setzero_si512();
             }
-            /* two accumulators per row (even, odd row pairs): half the dependency chain */
-            __m512i a[GEMV_MAX_ROWS][2];
+            __m512i a[GEMV_MAX_ROWS];
             for (int i = 0; i < m; i++)
-                a[i][0] = a[i][1] = _mm512_setzero_si512();
+                a[i] = _mm512_set1_epi32(-centre[i]);
+#pragma GCC unroll 8
             for (int p = 0; p < 8; p++) {
-                __m512i idx = _mm512_loadu_si512(tab->idx[p]);
-                __m512i raw = _mm512_permutex2var_epi8(t0, idx, t1);
-                if (wide)
-                    raw = _mm512_mask_blend_epi8(_mm512_movepi8_mask(idx), raw,
-                                                 _mm512_permutex2var_epi8(t2, idx, t3));
-                __m512i state = _mm512_multishift_epi64_epi8(_mm512_loadu_si512(tab->shift[p]), raw);
-                __m512i lo = _mm512_mullo_epi16(state, mlo);
-                __m512i hi = _mm512_add_epi16(_mm512_mulhi_epu16(state, mlo),
-                                              _mm512_mullo_epi16(state, mhi));
-                __m512i s = _mm512_add_epi16(_mm512_maddubs_epi16(lo, ones8),
-                                             _mm512_maddubs_epi16(hi, ones8));
+                __m512i s = pair_sums(tab, p, t0, t1, t2, t3, wide);
                 for (int i = 0; i < m; i++)
-                    a[i][p & 1] = _mm512_dpwssd_epi32(a[i][p & 1], s, _mm512_set1_epi32(xpair[i][p]));
+                    a[i] = _mm512_dpwssd_epi32(a[i], s, _mm512_set1_epi32(xpair[i][p]));
             }
             for (int i = 0; i < m; i++) {
                 float *y = acc + (size_t)i * n + 16 * (size_t)nt;
-                __m512i sum = _mm512_add_epi32(a[i][0], a[i][1]);
-                __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum, _mm512_set1_epi32(centre[i])));
+                __m512 v = _mm512_cvtepi32_ps(a[i]);
                 _mm512_storeu_ps(y, _mm512_fmadd_ps(_mm512_set1_ps(scale[i]), v, _mm512_loadu_ps(y)));
             }
         }
@@ -150,9 +176,15 @@ void gemv_tiles_avx512_fast(const uint8_t *trellis, int n_tiles, int k2, int kt0
                             const float *xh, int x_stride, int m, float *acc)
 {
     pthread_once(&tables_once, build_tables);
+    const int wide = gemv_tile_bytes(k2) > 128; /* K >= 4.5: the tile takes four zmm */
     switch (m) {
-#define CASE(M) \
-    case M: tiles_m(trellis, n_tiles, k2, kt0, kt1, xh, x_stride, M, acc); break;
+#define CASE(M)                                                                                \
+    case M:                                                                                    \
+        if (wide)                                                                              \
+            tiles_m(trellis, n_tiles, k2, kt0, kt1, xh, x_stride, M, acc, 1);                  \
+        else                                                                                   \
+            tiles_m(trellis, n_tiles, k2, kt0, kt1, xh, x_stride, M, acc, 0);                  \
+        break;
         CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
 #undef CASE
     }
