@@ -122,7 +122,8 @@ def test_an_unloaded_gpu_engine_has_every_protocol_attribute_the_server_reads(tm
 
 
 def test_default_staging_takes_whole_layers_when_they_fit_a_quarter_else_the_quarter():
-    from glm53.engine.exl3_load import GIB, MIN_STAGE_SLOTS, staging_slots
+    from glm53.engine.exl3_load import MIN_STAGE_SLOTS, staging_slots
+    from glm53.units import GIB
 
     rb = 9_437_184  # one GLM-5.3-Flash expert record at 3 bpw
     # an H200: two whole layers of 288 are far below a quarter of 130 GiB

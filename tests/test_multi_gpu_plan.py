@@ -17,7 +17,6 @@ import pytest
 
 from glm53.config import ConfigurationError, from_json, resolve, to_json
 from glm53.doctor import multi_gpu as doctor_mg
-from glm53.doctor.costmodel import GIB
 from glm53.doctor.plan import PlanRequest, make_plan
 from glm53.doctor.probes import probe_host
 from glm53.doctor.source import FixtureSource
@@ -28,6 +27,7 @@ from glm53.models.tokenizer import token_ids
 from glm53.synth.layout import plan as synth_plan
 from glm53.synth.layout import text_config as synth_text_config
 from glm53.synth.shapes import SLICE
+from glm53.units import GIB
 
 FIX = Path(__file__).parent / "fixtures" / "doctor"
 G = 10**9  # cards are sold in GB; free VRAM below is in bytes

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 import msgspec
 
 from glm53.tiers import exl3_hooks
+from glm53.units import GIB
 
 log = logging.getLogger(__name__)
-GIB = 1 << 30
 EMBEDDING_SUFFIX = "embed_tokens.weight"  # exllamav3's embedding module prefers host memory
 
 

@@ -31,8 +31,9 @@ import contextlib
 import re
 
 from glm53.engine import multi_gpu
-from glm53.engine.exl3_load import GIB, Loaded, _check_tables_point_home, moe_geometry
+from glm53.engine.exl3_load import Loaded, _check_tables_point_home, moe_geometry
 from glm53.tiers import exl3_hooks
+from glm53.units import GIB
 
 LAYER_MODULE = re.compile(r"\.layers\.(\d+)$")
 

@@ -18,8 +18,8 @@ import os
 from dataclasses import dataclass
 
 from glm53.doctor.memory import parse_limit, parse_meminfo, parse_proc_cgroup
+from glm53.units import GIB
 
-GIB = 1 << 30
 SMALL_BELOW_BYTES = 24 * GIB
 MARGIN_BYTES = 3 * GIB
 SMALL_MARGIN_BYTES = 3 * GIB // 2
