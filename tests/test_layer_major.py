@@ -8,7 +8,6 @@ from dataclasses import replace
 
 import pytest
 
-from glm53.engine.exl3_load import VramInputs, cache_geometry, chunk_activation_bytes, plan_vram
 from glm53.engine.layer_major import (
     GLM53_FLASH_CARRY,
     GLM53_FLASH_STREAMS,
@@ -24,6 +23,7 @@ from glm53.engine.layer_major import (
     vram_room,
 )
 from glm53.models.tokenizer import token_ids
+from glm53.plan.vram import VramInputs, cache_geometry, chunk_activation_bytes, plan_vram
 from glm53.synth.layout import text_config
 from glm53.synth.shapes import DEEP, DEMO, SLICE
 

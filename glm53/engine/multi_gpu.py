@@ -54,12 +54,8 @@ from fractions import Fraction
 
 import msgspec
 
-from glm53.engine.exl3_load import (
-    GIB,
-    chunk_activation_bytes,
-    layer_cache_geometry,
-    staging_slots,
-)
+from glm53.plan.vram import chunk_activation_bytes, layer_cache_geometry, staging_slots
+from glm53.units import GIB
 
 EXPERT_TRELLIS = re.compile(r"\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.trellis$")
 LAYER_KEY = re.compile(r"\.layers\.(\d+)\.")

@@ -1,0 +1,6 @@
+"""Planning, in plain Python (no torch), shared by the engines and `glm53 doctor`: what fits
+where before anything loads.
+
+- vram: exact mode's VRAM plan on one GPU (weights, KV, recurrent state, activations, reserve,
+  staging buffers, expert slots);
+"""
