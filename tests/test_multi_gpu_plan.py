@@ -1,4 +1,4 @@
-"""The layer split over two or more GPUs (glm53.engine.multi_gpu, issue #20), on CPU: the
+"""The layer split over two or more GPUs (glm53.plan.split, issue #20), on CPU: the
 assignment on several inventories against a brute force over every cut with the one-GPU
 planner (glm53.plan.vram.plan_vram) as the reference for each GPU's slots, the refusals, the --gpus
 setting, the doctor's per-GPU plan on captured hosts, and the bookkeeping of the per-GPU
@@ -20,9 +20,9 @@ from glm53.doctor import multi_gpu as doctor_mg
 from glm53.doctor.plan import PlanRequest, make_plan
 from glm53.doctor.probes import probe_host
 from glm53.doctor.source import FixtureSource
-from glm53.engine import multi_gpu as mg
-from glm53.engine.exl3_split import module_devices, planned_devices
+from glm53.engine.exl3_split import SplitCaches, module_devices, planned_devices
 from glm53.models.tokenizer import token_ids
+from glm53.plan import split as mg
 from glm53.plan import vram
 from glm53.synth.layout import plan as synth_plan
 from glm53.synth.layout import text_config as synth_text_config
@@ -285,7 +285,7 @@ def test_layer_cache_geometry_sums_to_cache_geometry(flash):
 
 
 def test_planner_imports_without_torch():
-    code = "import sys, glm53.engine.multi_gpu; assert 'torch' not in sys.modules, 'torch'"
+    code = "import sys, glm53.plan.split; assert 'torch' not in sys.modules, 'torch'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
@@ -379,7 +379,7 @@ def test_split_caches_map_global_keys_to_each_part(slice_):
     a, b = plan.parts
     na, nb = len(a.moe_layers), len(b.moe_layers)
     ca, cb = StandInCache(na, [5, 1], 3, 1), StandInCache(nb, [7, 2, 9], 1, 3)
-    caches = mg.SplitCaches(plan, [ca, cb], 288)
+    caches = SplitCaches(plan, [ca, cb], 288)
     first_b = na * 288
     keys = [first_b + 4, 0, 17, first_b]
     assert caches.seed(keys) == 4

@@ -1,5 +1,5 @@
 """`glm53 doctor` on a host with two or more GPUs, or with `--gpus`: the layer split per GPU
-(glm53.engine.multi_gpu, with the engine's own VRAM accounting at serve's defaults) and a
+(glm53.plan.split, with the engine's own VRAM accounting at serve's defaults) and a
 PREDICTION of exact mode's decode over it, beside one GPU alone and one GPU holding the same
 total cache. The split has not run on a GPU yet (docs/multi-gpu.md).
 
@@ -18,7 +18,7 @@ import os
 import msgspec
 
 from glm53.doctor.costmodel import CostInputs, Mode, predict
-from glm53.engine import multi_gpu as mg
+from glm53.plan import split as mg
 
 # A small device-to-device copy of one token's hidden state and the wait for it: a few
 # microseconds of copy-engine latency on each side of the link plus a stream event. Assumed,

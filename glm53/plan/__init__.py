@@ -3,4 +3,5 @@ where before anything loads.
 
 - vram: exact mode's VRAM plan on one GPU (weights, KV, recurrent state, activations, reserve,
   staging buffers, expert slots);
+- split: the layer split over two or more GPUs (--gpus), each device planned as vram plans one.
 """
