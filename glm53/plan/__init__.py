@@ -3,5 +3,6 @@ where before anything loads.
 
 - vram: exact mode's VRAM plan on one GPU (weights, KV, recurrent state, activations, reserve,
   staging buffers, expert slots);
-- split: the layer split over two or more GPUs (--gpus), each device planned as vram plans one.
+- split: the layer split over two or more GPUs (--gpus), each device planned as vram plans one;
+- layer_major: layer-major prefill's hidden states, where they live and what they cost.
 """

@@ -30,10 +30,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from glm53.plan.vram import VramPlan
+from glm53.plan.vram import VramPlan
 
 STREAM_DTYPE_BYTES = 4  # exllamav3 1.6.5 keeps the mHC residual streams in fp32
 
