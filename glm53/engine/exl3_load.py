@@ -281,7 +281,8 @@ def _check_store_geometry(store, geo: MoeGeometry) -> None:
 def _start_nvme(loaded: Loaded, nvme_src, ram_cap, read_timeout_s, rows):
     """The RAM tier (planned from free memory when --ram-cap is not set), registered with CUDA
     as the experts' home (glm53.tiers.nvme_device.NvmeHome)."""
-    from glm53.tiers import ram_budget
+    from glm53.plan.host_memory import host_memory
+    from glm53.plan.ram_cap import planned_cap_bytes
     from glm53.tiers.gpu_home import check_home_cap
     from glm53.tiers.nvme_device import NvmeHome
     from glm53.tiers.ram_tier import RamTier
@@ -290,8 +291,7 @@ def _start_nvme(loaded: Loaded, nvme_src, ram_cap, read_timeout_s, rows):
     cap = ram_cap
     num_records = len(source.moe_layers) * source.num_experts
     if cap is None:
-        memory = ram_budget.host_memory()
-        cap = ram_budget.planned_cap_bytes(memory, source.record_bytes, num_records)
+        cap = planned_cap_bytes(host_memory(), source.record_bytes, num_records)
         check_home_cap(cap, source.record_bytes, working_set, top_k, rows)
     limit = exl3_hooks.memlock_limit()
     if 0 <= limit < min(cap, num_records * source.record_bytes):
