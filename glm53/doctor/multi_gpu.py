@@ -18,6 +18,7 @@ import os
 import msgspec
 
 from glm53.doctor.costmodel import CostInputs, Mode, predict
+from glm53.doctor.geometry import model_geometry
 from glm53.plan import split as mg
 
 # A small device-to-device copy of one token's hidden state and the wait for it: a few
@@ -107,7 +108,7 @@ def outlook(gpus_free: dict[int, int], listed: list[int] | None, model_dir: str 
         out.one_gpu_slots = one.total_slots
     except ValueError:
         one = None
-    geo = _geometry(model_dir)
+    geo = model_geometry(model_dir)
     base = CostInputs(vram_slots=0, **link)
     hop = HOP_LATENCY_MS + split.hop_bytes_per_token / (link["pcie_gbps"] * 1e6)
     out.hop_ms_per_token = round(split.boundaries * hop, 4)
@@ -120,9 +121,3 @@ def outlook(gpus_free: dict[int, int], listed: list[int] | None, model_dir: str 
         alone = msgspec.structs.replace(base, vram_slots=one.total_slots)
         out.one_gpu_decode_tok_s = predict(Mode.EXACT, alone, geo).decode_tok_s
     return out
-
-
-def _geometry(model_dir: str | None):
-    from glm53.doctor.plan import model_geometry
-
-    return model_geometry(model_dir)
