@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from glm53.config import ConfigurationError
+from glm53.config import ConfigurationError, cache_dir
 from glm53.engine.base import EngineError, EngineUnavailable, StreamUsage, StreamWork
 from glm53.plan.host_memory import host_memory
 from glm53.plan.ram_cap import RamCapError, check_cap, planned_cap_bytes, working_set_records
@@ -434,5 +434,5 @@ def create(settings, checkpoint_dir: Path) -> CpuEngine:
         lane_precision=lane_precision(settings.ct_precision, "cpu", settings.mode),
         store=settings.store,
         read_timeout_s=settings.read_timeout,
-        heat_file=heat_path(str(checkpoint_dir), "ram", settings.store),
+        heat_file=heat_path(str(checkpoint_dir), "ram", settings.store, cache_dir(settings)),
     )

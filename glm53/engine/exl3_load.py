@@ -304,8 +304,9 @@ def _start_nvme(loaded: Loaded, nvme_src, ram_cap, read_timeout_s, rows):
                     loaded.ec.device)  # fmt: skip
 
 
-def heat_path(model_dir: str) -> str:
-    """Where the VRAM cache's warm-start heat list of a checkpoint lives (glm53.tiers.heat)."""
+def heat_path(model_dir: str, cache_dir: str | None = None) -> str:
+    """Where the VRAM cache's warm-start heat list of a checkpoint lives (glm53.tiers.heat), under
+    glm53's cache directory (None: the default one)."""
     from glm53.tiers.heat import heat_path as path
 
-    return path(model_dir, "vram")
+    return path(model_dir, "vram", cache_dir=cache_dir)
