@@ -39,7 +39,7 @@ from gpu_slice import (  # noqa: E402
 from glm53.doctor import costmodel  # noqa: E402
 from glm53.doctor.geometry import geometry_of  # noqa: E402
 from glm53.doctor.multi_gpu import HOP_LATENCY_MS  # noqa: E402
-from glm53.engine.multi_gpu import parse_gpus  # noqa: E402
+from glm53.plan.split import parse_gpus  # noqa: E402
 
 CACHE_TOKENS, MAX_BATCH, MAX_CHUNK = 16384, 4, 2048
 

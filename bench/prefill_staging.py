@@ -41,7 +41,7 @@ def main() -> int:
     from exllamav3 import Config
 
     from glm53.engine import exl3_load
-    from glm53.engine.exl3_load import moe_geometry
+    from glm53.engine.exl3_loaded import moe_geometry
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=os.environ.get("GLM53_TEST_SLICE"))

@@ -57,7 +57,7 @@ def _gpu_slice():
 
 
 def test_gpu_slice_deep_budget_arguments_plan_exact_and_stock_offload_alike():
-    from glm53.engine.exl3_load import VramInputs, plan_vram
+    from glm53.plan.vram import VramInputs, plan_vram
 
     gs = _gpu_slice()
     args = gs.parse_args(["--model", "/x/deep", "--vram-budget", "24G",

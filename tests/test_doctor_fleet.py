@@ -10,11 +10,11 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from glm53.doctor.costmodel import GIB
 from glm53.doctor.fleet import plan_per_gpu
 from glm53.doctor.plan import PlanRequest, make_plan
 from glm53.doctor.probes import probe_host
 from glm53.doctor.source import FixtureSource
+from glm53.units import GIB
 
 FIX = Path(__file__).parent / "fixtures" / "doctor"
 

@@ -8,11 +8,12 @@ import msgspec
 import pytest
 
 from glm53.doctor.checks import Verdict, run_checks, torch_runs_on
-from glm53.doctor.costmodel import GIB, Mode
+from glm53.doctor.costmodel import Mode
 from glm53.doctor.plan import PlanRequest, make_plan
 from glm53.doctor.probes import probe_host
 from glm53.doctor.report import DoctorReport, to_json
 from glm53.doctor.source import FixtureSource
+from glm53.units import GIB
 
 FIX = Path(__file__).parent / "fixtures" / "doctor"
 

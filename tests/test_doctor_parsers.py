@@ -6,9 +6,10 @@ import pytest
 
 from glm53.doctor.cpu import format_cpu_list, parse_cpu_list, parse_lscpu_parsable
 from glm53.doctor.gpu import parse_smi_header, parse_smi_processes, parse_smi_query
-from glm53.doctor.memory import parse_limit, parse_meminfo, parse_memlock, parse_proc_cgroup
+from glm53.doctor.memory import parse_memlock
 from glm53.doctor.storage import parse_lsblk, parse_mdstat, parse_mounts
 from glm53.doctor.sweep import parse_sweep
+from glm53.plan.host_memory import parse_limit, parse_meminfo, parse_proc_cgroup
 
 FIX = Path(__file__).parent / "fixtures" / "doctor"
 REF = FIX / "reference-3090-epyc-raid0"

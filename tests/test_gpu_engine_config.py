@@ -122,7 +122,8 @@ def test_an_unloaded_gpu_engine_has_every_protocol_attribute_the_server_reads(tm
 
 
 def test_default_staging_takes_whole_layers_when_they_fit_a_quarter_else_the_quarter():
-    from glm53.engine.exl3_load import GIB, MIN_STAGE_SLOTS, staging_slots
+    from glm53.plan.vram import MIN_STAGE_SLOTS, staging_slots
+    from glm53.units import GIB
 
     rb = 9_437_184  # one GLM-5.3-Flash expert record at 3 bpw
     # an H200: two whole layers of 288 are far below a quarter of 130 GiB
@@ -143,7 +144,7 @@ MIB = 1 << 20
 
 
 def _inputs(**over):
-    from glm53.engine.exl3_load import VramInputs
+    from glm53.plan.vram import VramInputs
 
     # fixed part 3 GiB model + 224 MiB KV + 4 x 136 MiB state + 256 MiB activations = 4 GiB
     base = dict(
@@ -156,7 +157,7 @@ def _inputs(**over):
 
 
 def test_vram_plan_splits_a_24_gib_budget_as_on_a_card_that_size():
-    from glm53.engine.exl3_load import plan_vram
+    from glm53.plan.vram import plan_vram
 
     p = plan_vram(_inputs())
     # 20 GiB left; staging: a quarter of 19 GiB holds 270 record pairs, capped at the 64 experts
@@ -169,7 +170,7 @@ def test_vram_plan_splits_a_24_gib_budget_as_on_a_card_that_size():
 
 
 def test_vram_plan_caps_slots_at_max_slots_and_at_the_checkpoints_experts():
-    from glm53.engine.exl3_load import plan_vram
+    from glm53.plan.vram import plan_vram
 
     assert plan_vram(_inputs(max_slots=197)).cache_slots == 197
     assert plan_vram(_inputs(budget_bytes=140 << 30)).cache_slots == 42 * 64
@@ -177,7 +178,7 @@ def test_vram_plan_caps_slots_at_max_slots_and_at_the_checkpoints_experts():
 
 
 def test_vram_plan_names_the_shortfall_when_no_slot_fits():
-    from glm53.engine.exl3_load import plan_vram
+    from glm53.plan.vram import plan_vram
 
     with pytest.raises(ValueError) as err:
         plan_vram(_inputs(budget_bytes=5 << 30))
@@ -189,8 +190,8 @@ def test_vram_plan_names_the_shortfall_when_no_slot_fits():
 
 
 def test_cache_geometry_of_the_deep_preset_matches_the_architecture_facts():
-    from glm53.engine.exl3_load import cache_geometry
     from glm53.models.tokenizer import token_ids
+    from glm53.plan.vram import cache_geometry
     from glm53.synth.layout import text_config
     from glm53.synth.shapes import preset
 

@@ -5,13 +5,11 @@ reference process itself (tools/exl3_reference.py) needs a GPU; here a MOCK stan
 output file so that the bookkeeping around it can run."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
-sys.path.insert(0, str(Path(__file__).parent / "gpu"))
 import gpu_kit  # noqa: E402
 
 

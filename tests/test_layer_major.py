@@ -1,4 +1,4 @@
-"""Layer-major prefill's memory accounting (glm53.engine.layer_major) against hand-computed
+"""Layer-major prefill's memory accounting (glm53.plan.layer_major) against hand-computed
 bytes for GLM-5.3-Flash and the slice and demo presets, its placement inside exact mode's
 VRAM plan, and its decision rule."""
 
@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from glm53.engine.exl3_load import VramInputs, cache_geometry, chunk_activation_bytes, plan_vram
-from glm53.engine.layer_major import (
+from glm53.models.tokenizer import token_ids
+from glm53.plan.layer_major import (
     GLM53_FLASH_CARRY,
     GLM53_FLASH_STREAMS,
     StatePlacement,
@@ -23,7 +23,7 @@ from glm53.engine.layer_major import (
     uses_layer_major,
     vram_room,
 )
-from glm53.models.tokenizer import token_ids
+from glm53.plan.vram import VramInputs, cache_geometry, chunk_activation_bytes, plan_vram
 from glm53.synth.layout import text_config
 from glm53.synth.shapes import DEEP, DEMO, SLICE
 
@@ -165,7 +165,7 @@ def test_states_in_vram_borrow_expert_cache_slots():
 
 def test_the_accounting_and_the_doctor_import_without_torch():
     code = (
-        "import sys, glm53.engine.layer_major, glm53.doctor.cli, glm53.doctor.prefill; "
+        "import sys, glm53.plan.layer_major, glm53.doctor.cli, glm53.doctor.prefill; "
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

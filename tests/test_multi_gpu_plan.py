@@ -1,6 +1,6 @@
-"""The layer split over two or more GPUs (glm53.engine.multi_gpu, issue #20), on CPU: the
+"""The layer split over two or more GPUs (glm53.plan.split, issue #20), on CPU: the
 assignment on several inventories against a brute force over every cut with the one-GPU
-planner (exl3_load.plan_vram) as the reference for each GPU's slots, the refusals, the --gpus
+planner (glm53.plan.vram.plan_vram) as the reference for each GPU's slots, the refusals, the --gpus
 setting, the doctor's per-GPU plan on captured hosts, and the bookkeeping of the per-GPU
 caches (with stand-in caches: DeviceExpertCache itself needs a GPU)."""
 
@@ -17,17 +17,17 @@ import pytest
 
 from glm53.config import ConfigurationError, from_json, resolve, to_json
 from glm53.doctor import multi_gpu as doctor_mg
-from glm53.doctor.costmodel import GIB
 from glm53.doctor.plan import PlanRequest, make_plan
 from glm53.doctor.probes import probe_host
 from glm53.doctor.source import FixtureSource
-from glm53.engine import exl3_load
-from glm53.engine import multi_gpu as mg
-from glm53.engine.exl3_split import module_devices, planned_devices
+from glm53.engine.exl3_split import SplitCaches, module_devices, planned_devices
 from glm53.models.tokenizer import token_ids
+from glm53.plan import split as mg
+from glm53.plan import vram
 from glm53.synth.layout import plan as synth_plan
 from glm53.synth.layout import text_config as synth_text_config
 from glm53.synth.shapes import SLICE
+from glm53.units import GIB
 
 FIX = Path(__file__).parent / "fixtures" / "doctor"
 G = 10**9  # cards are sold in GB; free VRAM below is in bytes
@@ -54,13 +54,13 @@ def inputs(geo, gpus, free, stage_gb=None, max_slots=None):
 
 
 def one_gpu(geo, budget, first=0, end=None, head=True, stage_gb=None):
-    """exl3_load.plan_vram (the one-GPU planner) for layers [first, end) on one card; None
+    """plan_vram (the one-GPU planner) for layers [first, end) on one card; None
     when their fixed bytes do not fit, 0 slots when they fit but hold no expert slot."""
     layers, tc = geo
     end = layers.num_layers if end is None else end
     rng = range(first, end)
     model = sum(layers.weight_bytes[i] for i in rng) + (layers.head_bytes if head else 0)
-    x = exl3_load.VramInputs(
+    x = vram.VramInputs(
         budget_bytes=budget,
         model_bytes=model,
         record_bytes=layers.record_bytes,
@@ -70,7 +70,7 @@ def one_gpu(geo, budget, first=0, end=None, head=True, stage_gb=None):
         context_tokens=TOKENS,
         state_bytes_per_sequence=sum(layers.state_bytes_per_sequence[i] for i in rng),
         batch=BATCH,
-        activation_bytes=exl3_load.chunk_activation_bytes(tc, CHUNK),
+        activation_bytes=vram.chunk_activation_bytes(tc, CHUNK),
         reserve_bytes=int(RESERVE * GIB),
         stage_gb=stage_gb,
     )
@@ -78,7 +78,7 @@ def one_gpu(geo, budget, first=0, end=None, head=True, stage_gb=None):
     if fixed + x.activation_bytes + x.reserve_bytes > budget:
         return None
     try:
-        return exl3_load.plan_vram(x)
+        return vram.plan_vram(x)
     except ValueError:
         return 0
 
@@ -278,14 +278,14 @@ def test_flash_layer_bytes_match_the_checkpoint_facts(flash):
 
 def test_layer_cache_geometry_sums_to_cache_geometry(flash):
     _, tc = flash
-    per = exl3_load.layer_cache_geometry(tc)
+    per = vram.layer_cache_geometry(tc)
     assert len(per) == 45 and sum(kv > 0 for kv, _ in per) == 11
-    kv, state = exl3_load.cache_geometry(tc)
+    kv, state = vram.cache_geometry(tc)
     assert kv == 11 * 1280 and state == 34 * (4 * 64 * 128 * 128 + 2 * 3 * 3 * 64 * 128)
 
 
 def test_planner_imports_without_torch():
-    code = "import sys, glm53.engine.multi_gpu; assert 'torch' not in sys.modules, 'torch'"
+    code = "import sys, glm53.plan.split; assert 'torch' not in sys.modules, 'torch'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
@@ -379,7 +379,7 @@ def test_split_caches_map_global_keys_to_each_part(slice_):
     a, b = plan.parts
     na, nb = len(a.moe_layers), len(b.moe_layers)
     ca, cb = StandInCache(na, [5, 1], 3, 1), StandInCache(nb, [7, 2, 9], 1, 3)
-    caches = mg.SplitCaches(plan, [ca, cb], 288)
+    caches = SplitCaches(plan, [ca, cb], 288)
     first_b = na * 288
     keys = [first_b + 4, 0, 17, first_b]
     assert caches.seed(keys) == 4

@@ -1,5 +1,5 @@
 """The RAM tier's size: the default --ram-cap planned from MemAvailable and the cgroup's
-memory.max (glm53.tiers.ram_budget), read from real files laid out like /proc and /sys/fs/cgroup,
+memory.max (glm53.plan.ram_cap, glm53.plan.host_memory), read from real files laid out like /proc and /sys/fs/cgroup,
 and a cap below one decode step's working set refused before anything loads."""
 
 from pathlib import Path
@@ -9,17 +9,11 @@ from serving_kit import Server
 
 from glm53.config import ConfigurationError
 from glm53.engine.cpu import CpuEngine
+from glm53.plan.host_memory import HostMemory, host_memory
+from glm53.plan.ram_cap import RamCapError, check_cap, planned_cap_bytes, working_set_records
 from glm53.synth.shapes import preset
 from glm53.synth.writer import write_checkpoint
-from glm53.tiers.ram_budget import (
-    GIB,
-    HostMemory,
-    RamCapError,
-    check_cap,
-    host_memory,
-    planned_cap_bytes,
-    working_set_records,
-)
+from glm53.units import GIB
 
 RECORD = 77_824
 MEMINFO = "MemTotal:       24000000 kB\nMemFree:  1000 kB\nMemAvailable:   10485760 kB\n"

@@ -115,3 +115,13 @@ def test_the_list_is_kept_per_checkpoint_and_source(demo, good_store, tmp_path, 
     assert a != b and a.startswith(str(tmp_path)) and a.endswith(".json")
     assert heat_path(str(demo), "vram") != a
     assert np.all([p.startswith(str(tmp_path / "glm53" / "heat")) for p in (a, b)])
+
+
+def test_the_cpu_engine_keeps_its_list_in_the_cache_dir(demo, good_store, tmp_path):
+    from glm53.config import Settings
+    from glm53.engine.cpu import create
+
+    settings = Settings(cache_dir=str(tmp_path / "cache"), store=str(good_store))
+    eng = create(settings, demo)
+    assert eng.heat_file == heat_path(str(demo), "ram", str(good_store), tmp_path / "cache")
+    assert eng.heat_file.startswith(str(tmp_path / "cache" / "heat") + "/")

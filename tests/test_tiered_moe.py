@@ -3,9 +3,10 @@ import pytest
 
 from glm53 import _odirect
 from glm53.models.checkpoint import Checkpoint
+from glm53.store.direct_io import ALIGN, plan_runs
 from glm53.synth.shapes import preset
 from glm53.synth.writer import write_checkpoint
-from glm53.tiers.expert_source import ALIGN, SafetensorsSource, plan_runs, record_views
+from glm53.tiers.expert_source import SafetensorsSource, record_views
 from glm53.tiers.moe import pack_jobs
 from glm53.tiers.ram_tier import RamTier, TierError
 

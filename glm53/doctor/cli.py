@@ -18,7 +18,7 @@ from glm53.doctor.plan import PlanRequest, make_plan
 from glm53.doctor.probes import probe_host
 from glm53.doctor.report import DoctorReport, render, to_json
 from glm53.doctor.source import FixtureSource, LiveSource
-from glm53.engine.multi_gpu import parse_gpus
+from glm53.plan.split import parse_gpus
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 

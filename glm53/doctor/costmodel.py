@@ -30,8 +30,7 @@ from enum import StrEnum
 import msgspec
 
 from glm53.doctor.geometry import GLM53_FLASH, Geometry
-
-GIB = 1 << 30
+from glm53.units import GIB
 
 # --- model geometry (glm53-architecture.md §2, exllamav3.md §3.2, seed-project.md §2.1, §4.1)
 EXPERTS_PER_LAYER = 288

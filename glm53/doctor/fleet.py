@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import msgspec
 
-from glm53.doctor.costmodel import GIB
 from glm53.doctor.host import HostProbe
 from glm53.doctor.plan import Plan, PlanRequest, make_plan
+from glm53.units import GIB
 
 FIRST_PORT = 31000  # glm53@N.service listens on 31000 + N
 

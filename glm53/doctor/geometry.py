@@ -8,6 +8,7 @@ GPU benchmarks predict what that checkpoint does, not what the full model would.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -108,3 +109,11 @@ def geometry_of(directory: str | Path) -> Geometry:
         hidden_size=hidden,
         hc_mult=int(tc.get("hc_mult", 4)) if tc.get("mhc", True) else 1,
     )
+
+
+def model_geometry(model_dir: str | None) -> Geometry:
+    """The geometry to plan for: the checkpoint's own when --model names one, else
+    GLM-5.3-Flash's (the model glm53 download fetches)."""
+    if model_dir and os.path.isfile(os.path.join(model_dir, "config.json")):
+        return geometry_of(model_dir)
+    return GLM53_FLASH

@@ -9,8 +9,9 @@ import re
 
 import msgspec
 
-from glm53.doctor.costmodel import CHECKPOINT_BYTES, GIB, MIN_FREE_VRAM_MIB, store_total_bytes
+from glm53.doctor.costmodel import CHECKPOINT_BYTES, MIN_FREE_VRAM_MIB, store_total_bytes
 from glm53.doctor.host import BlockDevice, Cpu, Gpu, Memory, Mount, Storage
+from glm53.units import GIB
 
 # GT/s per lane and line-code efficiency per PCIe generation
 PCIE_GEN = {1: (2.5, 0.8), 2: (5.0, 0.8), 3: (8.0, 128 / 130), 4: (16.0, 128 / 130),

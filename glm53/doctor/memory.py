@@ -5,21 +5,7 @@ from __future__ import annotations
 
 from glm53.doctor.host import Memory, SwapDevice
 from glm53.doctor.source import Source, Unavailable
-
-# cgroup v1 writes "no limit" as a huge page-rounded number (9223372036854771712)
-V1_UNLIMITED = 2**62
-
-
-def parse_meminfo(text: str) -> dict[str, int]:
-    """/proc/meminfo as bytes per key."""
-    out = {}
-    for line in text.splitlines():
-        key, _, rest = line.partition(":")
-        fields = rest.split()
-        if fields and fields[0].isdigit():
-            scale = 1024 if len(fields) > 1 and fields[1] == "kB" else 1
-            out[key.strip()] = int(fields[0]) * scale
-    return out
+from glm53.plan.host_memory import parse_limit, parse_meminfo, parse_proc_cgroup
 
 
 def parse_swaps(text: str) -> list[SwapDevice]:
@@ -37,33 +23,6 @@ def parse_swaps(text: str) -> list[SwapDevice]:
                 )
             )
     return devices
-
-
-def parse_proc_cgroup(text: str) -> tuple[int, str] | None:
-    """(version, path of this process's memory cgroup) from /proc/self/cgroup. A v1 memory
-    line wins: in the hybrid layout the unified "0::" line carries no controllers."""
-    unified = None
-    for line in text.splitlines():
-        parts = line.strip().split(":", 2)
-        if len(parts) != 3:
-            continue
-        hier, controllers, path = parts
-        if "memory" in controllers.split(","):
-            return 1, path
-        if hier == "0" and controllers == "":
-            unified = (2, path)
-    return unified
-
-
-def parse_limit(text: str) -> int | None:
-    """A cgroup limit file: "max" (v2) or a byte count (huge in v1 meaning none) -> None."""
-    value = text.strip()
-    if value == "max":
-        return None
-    if not value.isdigit():
-        raise ValueError(f"cgroup limit {value!r}: expected 'max' or a number of bytes")
-    n = int(value)
-    return None if n >= V1_UNLIMITED else n
 
 
 def _ancestors(path: str) -> list[str]:

@@ -1,5 +1,5 @@
 """`glm53 doctor` on a host with two or more GPUs, or with `--gpus`: the layer split per GPU
-(glm53.engine.multi_gpu, with the engine's own VRAM accounting at serve's defaults) and a
+(glm53.plan.split, with the engine's own VRAM accounting at serve's defaults) and a
 PREDICTION of exact mode's decode over it, beside one GPU alone and one GPU holding the same
 total cache. The split has not run on a GPU yet (docs/multi-gpu.md).
 
@@ -18,7 +18,8 @@ import os
 import msgspec
 
 from glm53.doctor.costmodel import CostInputs, Mode, predict
-from glm53.engine import multi_gpu as mg
+from glm53.doctor.geometry import model_geometry
+from glm53.plan import split as mg
 
 # A small device-to-device copy of one token's hidden state and the wait for it: a few
 # microseconds of copy-engine latency on each side of the link plus a stream event. Assumed,
@@ -107,7 +108,7 @@ def outlook(gpus_free: dict[int, int], listed: list[int] | None, model_dir: str 
         out.one_gpu_slots = one.total_slots
     except ValueError:
         one = None
-    geo = _geometry(model_dir)
+    geo = model_geometry(model_dir)
     base = CostInputs(vram_slots=0, **link)
     hop = HOP_LATENCY_MS + split.hop_bytes_per_token / (link["pcie_gbps"] * 1e6)
     out.hop_ms_per_token = round(split.boundaries * hop, 4)
@@ -120,9 +121,3 @@ def outlook(gpus_free: dict[int, int], listed: list[int] | None, model_dir: str 
         alone = msgspec.structs.replace(base, vram_slots=one.total_slots)
         out.one_gpu_decode_tok_s = predict(Mode.EXACT, alone, geo).decode_tok_s
     return out
-
-
-def _geometry(model_dir: str | None):
-    from glm53.doctor.plan import model_geometry
-
-    return model_geometry(model_dir)

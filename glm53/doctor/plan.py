@@ -31,7 +31,7 @@ from glm53.doctor.costmodel import (
     vram_slots,
 )
 from glm53.doctor.cpu import format_cpu_list
-from glm53.doctor.geometry import GLM53_FLASH, Geometry, geometry_of
+from glm53.doctor.geometry import GLM53_FLASH, Geometry, model_geometry
 from glm53.doctor.gpu import spec_of
 from glm53.doctor.host import Gpu, HostProbe
 from glm53.doctor.multi_gpu import MultiGpuOutlook, outlook
@@ -483,14 +483,6 @@ def _compare(path: str, options: list[ModeOption], recommended: Mode) -> Compari
         prefill_measured_tok_s=result.prefill_tok_s,
         prefill_predicted_tok_s=pred.prefill_tok_s if pred else None,
     )
-
-
-def model_geometry(model_dir: str | None) -> Geometry:
-    """The geometry to plan for: the checkpoint's own when --model names one, else
-    GLM-5.3-Flash's (the model glm53 download fetches)."""
-    if model_dir and os.path.isfile(os.path.join(model_dir, "config.json")):
-        return geometry_of(model_dir)
-    return GLM53_FLASH
 
 
 def multi_gpu_outlook(

@@ -20,7 +20,7 @@ touched experts not in the RAM tier from the store first, one read after another
 
 - chunk-major: every chunk, every layer: the touched experts of that chunk cross per chunk.
 - layer-major: every layer once over the whole prompt: its touched experts cross once. The
-  hidden states take the expert cache's VRAM when they fit (glm53.engine.layer_major.vram_room
+  hidden states take the expert cache's VRAM when they fit (glm53.plan.layer_major.vram_room
   says why lending beats pinning) and those slots stream like any miss; else they go to pinned
   RAM. Prompts of at most one chunk keep the normal path, so both predictions agree there.
 - stream once: the prompt's touched experts of every MoE layer crossing the link once, VRAM
@@ -38,7 +38,7 @@ from glm53.doctor.costmodel import (
     _pick_rates,
 )
 from glm53.doctor.geometry import Geometry
-from glm53.engine.layer_major import (
+from glm53.plan.layer_major import (
     HiddenStatePlan,
     StreamGeometry,
     hidden_state_bytes,

@@ -10,12 +10,12 @@ from rich.panel import Panel
 from rich.table import Table
 
 from glm53.doctor.checks import Check, Verdict
-from glm53.doctor.costmodel import GIB
 from glm53.doctor.cpu import format_cpu_list
 from glm53.doctor.host import HostProbe
 from glm53.doctor.inputs import LaneLayout, spots
 from glm53.doctor.multi_gpu import MultiGpuOutlook
 from glm53.doctor.plan import ModeOption, Plan
+from glm53.units import GIB
 
 VERDICT_STYLE = {Verdict.OK: "green", Verdict.WARN: "yellow", Verdict.FAIL: "bold red"}
 

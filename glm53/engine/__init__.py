@@ -7,7 +7,6 @@ does the heavy work on the engine thread.
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import logging
 import os
@@ -32,8 +31,6 @@ __all__ = [
 
 log = logging.getLogger("glm53.engine")
 
-_MODULES = {"cpu": "glm53.engine.cpu", "gpu": "glm53.engine.gpu"}
-
 
 def uses_demo(settings: Settings) -> bool:
     return settings.demo or not settings.model
@@ -57,16 +54,9 @@ def checkpoint_dir(settings: Settings) -> Path:
     path = demo_dir(settings)
     if (path / "config.json").is_file():
         return path
-    try:
-        from glm53.synth.shapes import preset
-        from glm53.synth.writer import write_checkpoint
-    except ModuleNotFoundError as exc:
-        if not (exc.name or "").startswith("glm53.synth"):
-            raise
-        raise EngineUnavailable(
-            "the demo checkpoint writer (glm53.synth) is not part of this build yet; "
-            "pass --model DIR with a checkpoint"
-        ) from None
+    from glm53.synth.shapes import preset
+    from glm53.synth.writer import write_checkpoint
+
     log.info("writing the demo checkpoint to %s (first use)", path)
     # Written next to its final place and renamed, so an interrupted write never looks complete.
     partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
@@ -226,8 +216,7 @@ def refuse_unservable(settings: Settings) -> None:
 
 
 def create_engine(settings: Settings) -> Engine:
-    """The engine the settings ask for (not loaded). Raises EngineUnavailable when that engine
-    is not in this install; never substitutes another one."""
+    """The engine the settings ask for (not loaded); never another one in its place."""
     refuse_unbuilt(settings)
     kind = engine_kind(settings)
     refuse_ct_b(settings, kind)
@@ -246,19 +235,8 @@ def create_engine(settings: Settings) -> Engine:
             context_length=settings.context,
             num_slots=settings.max_batch,
         )
-    module_name = _MODULES[kind]
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name != module_name:
-            raise
-        raise EngineUnavailable(
-            f"the {kind} engine ({module_name}) is not in this build of glm53; update glm53 "
-            "or pick another engine with --engine"
-        ) from None
-    if not hasattr(module, "create"):
-        raise EngineUnavailable(
-            f"{module_name} has no create(settings, checkpoint_dir) in this build, so `glm53 serve` "
-            f"cannot start the {kind} engine yet"
-        )
-    return module.create(settings, checkpoint_dir(settings))
+    if kind == "cpu":  # imported when picked: the CPU engine's module imports torch
+        from glm53.engine.cpu import create
+    else:
+        from glm53.engine.gpu import create
+    return create(settings, checkpoint_dir(settings))

@@ -32,9 +32,10 @@ from typing import Any
 
 import torch
 
-from glm53.config import ConfigurationError
+from glm53.config import ConfigurationError, cache_dir
 from glm53.engine.base import EngineError, EngineUnavailable, StreamUsage, StreamWork
-from glm53.tiers import ram_budget
+from glm53.plan.host_memory import host_memory
+from glm53.plan.ram_cap import RamCapError, check_cap, planned_cap_bytes, working_set_records
 from glm53.tiers.heat import heat_path, read_heat, write_heat
 
 KDA_CHUNK = 16
@@ -115,13 +116,11 @@ class CpuEngine:
         else:
             source = SafetensorsSource(ckpt)
         top_k = int(ckpt.text_config["num_experts_per_tok"])
-        working_set = ram_budget.working_set_records(top_k, self.num_slots, source.num_experts)
+        working_set = working_set_records(top_k, self.num_slots, source.num_experts)
         try:
             if self.ram_cap is not None:  # before anything loads
-                ram_budget.check_cap(
-                    self.ram_cap, source.record_bytes, working_set, top_k, self.num_slots
-                )
-        except ram_budget.RamCapError as exc:
+                check_cap(self.ram_cap, source.record_bytes, working_set, top_k, self.num_slots)
+        except RamCapError as exc:
             source.close()
             raise ConfigurationError(str(exc)) from None
         self.lane = CpuLane(lane_layout(self.cpus, self.cpu_threads), precision=self.lane_precision)
@@ -140,12 +139,12 @@ class CpuEngine:
         memoize_expansion(self.model)
         self.lm_head = lm_head_weight(ckpt)
         self.moe = {i: self.model.layers[i].mlp for i in ckpt.moe_layers}
-        # The tier is sized after the non-expert weights are in memory (ram_budget)
+        # The tier is sized after the non-expert weights are in memory (glm53.plan.ram_cap)
         cap = self.ram_cap
         if cap is None:
-            memory = ram_budget.host_memory()
+            memory = host_memory()
             num_records = len(source.moe_layers) * source.num_experts
-            cap = ram_budget.planned_cap_bytes(memory, source.record_bytes, num_records)
+            cap = planned_cap_bytes(memory, source.record_bytes, num_records)
             log.info(
                 "RAM tier cap planned from %s: %.1f MiB (%d of %d expert records)",
                 memory.describe(),
@@ -154,10 +153,10 @@ class CpuEngine:
                 num_records,
             )
             try:
-                ram_budget.check_cap(
+                check_cap(
                     cap, source.record_bytes, working_set, top_k, self.num_slots, memory.describe()
                 )
-            except ram_budget.RamCapError as exc:
+            except RamCapError as exc:
                 source.close()
                 raise ConfigurationError(str(exc)) from None
         self.tier = RamTier(source, cap, self.read_timeout_s)
@@ -435,5 +434,5 @@ def create(settings, checkpoint_dir: Path) -> CpuEngine:
         lane_precision=lane_precision(settings.ct_precision, "cpu", settings.mode),
         store=settings.store,
         read_timeout_s=settings.read_timeout,
-        heat_file=heat_path(str(checkpoint_dir), "ram", settings.store),
+        heat_file=heat_path(str(checkpoint_dir), "ram", settings.store, cache_dir(settings)),
     )

@@ -16,97 +16,26 @@ import gc
 import json
 import logging
 import os
-from dataclasses import dataclass, field
 
-import msgspec
-
+from glm53.engine.exl3_loaded import (
+    Loaded,
+    MoeGeometry,
+    VramUse,
+    check_tables_point_home,
+    moe_geometry,
+)
+from glm53.plan.vram import (
+    VramInputs,
+    VramPlan,
+    cache_geometry,
+    chunk_activation_bytes,
+    plan_vram,
+    staging_slots,
+)
 from glm53.tiers import exl3_hooks
+from glm53.units import GIB
 
 log = logging.getLogger(__name__)
-GIB = 1 << 30
-EMBEDDING_SUFFIX = "embed_tokens.weight"  # exllamav3's embedding module prefers host memory
-
-
-@dataclass
-class MoeGeometry:
-    moe_layers: list[int]
-    n_experts: int
-    part_bytes: tuple[int, int, int]
-    expert_bytes_total: int  # routed trellis bytes of the whole checkpoint
-    other_bytes: int  # every other tensor
-    host_bytes: int  # of other_bytes, what exllamav3 keeps in host memory (the embedding)
-
-    @property
-    def vram_model_bytes(self) -> int:
-        """Non-expert bytes exllamav3 places in VRAM."""
-        return self.other_bytes - self.host_bytes
-
-
-def moe_geometry(stc) -> MoeGeometry:
-    layers: dict[int, set[int]] = {}
-    parts: dict[int, int] = {}
-    expert_total = other = host = 0
-    for key, filename in stc.tensor_file_map.items():
-        beg, end = stc.file_headers[filename][key]["data_offsets"]
-        m = exl3_hooks.EXPERT_TRELLIS.match(key)
-        if m is None:
-            other += end - beg
-            host += end - beg if key.endswith(EMBEDDING_SUFFIX) else 0
-            continue
-        expert_total += end - beg
-        layers.setdefault(int(m["layer"]), set()).add(int(m["expert"]))
-        proj = exl3_hooks.PROJ_INDEX[m["proj"]]
-        if parts.setdefault(proj, end - beg) != end - beg:
-            raise RuntimeError(f"{key}: {end - beg} bytes, other experts have {parts[proj]}")
-    if not layers:
-        raise RuntimeError(f"{stc.directory}: no routed expert trellis found (not an EXL3 MoE?)")
-    counts = {len(v) for v in layers.values()}
-    if len(counts) != 1 or len(parts) != 3:
-        raise RuntimeError(f"{stc.directory}: MoE layers disagree on their expert count {counts}")
-    return MoeGeometry(
-        sorted(layers), counts.pop(), (parts[0], parts[1], parts[2]), expert_total, other, host
-    )
-
-
-@dataclass
-class Loaded:
-    mode: str
-    config: object
-    model: object
-    cache: object
-    tokenizer: object
-    geometry: MoeGeometry
-    moe: list = field(default_factory=list)
-    home: exl3_hooks.PinnedExpertHome | None = None
-    ec: object | None = None
-    stager: object | None = None
-    vram_plan: VramPlan | None = None  # with a VRAM budget: where the budget went
-    # VRAM the load holds (weights, KV cache, VRAM expert cache, staging), measured at its end:
-    # held_vram_bytes(vram_before, vram_use(device))
-    resident_bytes: int | None = None
-    load_peak_bytes: int | None = None  # the most the load held at once, the same way
-    vram_before: VramUse | None = None  # the allocator's counts before the load
-    split: object | None = None  # --gpus with two or more entries: the SplitPlan (exl3_split)
-    nvme: object | None = None  # nvme-exact: glm53.tiers.nvme_device.NvmeHome
-
-    def close(self) -> None:
-        exl3_hooks.detach_cache(self.moe)
-        if self.nvme is not None:
-            self.nvme.close()
-        self.model.unload()
-        if self.home is not None:
-            self.home.close()
-
-
-@dataclass(frozen=True, slots=True)
-class VramUse:
-    """What torch's CUDA caching allocator holds on one device (bytes): `allocated` in live
-    tensors, `peak` the most allocated since its peak was last reset. exllamav3 1.6.5's weights
-    and KV cache and glm53's VRAM cache, staging and fast-mode buffers are torch tensors; what
-    is allocated outside the allocator (the CUDA context, library workspaces) is not counted."""
-
-    allocated: int
-    peak: int
 
 
 def vram_use(device) -> VramUse:
@@ -128,132 +57,6 @@ def held_vram_bytes(before: VramUse, after: VramUse) -> tuple[int, int] | None:
     return resident, max(peak, resident)
 
 
-STAGE_SHARE = 0.25  # of the VRAM left after the model, at most, for the default staging buffers
-MIN_STAGE_SLOTS = 8  # below this many records per buffer the default turns staging off
-
-
-def staging_slots(
-    free: int, reserve: int, n_experts: int, record_bytes: int, stage_gb: float | None
-) -> int:
-    """Records per prefill staging buffer (two buffers). `stage_gb` None is the default: two
-    whole MoE layers when they take at most STAGE_SHARE of the VRAM left (free - reserve), else
-    as many records as that share holds (GLM-5.3-Flash with 10 GiB free and the 1 GiB reserve: 128
-    of each layer's 288 experts), or none when that is under MIN_STAGE_SLOTS; 0 turns staging off."""
-    if stage_gb is not None:
-        return min(n_experts, int(stage_gb * GIB // (2 * record_bytes)))
-    budget = STAGE_SHARE * max(0, free - reserve)
-    slots = min(n_experts, int(budget // (2 * record_bytes)))
-    return slots if slots >= MIN_STAGE_SLOTS else 0
-
-
-class VramInputs(msgspec.Struct, frozen=True, kw_only=True):
-    """What the VRAM plan of exact mode depends on; bytes unless named otherwise."""
-
-    budget_bytes: int  # the VRAM glm53 may use, as the free memory of a card that size
-    model_bytes: int  # non-expert weights exllamav3 places in VRAM
-    record_bytes: int  # one routed expert's trellis (gate + up + down)
-    num_experts: int  # per MoE layer
-    num_moe_layers: int
-    kv_bytes_per_token: int  # cache of the softmax-attention (DSA) layers
-    context_tokens: int  # the cache's token capacity (shared by the batch)
-    state_bytes_per_sequence: int  # recurrent (KDA) state of one sequence
-    batch: int
-    activation_bytes: int  # the largest chunk's activations
-    reserve_bytes: int  # kept free for CUDA and workspaces (--ec-reserve-gb)
-    stage_gb: float | None = None  # --ec-stage-gb: None sizes staging by STAGE_SHARE
-    max_slots: int | None = None  # --ec-max-slots
-
-
-class VramPlan(msgspec.Struct, frozen=True):
-    """Where the budget goes, in bytes, and the expert cache and staging it leaves room for."""
-
-    budget_bytes: int
-    model_bytes: int
-    kv_bytes: int
-    state_bytes: int
-    activation_bytes: int
-    reserve_bytes: int
-    stage_slots: int  # records per staging buffer (two buffers)
-    stage_bytes: int
-    cache_slots: int
-    cache_bytes: int
-    free_bytes: int  # budget left over after all of the above (the reserve included above)
-
-
-def plan_vram(x: VramInputs) -> VramPlan:
-    """Exact mode's VRAM plan within a budget, as on a card with budget_bytes free: the model,
-    KV cache, recurrent state and activations first, then the staging buffers from what is
-    left (staging_slots), then as many expert slots as fit above the reserve (at most
-    max_slots, and never more than the checkpoint has experts). Raises ValueError naming the
-    shortfall when not even one slot fits."""
-    kv = x.kv_bytes_per_token * x.context_tokens
-    state = x.state_bytes_per_sequence * x.batch
-    fixed = x.model_bytes + kv + state + x.activation_bytes
-    free = x.budget_bytes - fixed
-    stage = staging_slots(free, x.reserve_bytes, x.num_experts, x.record_bytes, x.stage_gb)
-    free -= 2 * stage * x.record_bytes
-    slots = max(0, (free - x.reserve_bytes) // x.record_bytes)
-    if x.max_slots is not None:
-        slots = min(slots, x.max_slots)
-    slots = min(slots, x.num_moe_layers * x.num_experts)
-    if slots < 1:
-        raise ValueError(
-            f"a VRAM budget of {x.budget_bytes / GIB:.2f} GiB holds no expert slot: model "
-            f"{x.model_bytes / GIB:.2f} + KV {kv / GIB:.2f} + recurrent state {state / GIB:.2f} + "
-            f"activations {x.activation_bytes / GIB:.2f} + staging "
-            f"{2 * stage * x.record_bytes / GIB:.2f} + reserve {x.reserve_bytes / GIB:.2f} GiB "
-            f"leave less than one {x.record_bytes / 2**20:.1f} MiB expert; raise --vram-budget "
-            "or lower --context / --max-batch"
-        )
-    return VramPlan(
-        budget_bytes=x.budget_bytes,
-        model_bytes=x.model_bytes,
-        kv_bytes=kv,
-        state_bytes=state,
-        activation_bytes=x.activation_bytes,
-        reserve_bytes=x.reserve_bytes,
-        stage_slots=stage,
-        stage_bytes=2 * stage * x.record_bytes,
-        cache_slots=slots,
-        cache_bytes=slots * x.record_bytes,
-        free_bytes=free - x.reserve_bytes - slots * x.record_bytes,
-    )
-
-
-def cache_geometry(text_config: dict) -> tuple[int, int]:
-    """(KV bytes per token, recurrent-state bytes per sequence) of a glm5_next text model in
-    exllamav3's fp16 cache: the sums over its layers of layer_cache_geometry."""
-    per_layer = layer_cache_geometry(text_config)
-    return sum(kv for kv, _ in per_layer), sum(state for _, state in per_layer)
-
-
-def layer_cache_geometry(text_config: dict) -> list[tuple[int, int]]:
-    """Per layer, (KV bytes per token, recurrent-state bytes per sequence) in exllamav3's fp16
-    cache: a DSA layer keeps its MLA latent (kv_lora_rank) and its indexer key (index_head_dim)
-    per token; a KDA layer keeps an fp32 heads x head_dim x head_dim state and the (kernel - 1)
-    last q/k/v conv inputs in fp16 per sequence."""
-    tc = text_config
-    la = tc["linear_attn_config"]
-    heads, hd, conv = la["num_heads"], la["head_dim"], la["short_conv_kernel_size"]
-    kv = 2 * (tc["kv_lora_rank"] + tc["index_head_dim"])
-    state = 4 * heads * hd * hd + 2 * (conv - 1) * 3 * heads * hd
-    return [
-        (0, state) if t == "linear_attention" else (kv, 0)
-        for t in tc["layer_types"][: tc["num_hidden_layers"]]
-    ]
-
-
-def chunk_activation_bytes(text_config: dict, chunk_tokens: int) -> int:
-    """The largest live activations of one prefill chunk, in fp16 unless noted: the fp32 mHC
-    residual streams, the fused KDA q/k/v, and the dense MLP's gate and up outputs."""
-    tc = text_config
-    la = tc["linear_attn_config"]
-    streams = 4 * tc.get("hc_mult", 4) * tc["hidden_size"]
-    qkv = 2 * 3 * la["num_heads"] * la["head_dim"]
-    mlp = 2 * 2 * tc["intermediate_size"]
-    return chunk_tokens * (streams + qkv + mlp)
-
-
 def vram_plan_for(
     model_dir: str,
     geo: MoeGeometry,
@@ -264,7 +67,7 @@ def vram_plan_for(
     ec_reserve_gb: float = 1.0,
     ec_stage_gb: float | None = None,
 ) -> VramPlan:
-    """plan_vram for a checkpoint (its config and safetensors geometry) and load()'s cache
+    """glm53.plan.vram.plan_vram for a checkpoint (its config and safetensors geometry) and load()'s cache
     and chunk sizes."""
     with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
         text_config = json.load(f)["text_config"]
@@ -396,7 +199,7 @@ def load(
         return _measured(loaded, dev)
 
     home_addr = home.home_addresses()
-    _check_tables_point_home(moe, home_addr, home.geo)
+    check_tables_point_home(moe, home_addr, home.geo)
     if mode in ("exact", "nvme-exact"):  # one admission path; nvme-exact moves the home
         from glm53.tiers.vram_cache import DeviceExpertCache
 
@@ -478,7 +281,8 @@ def _check_store_geometry(store, geo: MoeGeometry) -> None:
 def _start_nvme(loaded: Loaded, nvme_src, ram_cap, read_timeout_s, rows):
     """The RAM tier (planned from free memory when --ram-cap is not set), registered with CUDA
     as the experts' home (glm53.tiers.nvme_device.NvmeHome)."""
-    from glm53.tiers import ram_budget
+    from glm53.plan.host_memory import host_memory
+    from glm53.plan.ram_cap import planned_cap_bytes
     from glm53.tiers.gpu_home import check_home_cap
     from glm53.tiers.nvme_device import NvmeHome
     from glm53.tiers.ram_tier import RamTier
@@ -487,8 +291,7 @@ def _start_nvme(loaded: Loaded, nvme_src, ram_cap, read_timeout_s, rows):
     cap = ram_cap
     num_records = len(source.moe_layers) * source.num_experts
     if cap is None:
-        memory = ram_budget.host_memory()
-        cap = ram_budget.planned_cap_bytes(memory, source.record_bytes, num_records)
+        cap = planned_cap_bytes(host_memory(), source.record_bytes, num_records)
         check_home_cap(cap, source.record_bytes, working_set, top_k, rows)
     limit = exl3_hooks.memlock_limit()
     if 0 <= limit < min(cap, num_records * source.record_bytes):
@@ -501,23 +304,9 @@ def _start_nvme(loaded: Loaded, nvme_src, ram_cap, read_timeout_s, rows):
                     loaded.ec.device)  # fmt: skip
 
 
-def _check_tables_point_home(moe, home_addr, geo) -> None:
-    import numpy as np
-
-    for i, mod in enumerate(moe):
-        gate = mod.multi_gate if mod.multi_gate is not None else mod.multi_up
-        for p, multi in enumerate((gate, mod.multi_up, mod.multi_down)):
-            got = multi.ptrs_trellis.cpu().numpy()
-            want = home_addr[i * geo.n_experts : (i + 1) * geo.n_experts] + geo.part_off[p]
-            if not np.array_equal(got, want):
-                raise RuntimeError(
-                    f"{mod.key}: exllamav3's pointer table does not point at the pinned expert "
-                    "home; this exllamav3 build loads experts differently than 1.6.5"
-                )
-
-
-def heat_path(model_dir: str) -> str:
-    """Where the VRAM cache's warm-start heat list of a checkpoint lives (glm53.tiers.heat)."""
+def heat_path(model_dir: str, cache_dir: str | None = None) -> str:
+    """Where the VRAM cache's warm-start heat list of a checkpoint lives (glm53.tiers.heat), under
+    glm53's cache directory (None: the default one)."""
     from glm53.tiers.heat import heat_path as path
 
-    return path(model_dir, "vram")
+    return path(model_dir, "vram", cache_dir=cache_dir)

@@ -3,9 +3,9 @@
 NOT YET RUN ON A GPU: written against exllamav3 1.6.5's loader as read (each module loads on a
 device of its own; `Module.prepare_for_device` moves the hidden state to it; cache layers
 allocate on their attention module's device), tested on CPU only through the planner
-(glm53.engine.multi_gpu). tests/gpu/test_multi_gpu.py is the check to run on the H200.
+(glm53.plan.split). tests/gpu/test_multi_gpu.py is the check to run on the H200.
 
-How it loads. The plan (multi_gpu.plan_split, from each device's free VRAM or --vram-budget
+How it loads. The plan (glm53.plan.split.plan_split, from each device's free VRAM or --vram-budget
 per device) gives each entry a contiguous layer range. exllamav3's own `Model.load(device)` then
 runs as on one GPU (its gc freeze, deferred loads with per-device slab arenas, free_mem, the
 shared-tensor release and marking the cache initialized all stay exllamav3's), except that each
@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import contextlib
 import re
+from collections.abc import Callable, Sequence
 
-from glm53.engine import multi_gpu
-from glm53.engine.exl3_load import GIB, Loaded, _check_tables_point_home, moe_geometry
+from glm53.engine.exl3_loaded import Loaded, check_tables_point_home, moe_geometry
+from glm53.plan.split import SplitPlan, model_layers, plan_split, split_in_proportion, split_inputs
 from glm53.tiers import exl3_hooks
+from glm53.units import GIB
 
 LAYER_MODULE = re.compile(r"\.layers\.(\d+)$")
 
@@ -58,7 +60,99 @@ class OnDevice:
             self.inner.on_layer(layer)
 
 
-def module_devices(modules, plan: multi_gpu.SplitPlan) -> list[int]:
+class SplitCaches:
+    """The per-part VRAM caches seen as one, with the one-GPU cache's interface where the
+    engine uses it (state, seed, heat_list). Keys are global (MoE layer index x experts + expert,
+    over all MoE layers in order); each part's cache numbers its own layers from 0. `guard(device)`
+    is entered around every call into a part (torch.cuda.device on the GPU: glm53's kernels
+    launch on the current device)."""
+
+    def __init__(
+        self,
+        plan: SplitPlan,
+        caches: Sequence,
+        num_experts: int,
+        guard: Callable[[object], contextlib.AbstractContextManager] | None = None,
+    ):
+        if len(caches) != len(plan.parts):
+            raise ValueError(f"{len(caches)} caches for {len(plan.parts)} parts")
+        self.plan, self.caches, self.num_experts = plan, list(caches), num_experts
+        self.guard = guard or (lambda device: contextlib.nullcontext())
+        self.offsets, at = [], 0  # first global MoE index of each part
+        for p in plan.parts:
+            self.offsets.append(at)
+            at += len(p.moe_layers)
+        self.num_keys = at * num_experts
+
+    def _live(self):
+        for k, (part, cache) in enumerate(zip(self.plan.parts, self.caches, strict=True)):
+            if cache is not None:
+                yield k, part, cache
+
+    def state(self) -> dict:
+        """Summed counters, per-layer hit rates in global layer order, and `per_gpu`: each
+        part's own state with its device and layers."""
+        from glm53.tiers.vram_cache import COUNTERS
+
+        out: dict = dict.fromkeys(COUNTERS, 0)
+        out.update(slots=0, used=0)
+        rates: list = []
+        per_gpu = []
+        for k, part in enumerate(self.plan.parts):
+            cache = self.caches[k]
+            entry = {
+                "entry": part.entry,
+                "device": part.device,
+                "layers": [part.first_layer, part.end_layer],
+                "moe_layers": list(part.moe_layers),
+            }
+            if cache is None:
+                rates += [None] * len(part.moe_layers)
+                entry["slots"] = 0
+                per_gpu.append(entry)
+                continue
+            with self.guard(cache.device):
+                s = cache.state()
+            for name in (*COUNTERS, "slots", "used"):
+                out[name] += s[name]
+            rates += s["layer_hit_rate"]
+            per_gpu.append({**entry, **s})
+        looked = out["hits"] + out["misses"]
+        out["hit_rate"] = out["hits"] / looked if looked else None
+        out["layer_hit_rate"] = rates
+        out["per_gpu"] = per_gpu
+        return out
+
+    def seed(self, keys) -> int:
+        """Warm start: each part takes the keys of its layers, in the given order."""
+        per: list[list[int]] = [[] for _ in self.caches]
+        for key in (int(k) for k in keys):
+            if not 0 <= key < self.num_keys:
+                raise ValueError(f"heat-list key {key} is outside [0, {self.num_keys})")
+            layer = key // self.num_experts
+            k = max(i for i, off in enumerate(self.offsets) if off <= layer)
+            per[k].append(key - self.offsets[k] * self.num_experts)
+        placed = 0
+        for k, _, cache in self._live():
+            with self.guard(cache.device):
+                placed += cache.seed(per[k])
+        return placed
+
+    def heat_list(self) -> list[int]:
+        """Every part's heat list in global keys, interleaved one key of each part in turn
+        (each part's own order kept), so that a one-GPU start takes a mix of both."""
+        lists = []
+        for k, _, cache in self._live():
+            with self.guard(cache.device):
+                own = cache.heat_list()
+            lists.append([key + self.offsets[k] * self.num_experts for key in own])
+        out = []
+        for i in range(max((len(x) for x in lists), default=0)):
+            out += [x[i] for x in lists if i < len(x)]
+        return out
+
+
+def module_devices(modules, plan: SplitPlan) -> list[int]:
     """The device of each of exllamav3's top-level modules: a decoder layer its part's, what
     comes before the first layer (the embedding) the first part's, what comes after the last
     (final norm, lm_head) the last part's."""
@@ -162,9 +256,9 @@ def load_split(
         sizes[key] = end - beg
     with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
         text_config = json.load(f)["text_config"]
-    layers = multi_gpu.model_layers(sizes, text_config)
-    plan = multi_gpu.plan_split(
-        multi_gpu.split_inputs(
+    layers = model_layers(sizes, text_config)
+    plan = plan_split(
+        split_inputs(
             layers,
             gpus,
             free,
@@ -197,7 +291,7 @@ def load_split(
     moe = exl3_hooks.moe_modules(model)
     loaded = Loaded(mode, config, model, cache, tokenizer, geo, moe, home, split=plan)
     home_addr = home.home_addresses()
-    _check_tables_point_home(moe, home_addr, home.geo)
+    check_tables_point_home(moe, home_addr, home.geo)
     if mode == "exact":
         loaded.ec = _attach_caches(
             plan, moe, geo, home, home_addr, ec_freq_window, stage_min_rows, stage_dma,
@@ -224,7 +318,7 @@ def _attach_caches(plan, moe, geo, home, home_addr, freq_window, min_rows, dma, 
         room -= int(reserve_gb * GIB) + sum(p.stage_bytes for p in parts)
         fit = max(0, room // rb)
         want = sum(p.cache_slots for p in parts)
-        got = multi_gpu._share(min(fit, want), [p.cache_slots for p in parts])
+        got = split_in_proportion(min(fit, want), [p.cache_slots for p in parts])
         slots_of.update({p.entry: s for p, s in zip(parts, got, strict=True)})
     caches = []
     for part in plan.parts:
@@ -246,4 +340,4 @@ def _attach_caches(plan, moe, geo, home, home_addr, freq_window, min_rows, dma, 
                 stager = OnDevice(PrefillStager(ec, part.stage_slots, min_rows, dma), dev)
         exl3_hooks.attach_cache(mods, OnDevice(ec, dev), stager)
         caches.append(ec)
-    return multi_gpu.SplitCaches(plan, caches, n_e, guard=torch.cuda.device)
+    return SplitCaches(plan, caches, n_e, guard=torch.cuda.device)

@@ -44,11 +44,11 @@ import time
 from typing import Any
 
 from glm53.engine.base import EngineError, JobOutput
+from glm53.units import GIB
 
 log = logging.getLogger("glm53.engine.gpu")
 
 PAGE = 256  # exllamav3's KV page size
-GIB = 1 << 30
 
 
 def standard_region(num_prompt_tokens: int, chunk: int) -> int:

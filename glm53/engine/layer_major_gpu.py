@@ -28,7 +28,7 @@ How a prompt longer than one chunk is prefilled, over stock exllamav3 1.6.5 (une
    Generator decodes its last prompt token as it would after the last chunk.
 
 Between layers a chunk keeps its mHC streams (the module output) and its params dict (the
-DSA top-k selection rides there); glm53.engine.layer_major accounts for both. The streams live
+DSA top-k selection rides there); glm53.plan.layer_major accounts for both. The streams live
 in VRAM (free VRAM, then lent expert-cache slots) when they fit, else in pinned host RAM,
 copied through two chunk buffers. Staging (PrefillStager) holds: a layer is copied once per
 pass, not once per chunk.
@@ -47,7 +47,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from glm53.engine.layer_major import (
+from glm53.plan.layer_major import (
     PassLayout,
     StatePlacement,
     StreamGeometry,
@@ -125,7 +125,7 @@ class LayerMajorPass:
 
     # --- placement ---------------------------------------------------------------------------
     def _place(self) -> None:
-        """Before the first step: lay the streams out (glm53.engine.layer_major.layout_pass),
+        """Before the first step: lay the streams out (glm53.plan.layer_major.layout_pass),
         lend the cache slots that takes and make the device pieces and the pinned buffers."""
         import torch
 

@@ -3,7 +3,7 @@
 `ExpertStore` refuses a store packed from another checkpoint than the one it is served with
 (StoreMismatchError), a truncated data file, and a filesystem without O_DIRECT. It reads whole
 records (one aligned read each) into caller buffers and gives views of their arrays. It also
-has the expert-source interface of `tiers.expert_source.SafetensorsSource` (moe_layers,
+has the expert-source interface of `glm53.tiers.expert_source.SafetensorsSource` (moe_layers,
 num_experts, layouts, record_bytes, read, record_sha256, describe, close), so a RAM tier can be filled from it.
 Owned by one thread (the O_DIRECT reader is).
 """
@@ -18,10 +18,7 @@ import numpy as np
 
 from glm53._odirect import ODirectError, Reader, probe
 from glm53.models.checkpoint import Checkpoint
-from glm53.store.errors import EXIT_CHECK_FAILED, StoreError, reason
-from glm53.store.format import PROJECTIONS, Field, RecordLayout, layout_of, read_manifest
-from glm53.store.plan import check_matches, plan_store
-from glm53.tiers.expert_source import (
+from glm53.store.direct_io import (
     BounceBuffer,
     ExpertReadError,
     ExpertReadTimeout,
@@ -31,6 +28,9 @@ from glm53.tiers.expert_source import (
     read_coalesced,
     with_others,
 )
+from glm53.store.errors import EXIT_CHECK_FAILED, StoreError, reason
+from glm53.store.format import PROJECTIONS, Field, RecordLayout, layout_of, read_manifest
+from glm53.store.plan import check_matches, plan_store
 
 _NUMPY = {"I16": np.int16, "F16": np.float16}
 
@@ -119,7 +119,7 @@ class ExpertStore:
     ) -> int:
         """Read records into 4 KiB-aligned buffers of at least record_bytes: (model layer,
         expert, buffer) triples. Records next to each other in the data file are read as one
-        request (expert_source.read_coalesced). Blocks until all are read; raises the first
+        request (direct_io.read_coalesced). Blocks until all are read; raises the first
         error, or ExpertReadTimeout when they take longer than `timeout` s. Returns the bytes
         read."""
         pieces = [

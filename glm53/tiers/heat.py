@@ -1,7 +1,7 @@
 """Heat lists: a tier's resident experts, hottest first, kept across restarts so that a server
-starts warm. One file per checkpoint (by its config's sha256) and tier, under
-$XDG_CACHE_HOME/glm53/heat/: `{digest}.json` for the VRAM expert cache, `{digest}-ram-{where}.json`
-for the RAM tier. Keys are `moe_index * experts_per_layer + expert` over the checkpoint's MoE layers.
+starts warm. One file per checkpoint (by its config's sha256) and tier, under heat/ in glm53's
+cache directory (--cache-dir, by default $XDG_CACHE_HOME/glm53): `{digest}.json` for the VRAM
+expert cache, `{digest}-ram-{where}.json` for the RAM tier. Keys are `moe_index * experts_per_layer + expert` over the checkpoint's MoE layers.
 """
 
 from __future__ import annotations
@@ -10,23 +10,32 @@ import hashlib
 import json
 import logging
 import os
+from pathlib import Path
+
+from glm53.config import default_cache_dir
 
 log = logging.getLogger("glm53.tiers")
 
 
-def heat_path(model_dir: str, tier: str = "vram", source: str | None = None) -> str:
-    """Where the heat list of a checkpoint's `tier` ("vram" or "ram") lives. The RAM tier's
-    is also keyed by where its experts come from (`source`: the store or the checkpoint
-    directory), so two stores of one checkpoint keep two lists."""
+def heat_path(
+    model_dir: str,
+    tier: str = "vram",
+    source: str | None = None,
+    cache_dir: str | Path | None = None,
+) -> str:
+    """Where the heat list of a checkpoint's `tier` ("vram" or "ram") lives, under `cache_dir`
+    (glm53.config.cache_dir of the settings; None: the default one). The RAM tier's is also
+    keyed by where its experts come from (`source`: the store or the checkpoint directory), so
+    two stores of one checkpoint keep two lists."""
     with open(os.path.join(model_dir, "config.json"), "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()[:16]
-    base = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
+    base = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if tier == "vram":
         name = f"{digest}.json"
     else:
         where = hashlib.sha256(os.path.realpath(source or model_dir).encode()).hexdigest()[:12]
         name = f"{digest}-{tier}-{where}.json"
-    return os.path.join(base, "glm53", "heat", name)
+    return str(base / "heat" / name)
 
 
 def write_heat(path: str, model_dir: str, keys: list[int]) -> None:

@@ -16,12 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from glm53 import _clock, _gemv, _odirect
-from glm53.tiers.expert_source import (
-    ExpertReadError,
-    ExpertReadTimeout,
-    SafetensorsSource,
-    record_views,
-)
+from glm53.store.direct_io import ExpertReadError, ExpertReadTimeout
+from glm53.tiers.expert_source import SafetensorsSource, record_views
 
 log = logging.getLogger("glm53.tiers")
 

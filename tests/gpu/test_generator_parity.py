@@ -13,19 +13,12 @@ chunk (2,048) edges.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("exllamav3")
 pytest.importorskip("glm53._cuda")
 httpx = pytest.importorskip("httpx")
 
-from glm53.engine.gpu import GpuEngine, standard_region  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests"))
 from gpu_kit import (  # noqa: E402
     BATCH,
     CHUNK,
@@ -44,6 +37,8 @@ from gpu_kit import (  # noqa: E402
     together_generator,
 )
 from serving_kit import Server  # noqa: E402
+
+from glm53.engine.gpu import GpuEngine, standard_region  # noqa: E402
 
 CHECKPOINTS = {"slice": "GLM53_TEST_SLICE", "resharded": "GLM53_TEST_SLICE_RESHARDED"}
 CONTEXT = 8192

@@ -13,18 +13,11 @@ of its own)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("exllamav3")
 pytest.importorskip("glm53._cuda")
 
-from glm53.engine.gpu import GpuEngine, standard_region  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests"))
 from gpu_kit import (  # noqa: E402
     assert_same,
     checkpoint_dir,
@@ -35,6 +28,8 @@ from gpu_kit import (  # noqa: E402
     stock_reference,
     text_config,
 )
+
+from glm53.engine.gpu import GpuEngine, standard_region  # noqa: E402
 
 ENV = "GLM53_TEST_SLICE"
 CHUNK = 1024

@@ -16,9 +16,6 @@ the cache at the 24 GB card's 11.4 % share in all.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -26,10 +23,6 @@ pytest.importorskip("exllamav3")
 pytest.importorskip("glm53._cuda")
 httpx = pytest.importorskip("httpx")
 
-from glm53.engine.gpu import GpuEngine  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests"))
 from gpu_kit import (  # noqa: E402
     CHUNK,
     N_NEW,
@@ -43,6 +36,8 @@ from gpu_kit import (  # noqa: E402
     text_config,
 )
 from serving_kit import Server  # noqa: E402
+
+from glm53.engine.gpu import GpuEngine  # noqa: E402
 
 LENGTHS = (1, 257, 2049, 5000)
 CONTEXT = 8192

@@ -14,7 +14,6 @@ through gpu_kit (same prompts, same runs: test_generator_parity.py's prompts of 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,10 +22,6 @@ pytest.importorskip("exllamav3")
 pytest.importorskip("glm53._cuda")
 httpx = pytest.importorskip("httpx")
 
-from glm53.engine.gpu import GpuEngine  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests"))
 from gpu_kit import (  # noqa: E402
     CHUNK,
     N_NEW,
@@ -42,6 +37,8 @@ from gpu_kit import (  # noqa: E402
 )
 from serving_kit import Server  # noqa: E402
 from store_kit import flip_byte  # noqa: E402
+
+from glm53.engine.gpu import GpuEngine  # noqa: E402
 
 LENGTHS = (1, 9, 257, 2049, 5000)
 CONTEXT = 8192

@@ -19,7 +19,6 @@ import pytest
 
 pytest.importorskip("exllamav3")
 
-sys.path.insert(0, str(Path(__file__).parent.parent))
 from serving_kit import Server  # noqa: E402
 
 from glm53.reference import fingerprint, read_panel  # noqa: E402

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import threading
 from pathlib import Path
 
@@ -16,7 +15,6 @@ pytest.importorskip("exllamav3")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-sys.path.insert(0, str(Path(__file__).parent.parent))
 from serving_kit import Server  # noqa: E402
 
 DEMO = os.environ.get("GLM53_TEST_DEMO")

@@ -1,5 +1,6 @@
 """Two or more GPUs in one process: which layers each GPU holds and how many expert slots its
-VRAM cache gets (issue #20). Pure Python (no torch): the doctor and CI use it as the engine does.
+VRAM cache gets (issue #20). Pure Python (no torch): the doctor and CI use it as the engine
+(glm53.engine.exl3_split) does.
 
 exllamav3 places each module on a device of its own and moves the hidden state to the next
 module's device (`Module.prepare_for_device`); its KV and recurrent cache layers are allocated
@@ -9,7 +10,7 @@ per `--gpus` entry. Each entry gets its own `DeviceExpertCache` over the MoE lay
 portable home in RAM. The last entry also holds the final norm and lm_head; the embedding stays
 in host memory, as on one GPU.
 
-What a GPU pays for (bytes, as exl3_load.plan_vram counts them on one GPU): the non-expert
+What a GPU pays for (bytes, as glm53.plan.vram.plan_vram counts them on one GPU): the non-expert
 weights of its layers (routed experts' suh/svh included: they load to VRAM), their KV cache
 (DSA layers, per token of the shared cache) and recurrent state (KDA layers, per sequence), one
 chunk's activations and the reserve (--ec-reserve-gb), two staging buffers per entry, then
@@ -47,19 +48,14 @@ charges over PCIe.
 
 from __future__ import annotations
 
-import contextlib
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from fractions import Fraction
 
 import msgspec
 
-from glm53.engine.exl3_load import (
-    GIB,
-    chunk_activation_bytes,
-    layer_cache_geometry,
-    staging_slots,
-)
+from glm53.plan.vram import chunk_activation_bytes, layer_cache_geometry, staging_slots
+from glm53.units import GIB
 
 EXPERT_TRELLIS = re.compile(r"\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.trellis$")
 LAYER_KEY = re.compile(r"\.layers\.(\d+)\.")
@@ -266,7 +262,7 @@ def _segment(x: SplitInputs, device: int, count: int, first_entry: int, first: i
     stage_of = [stage if m else 0 for m in moe]
     room = left - x.reserve_bytes - sum(2 * s * rb for s in stage_of)
     total = min(max(0, room // rb), n_moe * n_e)
-    slots = _share(total, [len(m) for m in moe])
+    slots = split_in_proportion(total, [len(m) for m in moe])
     plans = [
         PartPlan(
             entry=first_entry + k,
@@ -298,7 +294,7 @@ def _segment(x: SplitInputs, device: int, count: int, first_entry: int, first: i
     return _Segment(total, worth, plans, dev)
 
 
-def _share(total: int, weights: Sequence[int]) -> list[int]:
+def split_in_proportion(total: int, weights: Sequence[int]) -> list[int]:
     """`total` split in proportion to `weights`, largest remainders first (exact sum)."""
     w = sum(weights)
     if w == 0:
@@ -363,7 +359,7 @@ def _cap(parts: list[PartPlan], max_slots: int | None, rb: int, n_experts: int) 
     total = sum(p.cache_slots for p in parts)
     if max_slots is None or total <= max_slots:
         return parts
-    shares = _share(max_slots, [p.cache_slots for p in parts])
+    shares = split_in_proportion(max_slots, [p.cache_slots for p in parts])
     out = []
     for p, s in zip(parts, shares, strict=True):
         share = s / (len(p.moe_layers) * n_experts) if p.moe_layers else 0.0
@@ -418,7 +414,8 @@ def split_inputs(
     ec_stage_gb: float | None = None,
     ec_max_slots: int | None = None,
 ) -> SplitInputs:
-    """SplitInputs with the engine's accounting (exl3_load.vram_plan_for's, per device)."""
+    """SplitInputs with the engine's accounting (glm53.engine.exl3_load.vram_plan_for's, per
+    device)."""
     return SplitInputs(
         layers=layers,
         gpus=tuple(gpus),
@@ -430,95 +427,3 @@ def split_inputs(
         stage_gb=ec_stage_gb,
         max_slots=ec_max_slots,
     )
-
-
-class SplitCaches:
-    """The per-part VRAM caches seen as one, with the one-GPU cache's interface where the
-    engine uses it (state, seed, heat_list). Keys are global (MoE layer index x experts + expert,
-    over all MoE layers in order); each part's cache numbers its own layers from 0. `guard(device)`
-    is entered around every call into a part (torch.cuda.device on the GPU: glm53's kernels
-    launch on the current device)."""
-
-    def __init__(
-        self,
-        plan: SplitPlan,
-        caches: Sequence,
-        num_experts: int,
-        guard: Callable[[object], contextlib.AbstractContextManager] | None = None,
-    ):
-        if len(caches) != len(plan.parts):
-            raise ValueError(f"{len(caches)} caches for {len(plan.parts)} parts")
-        self.plan, self.caches, self.num_experts = plan, list(caches), num_experts
-        self.guard = guard or (lambda device: contextlib.nullcontext())
-        self.offsets, at = [], 0  # first global MoE index of each part
-        for p in plan.parts:
-            self.offsets.append(at)
-            at += len(p.moe_layers)
-        self.num_keys = at * num_experts
-
-    def _live(self):
-        for k, (part, cache) in enumerate(zip(self.plan.parts, self.caches, strict=True)):
-            if cache is not None:
-                yield k, part, cache
-
-    def state(self) -> dict:
-        """Summed counters, per-layer hit rates in global layer order, and `per_gpu`: each
-        part's own state with its device and layers."""
-        from glm53.tiers.vram_cache import COUNTERS
-
-        out: dict = dict.fromkeys(COUNTERS, 0)
-        out.update(slots=0, used=0)
-        rates: list = []
-        per_gpu = []
-        for k, part in enumerate(self.plan.parts):
-            cache = self.caches[k]
-            entry = {
-                "entry": part.entry,
-                "device": part.device,
-                "layers": [part.first_layer, part.end_layer],
-                "moe_layers": list(part.moe_layers),
-            }
-            if cache is None:
-                rates += [None] * len(part.moe_layers)
-                entry["slots"] = 0
-                per_gpu.append(entry)
-                continue
-            with self.guard(cache.device):
-                s = cache.state()
-            for name in (*COUNTERS, "slots", "used"):
-                out[name] += s[name]
-            rates += s["layer_hit_rate"]
-            per_gpu.append({**entry, **s})
-        looked = out["hits"] + out["misses"]
-        out["hit_rate"] = out["hits"] / looked if looked else None
-        out["layer_hit_rate"] = rates
-        out["per_gpu"] = per_gpu
-        return out
-
-    def seed(self, keys) -> int:
-        """Warm start: each part takes the keys of its layers, in the given order."""
-        per: list[list[int]] = [[] for _ in self.caches]
-        for key in (int(k) for k in keys):
-            if not 0 <= key < self.num_keys:
-                raise ValueError(f"heat-list key {key} is outside [0, {self.num_keys})")
-            layer = key // self.num_experts
-            k = max(i for i, off in enumerate(self.offsets) if off <= layer)
-            per[k].append(key - self.offsets[k] * self.num_experts)
-        placed = 0
-        for k, _, cache in self._live():
-            with self.guard(cache.device):
-                placed += cache.seed(per[k])
-        return placed
-
-    def heat_list(self) -> list[int]:
-        """Every part's heat list in global keys, interleaved one key of each part in turn
-        (each part's own order kept), so that a one-GPU start takes a mix of both."""
-        lists = []
-        for k, _, cache in self._live():
-            with self.guard(cache.device):
-                own = cache.heat_list()
-            lists.append([key + self.offsets[k] * self.num_experts for key in own])
-        out = []
-        for i in range(max((len(x) for x in lists), default=0)):
-            out += [x[i] for x in lists if i < len(x)]
-        return out

@@ -14,12 +14,9 @@ evicts experts the same step still needs and reads them again, layer after layer
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
+from glm53.plan.host_memory import HostMemory
+from glm53.units import GIB
 
-from glm53.doctor.memory import parse_limit, parse_meminfo, parse_proc_cgroup
-
-GIB = 1 << 30
 SMALL_BELOW_BYTES = 24 * GIB
 MARGIN_BYTES = 3 * GIB
 SMALL_MARGIN_BYTES = 3 * GIB // 2
@@ -28,67 +25,6 @@ EXTRA_BYTES = 3 * GIB // 10
 
 class RamCapError(ValueError):
     """--ram-cap (given or planned) cannot hold what one decode step needs; says why and the fix."""
-
-
-@dataclass(frozen=True, slots=True)
-class HostMemory:
-    """Bytes: MemAvailable; the cgroup's memory.max and memory.current (None without a limit)."""
-
-    available_bytes: int
-    cgroup_max_bytes: int | None
-    cgroup_current_bytes: int | None
-
-    def room_bytes(self) -> int:
-        room = self.available_bytes
-        if self.cgroup_max_bytes is not None:
-            room = min(room, self.cgroup_max_bytes - (self.cgroup_current_bytes or 0))
-        return room
-
-    def describe(self) -> str:
-        text = f"MemAvailable {self.available_bytes / GIB:.1f} GiB"
-        if self.cgroup_max_bytes is not None:
-            text += (
-                f", cgroup memory.max {self.cgroup_max_bytes / GIB:.1f} GiB with "
-                f"{(self.cgroup_current_bytes or 0) / GIB:.1f} GiB in use"
-            )
-        return text
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path, encoding="ascii") as f:
-            return f.read()
-    except OSError:
-        return None
-
-
-def host_memory(root: str = "/") -> HostMemory:
-    """This process's view now: /proc/meminfo and its memory cgroup (v2, or v1's names)."""
-    info = parse_meminfo(_read(os.path.join(root, "proc/meminfo")) or "")
-    available = info.get("MemAvailable", info.get("MemFree", 0))
-    found = parse_proc_cgroup(_read(os.path.join(root, "proc/self/cgroup")) or "")
-    if found is None:
-        return HostMemory(available, None, None)
-    version, path = found
-    base = "sys/fs/cgroup" if version == 2 else "sys/fs/cgroup/memory"
-    names = (
-        ("memory.max", "memory.current")
-        if version == 2
-        else (
-            "memory.limit_in_bytes",
-            "memory.usage_in_bytes",
-        )
-    )
-    parts = [p for p in path.split("/") if p]
-    for i in range(len(parts), -1, -1):  # the nearest limit up the tree, and its usage
-        directory = "/" + "/".join(parts[:i]) if i else ""
-        where = os.path.join(root, base + directory)
-        text = _read(os.path.join(where, names[0]))
-        limit = parse_limit(text) if text is not None else None
-        if limit is not None:
-            current = _read(os.path.join(where, names[1]))
-            return HostMemory(available, limit, int(current) if current else None)
-    return HostMemory(available, None, None)
 
 
 def margin_bytes(room_bytes: int) -> int:

@@ -30,10 +30,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from glm53.engine.exl3_load import VramPlan
+from glm53.plan.vram import VramPlan
 
 STREAM_DTYPE_BYTES = 4  # exllamav3 1.6.5 keeps the mHC residual streams in fp32
 
@@ -167,7 +165,7 @@ def plan_hidden_states(
 
 def vram_room(plan: VramPlan) -> int:
     """The VRAM a layer-major prefill may give its hidden states on top of exact mode's plan
-    (glm53.engine.exl3_load.plan_vram): what the plan leaves free plus the expert cache, lent
+    (glm53.plan.vram.plan_vram): what the plan leaves free plus the expert cache, lent
     to the prefill and refilled after it. Lending beats pinning whenever there are more than
     three layers: states of S bytes in lent slots cost about 2 S of link traffic per prompt
     (the displaced experts stream once during the prefill and come back once at decode), in
