@@ -324,3 +324,20 @@ def test_resident_bytes_are_unknown_when_tensors_freed_during_the_load_made_them
     from glm53.engine.exl3_load import VramUse, held_vram_bytes
 
     assert held_vram_bytes(VramUse(9_000, 9_000), VramUse(4_000, 9_000)) is None
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--mode", "exact"], ["--mode", "nvme-exact", "--store", "/x", "--allow-unrun-modes"]],
+)
+def test_the_gpu_engine_keeps_its_heat_lists_under_cache_dir(tmp_path, argv):
+    """--cache-dir reaches the GPU engine, which names its heat lists under it (the CPU engine
+    already did; the GPU engine used the default directory)."""
+    from glm53.tiers.heat import heat_path
+
+    (tmp_path / "config.json").write_text("{}")
+    e = create(settings(*argv, "--cache-dir", str(tmp_path / "cache")), tmp_path)
+    assert e.cache_dir == str(tmp_path / "cache")
+    assert heat_path(str(tmp_path), cache_dir=e.cache_dir).startswith(str(tmp_path / "cache"))
+    default = create(settings(*argv), tmp_path)
+    assert default.cache_dir != e.cache_dir

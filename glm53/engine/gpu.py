@@ -266,6 +266,7 @@ class GpuEngine:
         lane_precision: str = "fast",
         ct_b: float | None = None,
         prefill: str = "chunk",
+        cache_dir: str | None = None,
     ):
         # nvme-exact (the RAM tier over --store as the experts' home) and fast (exact mode's
         # tiers + the CPU lane, glm53.tiers.fast_lane) are accepted here; serve runs them only
@@ -295,6 +296,7 @@ class GpuEngine:
         self.allow_unsupported = allow_unsupported
         self.vram_budget = vram_budget  # bytes: plan the cache, staging and KV as on that card
         self.heat_file = heat_file
+        self.cache_dir = cache_dir  # heat lists live here (glm53.config.cache_dir; None: default)
         self.warmup = warmup
         self.store, self.ram_cap, self.read_timeout_s = store, ram_cap, read_timeout_s
         self.tier_check = None  # nvme-exact: the latest glm53.tiers.check.TierCheck
@@ -385,7 +387,7 @@ class GpuEngine:
         )
         if self.prefill == "layer-major":
             self._start_layer_major()
-        self.heat_file = self.heat_file or exl3_load.heat_path(self.model_dir)
+        self.heat_file = self.heat_file or exl3_load.heat_path(self.model_dir, self.cache_dir)
         if self.mode == "fast":
             self._start_fast()
         if self.loaded.nvme is not None:
@@ -422,7 +424,7 @@ class GpuEngine:
         from glm53.tiers.heat import heat_path, read_heat
 
         nvme = self.loaded.nvme
-        self.ram_heat_file = heat_path(self.model_dir, "ram", self.store)
+        self.ram_heat_file = heat_path(self.model_dir, "ram", self.store, cache_dir=self.cache_dir)
         vram = []
         if os.path.isfile(self.heat_file):
             with open(self.heat_file) as f:
@@ -702,7 +704,10 @@ def _unrun(what: str, instead: str):
 
 def _common(settings) -> dict:
     """The GpuEngine arguments every mode takes from the settings."""
+    from glm53.config import cache_dir
+
     return {
+        "cache_dir": str(cache_dir(settings)),
         "context": settings.context,
         "max_batch": settings.max_batch,
         "chunk_size": settings.chunk_size,
