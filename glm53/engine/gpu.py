@@ -273,9 +273,9 @@ class GpuEngine:
         # with --allow-unrun-modes until their GPU tests have passed (create)
         if mode not in ("exact", "stock", "zerocopy", "nvme-exact", "fast"):
             raise ValueError(
-                f"the GPU engine runs mode 'exact' (or the reference modes 'stock' and "
-                f"'zerocopy'); mode {mode!r} needs the CPU lane or the NVMe store, which the GPU "
-                "engine does not drive yet"
+                f"mode {mode!r}: the GPU engine runs 'exact', 'fast' and 'nvme-exact' (and the "
+                "reference modes 'stock' and 'zerocopy'); 'nvme' (nvme-exact with the CPU lane) "
+                "is not wired in yet"
             )
         if chunk_size % PAGE:
             raise ValueError(
