@@ -370,3 +370,14 @@ def test_ram_cap_contract():
     assert run["peak_rss_bytes"] == run["cap_bytes"] + run["overhead_bytes"]
     assert f["overhead_max_bytes"] == run["overhead_bytes"] > 0
     assert ratios["overhead_max_vs_all_experts"] == 1.0
+
+
+def test_health_under_load_contract():
+    """The real server under one kind of large request (the quickest); nothing timed here."""
+    r = run_bench("health_under_load", "--reps", "1", "--only", "chat")
+    f, cfg = r["figures"], r["config"]
+    assert f["health_polls"] >= 1 and f["health_non_200"] == 0
+    assert f["load_status_codes"] == [[200, 200]]
+    assert 0 < f["health_median_ms"] <= f["health_max_ms"]
+    assert cfg["only"] == "chat" and cfg["target_ms"] == 100.0
+    assert r["ratios"]["health_max_vs_target"] == f["health_max_ms"] / 100.0

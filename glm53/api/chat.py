@@ -48,7 +48,7 @@ from glm53.engine.grammar import (
     json_schema_grammar,
     tool_call_grammar,
 )
-from glm53.engine.scheduler import GenerationRequest
+from glm53.engine.scheduler import GenerationRequest, PromptTooLong
 from glm53.engine.tokenizer import missing_template
 
 _decoder = msgspec.json.Decoder(ChatRequest)
@@ -223,7 +223,9 @@ def _check_template_kwargs(kwargs: dict[str, Any]) -> None:
             )
 
 
-def _prompt(state: ServerState, template: str, plan: _Plan, tokenizer) -> tuple[str, list[int]]:
+def _prompt(
+    state: ServerState, template: str, plan: _Plan, tokenizer, context_length: int
+) -> tuple[str, list[int]]:
     try:
         text = render(
             template,
@@ -235,7 +237,10 @@ def _prompt(state: ServerState, template: str, plan: _Plan, tokenizer) -> tuple[
     except TemplateError as exc:
         raise ApiError(400, f"cannot render these messages: {exc}", param="messages") from None
     check_prompt_chars(state.settings, len(text), "messages")
-    return text, tokenizer.encode(text)
+    try:
+        return text, tokenizer.encode(text, context_length)
+    except PromptTooLong as exc:
+        raise gen.too_long(exc, "messages") from None
 
 
 def _tool_choice_error(choice: Any, calls: list[dict[str, Any]]) -> str | None:
@@ -312,14 +317,19 @@ class _Choice:
 
 
 async def chat_completions(state: ServerState, body: bytes, receive: Receive, send: Send) -> int:
-    plan = _plan(state, body)
-    scheduler = state.ready_scheduler()
-    tokenizer = scheduler.engine.tokenizer
-    if not tokenizer.chat_template:
-        raise ApiError(
-            400, missing_template(state.checkpoint or "the checkpoint"), param="messages"
-        )
     with DisconnectWatcher(receive) as watcher:
+        # decoding a large body and turning its messages into the template's dicts hold the
+        # GIL for tens of ms: off the loop, as the render is
+        if len(body) > gen.INLINE_BODY_BYTES:
+            plan = await state.offload.run(watcher, _plan, state, body)
+        else:
+            plan = _plan(state, body)
+        scheduler = state.ready_scheduler()
+        tokenizer = scheduler.engine.tokenizer
+        if not tokenizer.chat_template:
+            raise ApiError(
+                400, missing_template(state.checkpoint or "the checkpoint"), param="messages"
+            )
         return await _generate(state, plan, body, tokenizer, watcher, send)
 
 
@@ -334,12 +344,13 @@ async def _generate(
     scheduler = state.ready_scheduler()
     is_large = len(body) > _INLINE_RENDER_CHARS
     template = tokenizer.chat_template
+    context = scheduler.context_length
     if is_large:
         text, prompt_ids = await state.offload.run(
-            watcher, _prompt, state, template, plan, tokenizer
+            watcher, _prompt, state, template, plan, tokenizer, context
         )
     else:
-        text, prompt_ids = _prompt(state, template, plan, tokenizer)
+        text, prompt_ids = _prompt(state, template, plan, tokenizer, context)
     req = plan.req
     defaults = scheduler.engine.generation_defaults
     in_reasoning = text.rstrip().endswith("<think>")

@@ -72,11 +72,19 @@ class _Choice:
 
 
 async def completions(state: ServerState, body: bytes, receive: Receive, send: Send) -> int:
+    with DisconnectWatcher(receive) as watcher:
+        if len(body) > gen.INLINE_BODY_BYTES:  # decoding a large body holds the GIL: off the loop
+            req = await state.offload.run(watcher, _request, state, body)
+        else:
+            req = _request(state, body)
+        return await _generate(state, req, watcher, send)
+
+
+def _request(state: ServerState, body: bytes) -> CompletionRequest:
     req = decode_request(_decoder, body)
     gen.check_model(state, req.model)
     _validate(state, req)
-    with DisconnectWatcher(receive) as watcher:
-        return await _generate(state, req, watcher, send)
+    return req
 
 
 async def _generate(

@@ -32,6 +32,10 @@ _TOKEN_ID = re.compile(r"[0-9]{1,10}", re.ASCII)
 # Prompts longer than this are tokenized (and token-id prompts decoded) on glm53.api.offload's
 # threads, so the event loop keeps serving.
 _INLINE_TOKENIZE_CHARS = 4096
+# A request body longer than this is decoded (and checked) on an offload thread, not the loop:
+# two 3 MB bodies and two chats of 4,000 messages arriving together held the loop for about
+# 200 ms (bench/health_under_load.py); below it, decoding takes well under a millisecond.
+INLINE_BODY_BYTES = 65536
 
 
 def new_id(prefix: str) -> str:
@@ -150,13 +154,28 @@ def stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
 
 
 async def encode(
-    state: ServerState, watcher: DisconnectWatcher, tokenizer: Tokenizer, text: str, param: str
+    state: ServerState,
+    watcher: DisconnectWatcher,
+    tokenizer: Tokenizer,
+    text: str,
+    param: str,
+    within_context: bool = True,
 ) -> list[int]:
-    """`text`'s token ids, after --max-prompt-chars; a long text is tokenized off the loop."""
+    """`text`'s token ids, after --max-prompt-chars; a long text is tokenized off the loop.
+    `within_context`: a prompt that fills the context is refused (400 context_length_exceeded)
+    as soon as its length is known, before its ids are listed."""
     check_prompt_chars(state.settings, len(text), param)
-    if len(text) <= _INLINE_TOKENIZE_CHARS:
-        return tokenizer.encode(text)
-    return await state.offload.run(watcher, tokenizer.encode, text)
+    context_length = state.ready_scheduler().context_length if within_context else None
+    try:
+        if len(text) <= _INLINE_TOKENIZE_CHARS:
+            return tokenizer.encode(text, context_length)
+        return await state.offload.run(watcher, tokenizer.encode, text, context_length)
+    except PromptTooLong as exc:
+        raise too_long(exc, param) from None
+
+
+def too_long(exc: PromptTooLong, param: str) -> ApiError:
+    return ApiError(400, str(exc), param=param, code="context_length_exceeded")
 
 
 async def decode(
@@ -207,7 +226,7 @@ def submit(state: ServerState, request: GenerationRequest, prompt_param: str) ->
             headers=((b"retry-after", str(exc.retry_after_s).encode()),),
         ) from None
     except PromptTooLong as exc:
-        raise ApiError(400, str(exc), param=prompt_param, code="context_length_exceeded") from None
+        raise too_long(exc, prompt_param) from None
 
 
 def submit_all(
@@ -230,7 +249,7 @@ def submit_all(
             headers=((b"retry-after", str(exc.retry_after_s).encode()),),
         ) from None
     except PromptTooLong as exc:
-        raise ApiError(400, str(exc), param=prompt_param, code="context_length_exceeded") from None
+        raise too_long(exc, prompt_param) from None
 
 
 class Run:

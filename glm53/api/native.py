@@ -38,7 +38,9 @@ async def tokenize(state: ServerState, body: bytes, receive: Receive, send: Send
     req = decode_request(_tokenize_decoder, body)
     tokenizer = state.ready_scheduler().engine.tokenizer
     with DisconnectWatcher(receive) as watcher:
-        tokens = await gen.encode(state, watcher, tokenizer, req.prompt, "prompt")
+        tokens = await gen.encode(
+            state, watcher, tokenizer, req.prompt, "prompt", within_context=False
+        )
     await send_bytes(send, 200, _encoder.encode(TokenizeResponse(tokens, len(tokens))))
     return 200
 

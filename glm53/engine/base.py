@@ -35,6 +35,19 @@ if TYPE_CHECKING:  # only annotations name torch: glm53.engine imports without i
     import torch
 
 
+class PromptTooLong(ValueError):
+    """A prompt of as many tokens as the context holds, or more (the scheduler's and the
+    tokenizer's refusal; the API answers 400 context_length_exceeded)."""
+
+    def __init__(self, num_prompt_tokens: int, context_length: int):
+        super().__init__(
+            f"the prompt has {num_prompt_tokens} tokens but the context holds {context_length} "
+            "(prompt and answer together); shorten the prompt or raise --context"
+        )
+        self.num_prompt_tokens = num_prompt_tokens
+        self.context_length = context_length
+
+
 class EngineError(RuntimeError):
     """An engine failed a step. `slots` names the streams it concerns; empty means the whole step."""
 
@@ -94,7 +107,10 @@ class Tokenizer(Protocol):
     eos_token_ids: tuple[int, ...]
     chat_template: str
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, context_length: int | None = None) -> list[int]:
+        """The text's token ids; with `context_length`, PromptTooLong (engine.scheduler) when
+        they are that many or more, found before they are listed."""
+        ...
 
     def decode(self, token_ids: Sequence[int]) -> str: ...
 

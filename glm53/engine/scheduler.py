@@ -46,7 +46,14 @@ import numpy as np
 import torch
 
 from glm53._handoff import Handoff
-from glm53.engine.base import Engine, EngineError, PrefixSnapshots, StreamUsage, StreamWork
+from glm53.engine.base import (
+    Engine,
+    EngineError,
+    PrefixSnapshots,
+    PromptTooLong,
+    StreamUsage,
+    StreamWork,
+)
 from glm53.engine.grammar import Constraint, GrammarSpec
 from glm53.engine.logprobs import TokenLogprob, block_logprobs
 from glm53.engine.prefix_cache import PrefixCache, Snapshot, chain_keys
@@ -62,16 +69,6 @@ class QueueFull(RuntimeError):
     def __init__(self, message: str, retry_after_s: int):
         super().__init__(message)
         self.retry_after_s = retry_after_s
-
-
-class PromptTooLong(ValueError):
-    def __init__(self, num_prompt_tokens: int, context_length: int):
-        super().__init__(
-            f"the prompt has {num_prompt_tokens} tokens but the context holds {context_length} "
-            "(prompt and answer together); shorten the prompt or raise --context"
-        )
-        self.num_prompt_tokens = num_prompt_tokens
-        self.context_length = context_length
 
 
 @dataclass(slots=True)

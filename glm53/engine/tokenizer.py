@@ -11,6 +11,8 @@ from typing import Any
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers.decoders import DecodeStream
 
+from glm53.engine.base import PromptTooLong
+
 
 def missing_template(directory: str | Path) -> str:
     """Why a checkpoint without a chat template cannot serve chat, and what to add."""
@@ -145,9 +147,17 @@ class CheckpointTokenizer:
 
     # The `_batch` calls release the GIL while they work (`encode` and `decode` hold it: a
     # 2M-character prompt froze every thread of the server for 1.2 s; encode_batch of the same
-    # text let them run), and give the same ids and text.
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+    # text let them run), and give the same ids and text. encode_batch_fast gives the same ids
+    # without offsets or token strings: freeing encode_batch's Encoding of a 3M-character
+    # prompt (1.8M token strings) held the GIL for 175 ms, this one's for 2 ms
+    # (bench/health_under_load.py found the stall; tokenizers >= 0.21 has it).
+    # A prompt of `context_length` tokens or more is refused from the encoding's length, before
+    # its ids become a Python list: for 1.8M tokens that list alone held the GIL for 40-55 ms.
+    def encode(self, text: str, context_length: int | None = None) -> list[int]:
+        encoding = self._tokenizer.encode_batch_fast([text], add_special_tokens=False)[0]
+        if context_length is not None and len(encoding) >= context_length:
+            raise PromptTooLong(len(encoding), context_length)
+        return encoding.ids
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self._tokenizer.decode_batch([list(token_ids)], skip_special_tokens=False)[0]
