@@ -341,3 +341,33 @@ def test_the_gpu_engine_keeps_its_heat_lists_under_cache_dir(tmp_path, argv):
     assert heat_path(str(tmp_path), cache_dir=e.cache_dir).startswith(str(tmp_path / "cache"))
     default = create(settings(*argv), tmp_path)
     assert default.cache_dir != e.cache_dir
+
+
+@pytest.mark.parametrize("installed", ["1.6.4", "1.7.0", "1.6.5"])
+def test_another_exllamav3_release_is_refused_before_binding(monkeypatch, installed):
+    """The GPU engine hooks exllamav3 1.6.5's insides: another installed release is one of the
+    reasons refuse_unservable names (exllamav3 is found by its metadata, never imported).
+    A MOCK stands in for the installed package's spec and metadata (none is installed here)."""
+    import importlib.metadata
+    import importlib.util
+
+    import glm53.engine as engine
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: object() if name == "exllamav3" else real_find_spec(name, *a),
+    )
+    real_version = importlib.metadata.version
+    monkeypatch.setattr(
+        importlib.metadata,
+        "version",
+        lambda name: installed if name == "exllamav3" else real_version(name),
+    )
+    problems = engine._gpu_host_problems(num_devices=1)
+    refusal = (
+        f"exllamav3 {installed} is installed, and the GPU engine hooks exllamav3 1.6.5's "
+        "insides, exactly that release"
+    )
+    assert problems == ([] if installed == "1.6.5" else [refusal])

@@ -20,12 +20,13 @@ from glm53.doctor.costmodel import (
 )
 from glm53.doctor.host import Gpu, HostProbe
 from glm53.doctor.plan import Plan, PlanRequest, store_present
+from glm53.engine import EXLLAMAV3_VERSION
 
 # the oldest driver branch that runs each CUDA major version (NVIDIA's compatibility table)
 MIN_DRIVER_FOR_CUDA = {13: 580, 12: 525, 11: 450}
 MEASURED_ARCH = "8.6"  # the seed measured an RTX 3090 only
 GLM53_CUDA_ARCHS = ("8.6", "8.9", "9.0", "12.0")  # DESIGN §7: glm53's CUDA build targets
-EXLLAMAV3_PIN = "1.6.5"
+EXLLAMAV3_PIN = EXLLAMAV3_VERSION
 _NETWORK_FS = "network filesystems are slow and do not give O_DIRECT reads from a local drive"
 STORE_FILESYSTEMS_BAD = {
     "btrfs": "btrfs (and loop files on it) refuses or fakes O_DIRECT",

@@ -29,6 +29,10 @@ __all__ = [
     "uses_demo",
 ]
 
+# The one exllamav3 release the GPU engine is written against: it patches that release's classes
+# and reads its private attributes (glm53.tiers.exl3_hooks, fast_hooks, engine.gpu), so another
+# release is refused before the server binds (refuse_unservable) and failed by `glm53 doctor`.
+EXLLAMAV3_VERSION = "1.6.5"
 log = logging.getLogger("glm53.engine")
 
 
@@ -163,7 +167,25 @@ def _gpu_host_problems(num_devices: int) -> list[str]:
             problems.append(f"torch {torch.__version__} sees no CUDA device")
     if importlib.util.find_spec("exllamav3") is None:
         problems.append("exllamav3 is not installed")
+    else:
+        found = exllamav3_version()
+        if found != EXLLAMAV3_VERSION:
+            problems.append(
+                f"exllamav3 {found} is installed, and the GPU engine hooks exllamav3 "
+                f"{EXLLAMAV3_VERSION}'s insides, exactly that release"
+            )
     return problems
+
+
+def exllamav3_version() -> str | None:
+    """The installed exllamav3's version from its package metadata (not imported: importing it
+    on a host without CUDA fails inside its extension build); None when there is none."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("exllamav3")
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def _refuse_nvme_exact_store(settings: Settings) -> None:
