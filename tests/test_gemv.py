@@ -330,6 +330,49 @@ def test_default_layout_takes_one_cpu_per_core_but_the_first_two(tmp_path, monke
         lane_layout(threads=7)
 
 
+def fake_numa(tmp_path, monkeypatch, gpu_node: str, nodes: dict[int, str]):
+    """Eight single-thread cores; sysfs nodes with these cpulists; a GPU at 0000:3b:00.0 whose
+    numa_node file says `gpu_node`."""
+    fake_topology(tmp_path / "cpu", [(0, c) for c in range(8)])
+    for node, cpulist in nodes.items():
+        (tmp_path / "node" / f"node{node}").mkdir(parents=True)
+        (tmp_path / "node" / f"node{node}" / "cpulist").write_text(cpulist + "\n")
+    (tmp_path / "pci" / "0000:3b:00.0").mkdir(parents=True)
+    (tmp_path / "pci" / "0000:3b:00.0" / "numa_node").write_text(gpu_node + "\n")
+    monkeypatch.setattr(cpu_lane, "SYS_CPU", tmp_path / "cpu")
+    monkeypatch.setattr(cpu_lane, "SYS_NODE", tmp_path / "node")
+    monkeypatch.setattr(cpu_lane, "SYS_PCI", tmp_path / "pci")
+    monkeypatch.setattr(cpu_lane.os, "sched_getaffinity", lambda pid: set(range(8)))
+
+
+def test_the_default_layout_keeps_to_the_gpus_numa_node(tmp_path, monkeypatch):
+    fake_numa(tmp_path, monkeypatch, "1", {0: "0-3", 1: "4-7"})
+    layout = lane_layout(gpu_pci="0000:3b:00.0")
+    assert layout.cpus == (6, 7)  # node 1's cores but its first two
+    assert layout.note == "every physical core but the first 2, on NUMA node 1, GPU 0000:3b:00.0's"
+    # --cpus and --cpu-threads are taken over the whole mask, as validated before the load
+    assert lane_layout(threads=3, gpu_pci="0000:3b:00.0").cpus == (2, 3, 4)
+    assert lane_layout(cpus="0-1", gpu_pci="0000:3b:00.0").cpus == (0, 1)
+
+
+@pytest.mark.parametrize(
+    "gpu_node, gpu_pci, why",
+    [
+        ("-1", "0000:3b:00.0", "sysfs gives no NUMA node for GPU 0000:3b:00.0"),
+        ("1", None, None),  # no address asked: today's layout, nothing said
+        ("1", "0000:99:00.0", "sysfs gives no NUMA node for GPU 0000:99:00.0"),
+    ],
+)
+def test_without_the_gpus_node_the_lane_spans_every_node_and_says_why(
+    tmp_path, monkeypatch, gpu_node, gpu_pci, why
+):
+    fake_numa(tmp_path, monkeypatch, gpu_node, {0: "0-3", 1: "4-7"})
+    layout = lane_layout(gpu_pci=gpu_pci)
+    assert layout.cpus == (2, 3, 4, 5, 6, 7)
+    note = "every physical core but the first 2"
+    assert layout.note == (note if why is None else f"{note}, on every node ({why})")
+
+
 def test_two_core_hosts_get_one_thread_and_a_note(tmp_path, monkeypatch):
     fake_topology(tmp_path, [(0, 0), (0, 1)])
     monkeypatch.setattr(cpu_lane, "SYS_CPU", tmp_path)

@@ -371,3 +371,15 @@ def test_another_exllamav3_release_is_refused_before_binding(monkeypatch, instal
         "insides, exactly that release"
     )
     assert problems == ([] if installed == "1.6.5" else [refusal])
+
+
+def test_the_gpus_pci_address_is_written_as_sysfs_names_it():
+    """For the lane's NUMA node (glm53.tiers.cpu_lane.gpu_node_cpus); props are a MOCK of
+    torch.cuda.get_device_properties (no CUDA here)."""
+    from types import SimpleNamespace
+
+    from glm53.engine.gpu import pci_address_of
+
+    props = SimpleNamespace(pci_domain_id=0, pci_bus_id=0x3B, pci_device_id=0)
+    assert pci_address_of(props) == "0000:3b:00.0"
+    assert pci_address_of(SimpleNamespace(pci_bus_id=0x3B)) is None

@@ -412,7 +412,8 @@ class GpuEngine:
         from glm53.tiers.cpu_lane import CpuLane, lane_layout
         from glm53.tiers.fast_lane import start_fast
 
-        cpu = CpuLane(lane_layout(self.lane_cpus, self.lane_threads), precision=self.lane_precision)
+        layout = lane_layout(self.lane_cpus, self.lane_threads, _pci_address(self.device))
+        cpu = CpuLane(layout, precision=self.lane_precision)
         self.fast = start_fast(self.loaded, self.model_dir, cpu, ct_b=self.ct_b)
         log.info("fast mode (not yet run on a GPU): %s", cpu.describe())
 
@@ -700,6 +701,24 @@ def _unrun(what: str, instead: str):
         f"{what} is written but has not yet run on a GPU, so serve refuses it; "
         f"--allow-unrun-modes runs it anyway (for its GPU tests). {instead}"
     )
+
+
+def _pci_address(device) -> str | None:
+    """The CUDA device's PCI address in sysfs form (0000:3b:00.0), from torch's device
+    properties; None where this torch does not give it."""
+    import torch
+
+    return pci_address_of(torch.cuda.get_device_properties(torch.device(device)))
+
+
+def pci_address_of(props) -> str | None:
+    """torch's CUDA device properties (pci_domain_id, pci_bus_id, pci_device_id) as a sysfs
+    PCI address; None where one is missing."""
+    parts = [getattr(props, f"pci_{k}_id", None) for k in ("domain", "bus", "device")]
+    if any(not isinstance(x, int) for x in parts):
+        return None
+    domain, bus, dev = parts
+    return f"{domain:04x}:{bus:02x}:{dev:02x}.0"
 
 
 def _common(settings) -> dict:

@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 SWIGLU_LIMIT = 10.0  # GLM-5.3-Flash swiglu_limit
 RESERVED_CORES = 2  # left to the OS, the main thread and the host controller
 SYS_CPU = Path("/sys/devices/system/cpu")
+SYS_NODE = Path("/sys/devices/system/node")
+SYS_PCI = Path("/sys/bus/pci/devices")
 # A batch of picks whose experts hold fewer weights than this (picks x 3 x hidden x inter) runs
 # on the calling thread alone: about 0.5 ms of one core, against a worker's wake-up (tens of us
 # on an idle host, a scheduler slice on a loaded one)
@@ -102,12 +104,46 @@ class LaneLayout:
         return len(self.cpus)
 
 
-def lane_layout(cpus: str | None = None, threads: int | None = None) -> LaneLayout:
+def gpu_node_cpus(pci_address: str | None) -> tuple[set[int] | None, str]:
+    """The CPUs of the NUMA node of the GPU at `pci_address` (sysfs form, 0000:3b:00.0), and
+    where that came from; None with the reason when sysfs does not say (no address, a
+    container without /sys, numa_node -1 on a one-node host)."""
+    if not pci_address:
+        return None, "the GPU's PCI address is unknown"
+    try:
+        node = int((SYS_PCI / pci_address / "numa_node").read_text().strip())
+        if node < 0:
+            return None, f"sysfs gives no NUMA node for GPU {pci_address}"
+        listed = (SYS_NODE / f"node{node}" / "cpulist").read_text().strip()
+    except (OSError, ValueError):
+        return None, f"sysfs gives no NUMA node for GPU {pci_address}"
+    try:
+        return set(parse_cpu_list(listed)), f"NUMA node {node}, GPU {pci_address}'s"
+    except LaneConfigError:
+        return None, f"node {node}'s cpulist {listed!r} does not parse"
+
+
+def lane_layout(
+    cpus: str | None = None, threads: int | None = None, gpu_pci: str | None = None
+) -> LaneLayout:
     """Resolve --cpus / --cpu-threads (Settings.cpus, Settings.cpu_threads) into a layout.
 
-    Default: one worker per physical core except the first two. With fewer than three cores that
-    leaves none: the lane then runs one worker on the last core, and the note says so."""
+    Default: one worker per physical core except the first two, on the NUMA node of the GPU at
+    `gpu_pci` when sysfs names it (threads on a far node would read the pinned experts across
+    the interconnect; glm53.doctor.inputs.lane_layout plans the same). With fewer than three
+    cores that leaves none: the lane then runs one worker on the last core, and the note says
+    so. --cpus, and --cpu-threads (which may take the reserved cores too), are taken over the
+    whole affinity mask, as validated before the load."""
     allowed = set(os.sched_getaffinity(0))
+    where = ""
+    if cpus is None and threads is None and gpu_pci is not None:
+        near, why = gpu_node_cpus(gpu_pci)
+        if near and near & allowed:
+            allowed &= near
+            where = f", on {why}"
+        else:
+            where = f", on every node ({why})" if near is None else (
+                f", on every node ({why} has no CPU this process may run on)")  # fmt: skip
     if threads is not None and threads < 1:
         raise LaneConfigError(f"--cpu-threads {threads}: the lane needs at least 1 thread")
     if cpus is not None:
@@ -141,8 +177,8 @@ def lane_layout(cpus: str | None = None, threads: int | None = None) -> LaneLayo
             "sharing it with the OS and the controller"
         )
         log.warning(note)
-        return LaneLayout((cores[-1],), note)
-    return LaneLayout(tuple(lane), f"every physical core but the first {RESERVED_CORES}")
+        return LaneLayout((cores[-1],), note + where)
+    return LaneLayout(tuple(lane), f"every physical core but the first {RESERVED_CORES}{where}")
 
 
 def _cpu_list_text(cpus: Sequence[int]) -> str:
