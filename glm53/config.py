@@ -23,8 +23,10 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from glm53.errors import Glm53Error
 
-class ConfigurationError(ValueError):
+
+class ConfigurationError(ValueError, Glm53Error):
     """A setting has a value glm53 cannot use; the message names the flag, the variable and the fix."""
 
 

@@ -9,6 +9,8 @@ import os
 import sys
 from pathlib import Path
 
+from glm53.errors import Glm53Error
+
 REPO = "turboderp/GLM-5.3-Flash-exl3"
 BRANCH = "3.05bpw"
 REVISION = "332ab457b709b7ba30dd9a448be5de03b80a7ac9"  # the pinned commit of branch 3.05bpw
@@ -17,7 +19,7 @@ SPACE_MARGIN_BYTES = 1 << 30
 METADATA_TIMEOUT_S = 15.0
 
 
-class DownloadError(Exception):
+class DownloadError(Glm53Error):
     """Why the download cannot go on; exit_code 2 for the environment (network, disk), 1 for a
     checkpoint that arrived but is not the expected one."""
 

@@ -20,7 +20,10 @@ PACKAGE = ROOT / "glm53"
 # Where entries overlap the longest decides.
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
     # imports nothing above: the package face, native modules, settings, units, sd_notify
-    ("ground", ("glm53", "glm53._*", "glm53.config", "glm53.units", "glm53.notify")),
+    (
+        "ground",
+        ("glm53", "glm53._*", "glm53.config", "glm53.errors", "glm53.units", "glm53.notify"),
+    ),
     # checkpoint reading and the reference-panel format: plain data, no tiers or engines
     ("models", ("glm53.models", "glm53.reference")),
     # torch-free planning, shared by the engines and the doctor

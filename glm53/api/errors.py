@@ -7,6 +7,7 @@ import re
 import msgspec
 
 from glm53.api.schemas import ErrorBody, ErrorDetail
+from glm53.errors import Glm53Error
 
 _TYPES = {
     400: "invalid_request_error",
@@ -21,7 +22,7 @@ _TYPES = {
 _encoder = msgspec.json.Encoder()
 
 
-class ApiError(Exception):
+class ApiError(Glm53Error):
     """An error answer: status, message, and the OpenAI error fields."""
 
     def __init__(

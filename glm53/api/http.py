@@ -11,6 +11,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from glm53.api.errors import ApiError
+from glm53.errors import Glm53Error
 
 Send = Callable[[dict], Awaitable[None]]
 Receive = Callable[[], Awaitable[dict]]
@@ -23,7 +24,7 @@ SSE_HEADERS = (
 )
 
 
-class ClientGone(Exception):
+class ClientGone(Glm53Error):
     """The client disconnected before its request was fully read."""
 
 

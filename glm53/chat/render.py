@@ -15,10 +15,12 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from glm53.errors import Glm53Error
+
 TEMPLATE_PATH = Path(__file__).with_name("chat_template.jinja")
 
 
-class TemplateError(ValueError):
+class TemplateError(ValueError, Glm53Error):
     """The chat template failed to render these messages (raised by the template or by jinja2)."""
 
 

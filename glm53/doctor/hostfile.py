@@ -11,6 +11,8 @@ from typing import Literal
 
 import msgspec
 
+from glm53.errors import Glm53Error
+
 HOSTS_DIR = Path(__file__).parent / "hosts"
 
 
@@ -70,7 +72,7 @@ class HostSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     measured: dict[str, Measured] = {}  # by mode
 
 
-class HostFileError(ValueError):
+class HostFileError(ValueError, Glm53Error):
     """A host file that cannot be read: names the file, the field and what was expected."""
 
 

@@ -14,12 +14,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, TypeVar
 
+from glm53.errors import Glm53Error
+
 T = TypeVar("T")
 
 COMMAND_TIMEOUT_S = 20.0
 
 
-class Unavailable(Exception):
+class Unavailable(Glm53Error):
     """A probe could not answer: missing tool, missing file, timeout. The message says which."""
 
 

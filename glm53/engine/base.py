@@ -31,11 +31,13 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import msgspec
 import numpy as np
 
+from glm53.errors import Glm53Error
+
 if TYPE_CHECKING:  # only annotations name torch: glm53.engine imports without it (the doctor)
     import torch
 
 
-class PromptTooLong(ValueError):
+class PromptTooLong(ValueError, Glm53Error):
     """A prompt of as many tokens as the context holds, or more (the scheduler's and the
     tokenizer's refusal; the API answers 400 context_length_exceeded)."""
 
@@ -48,7 +50,7 @@ class PromptTooLong(ValueError):
         self.context_length = context_length
 
 
-class EngineError(RuntimeError):
+class EngineError(RuntimeError, Glm53Error):
     """An engine failed a step. `slots` names the streams it concerns; empty means the whole step."""
 
     def __init__(self, message: str, slots: Sequence[int] = ()):
@@ -56,7 +58,7 @@ class EngineError(RuntimeError):
         self.slots = tuple(slots)
 
 
-class EngineUnavailable(RuntimeError):
+class EngineUnavailable(RuntimeError, Glm53Error):
     """The chosen engine cannot run in this install or on this host; the message says why and what to do."""
 
 

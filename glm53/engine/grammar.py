@@ -28,6 +28,7 @@ from llguidance.numpy import (
 )
 
 from glm53.engine.base import Tokenizer
+from glm53.errors import Glm53Error
 
 log = logging.getLogger("glm53.grammar")
 
@@ -39,7 +40,7 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 _MARKUP = ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
 
 
-class GrammarError(ValueError):
+class GrammarError(ValueError, Glm53Error):
     """A grammar llguidance cannot compile; `path` names the part of the request at fault."""
 
     def __init__(self, message: str, path: str):

@@ -59,11 +59,12 @@ from glm53.engine.logprobs import TokenLogprob, block_logprobs
 from glm53.engine.prefix_cache import PrefixCache, Snapshot, chain_keys
 from glm53.engine.sampling import SamplingParams, StreamSampler, sample
 from glm53.engine.stops import StopMatcher
+from glm53.errors import Glm53Error
 
 log = logging.getLogger("glm53.scheduler")
 
 
-class QueueFull(RuntimeError):
+class QueueFull(RuntimeError, Glm53Error):
     """Every slot is busy and the queue is at its limit; retry after `retry_after_s` seconds."""
 
     def __init__(self, message: str, retry_after_s: int):

@@ -31,6 +31,8 @@ from functools import cache
 
 import numpy as np
 
+from glm53.errors import Glm53Error
+
 CODEBOOKS = ("mul1", "mcg", "3inst")
 MUL1_MULT = 0x83DCD12D
 MCG_MULT = 0xCBAC1FED
@@ -43,7 +45,7 @@ HAD_DIM = 128
 HALF_RATES = (1.5, 2.5, 3.5)
 
 
-class Exl3FormatError(ValueError):
+class Exl3FormatError(ValueError, Glm53Error):
     """An EXL3 tensor set that this decoder cannot read; the message names the tensor and why."""
 
 

@@ -14,6 +14,7 @@ evicts experts the same step still needs and reads them again, layer after layer
 
 from __future__ import annotations
 
+from glm53.errors import Glm53Error
 from glm53.plan.host_memory import HostMemory
 from glm53.units import GIB
 
@@ -23,7 +24,7 @@ SMALL_MARGIN_BYTES = 3 * GIB // 2
 EXTRA_BYTES = 3 * GIB // 10
 
 
-class RamCapError(ValueError):
+class RamCapError(ValueError, Glm53Error):
     """--ram-cap (given or planned) cannot hold what one decode step needs; says why and the fix."""
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from glm53 import _odirect
+from glm53.errors import Glm53Error
 
 ALIGN = 4096
 MAX_RUN_BYTES = 16 << 20  # largest coalesced read
@@ -99,7 +100,7 @@ class BounceBuffer:
         return old
 
 
-class ExpertReadError(OSError):
+class ExpertReadError(OSError, Glm53Error):
     """Reading an expert's record failed (a disk error, or a short read: the file ends early).
     `layer` and `expert` name the expert whose bytes the failed read covered; `errno` is the
     read's."""
@@ -142,7 +143,7 @@ class StuckReads:
         return True
 
 
-class RunTimedOut(Exception):
+class RunTimedOut(Glm53Error):
     """A coalesced read's wait ran past its deadline: `runs` are the (reader key, file offset,
     length) of the runs not known to have finished, `stuck` the reads given up on."""
 
@@ -152,7 +153,7 @@ class RunTimedOut(Exception):
         self.timeout, self.stuck = timeout, stuck
 
 
-class RunFailed(_odirect.ODirectError):
+class RunFailed(_odirect.ODirectError, Glm53Error):
     """A coalesced run failed: `key` is its reader's key, `offset` the file offset where."""
 
     def __init__(self, key, offset: int, cause: OSError):

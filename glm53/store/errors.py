@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from glm53.errors import Glm53Error
+
 EXIT_OK = 0
 EXIT_CHECK_FAILED = 1  # the store (or the O_DIRECT probe) failed a check
 EXIT_USAGE = 2  # bad arguments, bad input or an environment that cannot work
 EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT
 
 
-class StoreError(Exception):
+class StoreError(Glm53Error):
     """A store command cannot go on. The message names the thing, what is wrong and the fix."""
 
     def __init__(self, message: str, exit_code: int = EXIT_USAGE):

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from glm53._odirect import ODirectError, Writer, filesystem_of, probe
+from glm53.errors import Glm53Error
 from glm53.store.errors import EXIT_INTERRUPTED, StoreError, StoreMismatchError, reason
 from glm53.store.format import (
     DATA_FILE,
@@ -465,7 +466,7 @@ class _Packer:
         raise exc
 
 
-class _WriteFailed(Exception):
+class _WriteFailed(Glm53Error):
     def __init__(self, record: int, error: ODirectError | None):
         super().__init__(f"record {record}: {error}")
         self.record, self.error = record, error

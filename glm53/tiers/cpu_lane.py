@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from glm53 import _gemv
+from glm53.errors import Glm53Error
 from glm53.models.exl3 import MUL1_MULT, Exl3Weights, decode_states, tc_perm
 from glm53.models.exl3 import _blocks as _hadamard_blocks
 
@@ -44,7 +45,7 @@ PRECISIONS = {_gemv.precision_name(p): p for p in _gemv.PRECISIONS}
 FAST_REL_TOL = 1e-3
 
 
-class LaneConfigError(ValueError):
+class LaneConfigError(ValueError, Glm53Error):
     """A CPU lane setting (--cpus / GLM53_CT_CPUS, --cpu-threads / GLM53_CT_THREADS) that cannot
     be used; the message names the setting and the fix."""
 

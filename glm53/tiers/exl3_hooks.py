@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from glm53.errors import Glm53Error
+
 PINNED_EXLLAMAV3 = "1.6.5"
 EXPERT_TRELLIS = re.compile(
     r"^(?P<mlp>.*\.layers\.(?P<layer>\d+)\.mlp)\.experts\.(?P<expert>\d+)\."
@@ -34,7 +36,7 @@ PROJ_INDEX = {"gate_proj": 0, "up_proj": 1, "down_proj": 2}
 DECODE_MAX_ROWS = 8  # exllamav3's fused decode path (MAX_BSZN); larger calls are prefill
 
 
-class UnsupportedExllamaV3(RuntimeError):
+class UnsupportedExllamaV3(RuntimeError, Glm53Error):
     pass
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from glm53 import _clock, _gemv, _odirect
+from glm53.errors import Glm53Error
 from glm53.store.direct_io import ExpertReadError, ExpertReadTimeout
 from glm53.tiers.expert_source import SafetensorsSource, record_views
 
@@ -24,7 +25,7 @@ log = logging.getLogger("glm53.tiers")
 WATCH_S = 1.0  # how often a reading tier looks whether its files went away
 
 
-class TierError(RuntimeError):
+class TierError(RuntimeError, Glm53Error):
     """The RAM tier cannot serve a request; the message names the setting and the fix."""
 
 
