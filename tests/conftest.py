@@ -52,6 +52,21 @@ def demo(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def small_store(tmp_path_factory):
+    """store_kit's small checkpoint (16 records) packed once, in a directory that takes
+    O_DIRECT; for tests that read it and leave it as it is."""
+    from store_kit import direct_dir, make_checkpoint
+
+    from glm53.store.pack import pack
+
+    ckpt = make_checkpoint(tmp_path_factory.mktemp("small") / "ckpt")
+    out = direct_dir(tmp_path_factory.mktemp("small-store")) / "store"
+    pack(ckpt, out, threads=2, io_threads=2)
+    yield out
+    shutil.rmtree(out, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
 def good_store(demo, tmp_path_factory):
     from store_kit import direct_dir
 

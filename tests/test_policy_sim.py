@@ -2,13 +2,11 @@
 wave policy on hand-worked traces, Belady against both on random ones, the tier's replay
 against a real RamTier, and the trace file."""
 
-import shutil
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from store_kit import EXPERTS, direct_dir, make_checkpoint
+from store_kit import EXPERTS
 
 from glm53.tiers import policy_sim
 from glm53.tiers.policy_sim import (
@@ -103,22 +101,11 @@ def test_trace_files_round_trip(tmp_path):
     assert (back.num_keys, back.num_experts, back.num_accesses) == (5, 5, 3)
 
 
-@pytest.fixture(scope="module")
-def store_dir(tmp_path_factory):
-    from glm53.store.pack import pack
-
-    ckpt = make_checkpoint(tmp_path_factory.mktemp("policy") / "ckpt")
-    out = direct_dir(tmp_path_factory.mktemp("policy-store")) / "store"
-    pack(ckpt, out, threads=2, io_threads=2)
-    yield out
-    shutil.rmtree(out, ignore_errors=True)
-
-
-def test_the_tiers_replay_counts_the_hits_a_real_ram_tier_has(store_dir):
+def test_the_tiers_replay_counts_the_hits_a_real_ram_tier_has(small_store):
     from glm53.store.reader import ExpertStore
     from glm53.tiers.ram_tier import RamTier
 
-    store = ExpertStore(store_dir)
+    store = ExpertStore(small_store)
     tier = RamTier(store, ram_cap_bytes=5 * store.record_bytes)
     rng = np.random.default_rng(11)  # seed 11: a trace of 40 waves of up to 4 experts
     waves = []

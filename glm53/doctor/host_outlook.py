@@ -28,6 +28,7 @@ from glm53.doctor.costmodel import (
 from glm53.doctor.geometry import GLM53_FLASH, Geometry
 from glm53.doctor.hostfile import HostSpec
 from glm53.doctor.lane_model import FIT_SOURCE, RESERVED_CORES, lane_ms
+from glm53.doctor.plan import InputValue
 from glm53.doctor.prefill import predict_prefill
 
 SEED_STORE_LATENCY_MS = 1.3  # seed-project.md §4.3: a record read under load, 1.2-1.4 ms
@@ -40,12 +41,6 @@ PREFILL_CAVEAT = (
 )
 
 
-class Input(msgspec.Struct, frozen=True):
-    name: str
-    value: float | int | str
-    source: str
-
-
 class ModeRow(msgspec.Struct, frozen=True):
     mode: Mode
     decode_c1_tok_s: float
@@ -55,7 +50,7 @@ class ModeRow(msgspec.Struct, frozen=True):
     host_ram_bytes: int
     fits: bool  # the host's RAM (less headroom) holds the mode
     vram_slots: int
-    inputs: list[Input]  # the mode's own inputs (slots, lane, store)
+    inputs: list[InputValue]  # the mode's own inputs (slots, lane, store)
 
 
 class HostOutlook(msgspec.Struct, frozen=True):
@@ -63,18 +58,18 @@ class HostOutlook(msgspec.Struct, frozen=True):
     description: str
     geometry: str
     budget_bytes: int
-    inputs: list[Input]  # shared by every mode
+    inputs: list[InputValue]  # shared by every mode
     rows: list[ModeRow]
     measured: dict[str, dict[str, float | str | None]]
     caveat: str = PREFILL_CAVEAT
 
 
-def _fig(name: str, fig) -> Input:
+def _fig(name: str, fig) -> InputValue:
     value = int(fig.value) if fig.value == int(fig.value) else fig.value
-    return Input(name, value, fig.source)
+    return InputValue(name, value, fig.source)
 
 
-def _shared(spec: HostSpec) -> list[Input]:
+def _shared(spec: HostSpec) -> list[InputValue]:
     g = spec.gpu
     if g.pcie_gbps is not None:
         pcie = _fig("pcie_gbps", g.pcie_gbps)
@@ -83,7 +78,9 @@ def _shared(spec: HostSpec) -> list[Input]:
         est = hi.link_gbps(gen, lanes, hi.PCIE_PRACTICAL)
         if est is None:
             raise ValueError(f"{spec.name}: gpu.pcie_gen {gen} is unknown; give gpu.pcie_gbps")
-        pcie = Input("pcie_gbps", est, f"estimated: PCIe {gen}.0 x{lanes} at 80 % of line rate")
+        pcie = InputValue(
+            "pcie_gbps", est, f"estimated: PCIe {gen}.0 x{lanes} at 80 % of line rate"
+        )
     vram = g.vram_budget_mib or g.vram_free_mib
     return [
         pcie,
@@ -91,7 +88,7 @@ def _shared(spec: HostSpec) -> list[Input]:
         _fig("gpu_fp16_tflops", g.fp16_tflops),
         _fig("vram_plan_mib", vram),
         _fig("cores", spec.cpu.cores),
-        Input("lane_isa", spec.cpu.lane_isa, spec.cpu.lane_isa_source),
+        InputValue("lane_isa", spec.cpu.lane_isa, spec.cpu.lane_isa_source),
         _fig("dram_read_gbps", spec.memory.dram_read_gbps),
         *([_fig("dram_channels", spec.memory.dram_channels)] if spec.memory.dram_channels else []),
         _fig("ram_gib", spec.memory.ram_gib),
@@ -120,7 +117,7 @@ def _mode_inputs(spec: HostSpec, mode: Mode, shared: dict, budget: int, geo: Geo
         "vram_gbps": float(shared["vram_gbps"]),
         "gpu_fp16_tflops": float(shared["gpu_fp16_tflops"]),
     }
-    own = [Input("vram_slots", slots, why)]
+    own = [InputValue("vram_slots", slots, why)]
     ram = all_ram_bytes()
     if mode in LANE_MODES:
         threads = int(shared["cores"]) - RESERVED_CORES
@@ -130,7 +127,10 @@ def _mode_inputs(spec: HostSpec, mode: Mode, shared: dict, budget: int, geo: Geo
             f"{spec.cpu.lane_isa}, fitted on {FIT_SOURCE}"
         )
         fields |= {"lane_a_ms": a, "lane_b_ms": b}
-        own += [Input("lane_a_ms", round(a, 4), src), Input("lane_b_ms", round(b, 4), src)]
+        own += [
+            InputValue("lane_a_ms", round(a, 4), src),
+            InputValue("lane_b_ms", round(b, 4), src),
+        ]
     if mode in STORE_MODES:
         cap_fig = spec.nvme_ram_cap_gib
         cap_gib = cap_fig.value if cap_fig else SEED_NVME_CAP_GIB
@@ -144,8 +144,8 @@ def _mode_inputs(spec: HostSpec, mode: Mode, shared: dict, budget: int, geo: Geo
             "store_latency_ms": latency.value if latency else SEED_STORE_LATENCY_MS,
         }
         own += [
-            Input("ram_tier_slots", tier, f"--ram-cap {cap_bytes / GIB:.1f} GiB: {cap_src}"),
-            Input(
+            InputValue("ram_tier_slots", tier, f"--ram-cap {cap_bytes / GIB:.1f} GiB: {cap_src}"),
+            InputValue(
                 "store_latency_ms",
                 fields["store_latency_ms"],
                 latency.source if latency else "assumed: the seed's, under load (seed §4.3)",

@@ -190,12 +190,6 @@ def run_engine(engine, prompts: list, n_new: int) -> list[dict]:
     return [outs[i] for i in range(len(prompts))]
 
 
-def generator_greedy(loaded, prompts: list, n_new: int) -> tuple[dict, dict]:
-    """exllamav3's own Generator (max_batch_size 4, ArgmaxSampler, no stop) over a model that
-    exl3_load loaded: every prompt enqueued at once; tokens and logits by prompt index."""
-    return generator_run(loaded, prompts, n_new)
-
-
 @functools.cache
 def _reference_tool():
     """tools/exl3_reference.py as a module (it is a script, not in a package)."""

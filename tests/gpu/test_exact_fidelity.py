@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("exllamav3")
 pytest.importorskip("glm53._cuda")
 
-from gpu_kit import generator_greedy  # noqa: E402
+from gpu_kit import generator_run  # noqa: E402
 
 from glm53.engine import exl3_load  # noqa: E402
 
@@ -74,8 +74,8 @@ def test_greedy_decode_identical(pair, batch):
     lengths = [3000, 64, 200, 17][:batch]
     prompts = [torch.randint(0, vocab, (1, n), generator=g) for n in lengths]
     with torch.inference_mode():
-        tok_a, log_a = generator_greedy(stock, prompts, 256)
-        tok_b, log_b = generator_greedy(exact, prompts, 256)
+        tok_a, log_a = generator_run(stock, prompts, 256)
+        tok_b, log_b = generator_run(exact, prompts, 256)
     for i in range(batch):
         assert len(tok_a[i]) == 256
         assert tok_a[i] == tok_b[i], f"stream {i} diverged"

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("exllamav3")
 _cuda = pytest.importorskip("glm53._cuda")
 
-from gpu_kit import exl3_linears, expert_slots, generator_greedy, generator_run, kl_top1  # noqa: E402
+from gpu_kit import exl3_linears, expert_slots, generator_run, kl_top1  # noqa: E402
 
 from glm53.tiers.cpu_lane import (  # noqa: E402
     FAST_REL_TOL,
@@ -244,7 +244,7 @@ def test_a_lane_that_never_answers_gives_exact_modes_tokens_and_counts_every_fal
 
     prompts = _prompts(exact_load, batch, 16 + batch)
     with torch.inference_mode():
-        tok_exact, log_exact = generator_greedy(exact_load, prompts, 64)
+        tok_exact, log_exact = generator_run(exact_load, prompts, 64)
         install_fast_hooks()
         hidden = exact_load.moe[0].hidden_size
         mailboxes = [Mailbox(hidden) for _ in exact_load.moe]  # no poller: nobody answers
@@ -252,7 +252,7 @@ def test_a_lane_that_never_answers_gives_exact_modes_tokens_and_counts_every_fal
             m.set_budget(4)
         layers = attach_fast(exact_load.moe, mailboxes, exact_load.ec, budget_ns=200_000)
         try:
-            tok_fast, log_fast = generator_greedy(exact_load, prompts, 64)
+            tok_fast, log_fast = generator_run(exact_load, prompts, 64)
         finally:
             detach_fast(exact_load.moe)
     for i in range(batch):
