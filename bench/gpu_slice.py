@@ -216,8 +216,8 @@ def measure_mode(args, mode) -> dict:
     subprocess."""
     from exllamav3 import Config
 
-    from glm53.engine import exl3_load
-    from glm53.engine.exl3_load import moe_geometry
+    from glm53.exl3 import loader as exl3_load
+    from glm53.exl3.loader import moe_geometry
 
     geo = moe_geometry(Config.from_directory(args.model).stc)
     info = {

@@ -136,7 +136,7 @@ def _cpu_logits(model_dir: str):
 def _stock_logits(model_dir: str):
     import torch
 
-    from glm53.engine import exl3_load
+    from glm53.exl3 import loader as exl3_load
 
     loaded = exl3_load.load(model_dir, "stock", cache_tokens=8192, max_batch=1)
 

@@ -38,7 +38,8 @@ httpx = pytest.importorskip("httpx")
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
-from glm53.engine.gpu import GpuEngine, align_prefix_reuse  # noqa: E402
+from glm53.engine.gpu import GpuEngine  # noqa: E402
+from glm53.exl3 import align_prefix_reuse  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
