@@ -14,7 +14,8 @@ Kinds:
 - `slot`: glm53's own entry in one instance's `__dict__`, read by a class-level hook (shadow);
 - `attribute`: an attribute exllamav3's own `__init__` sets, rewritten on one instance (assign);
 - `subclass`: glm53 subclasses the class and overrides the method (glm53.exl3.sampler_classes);
-- `read`: a name glm53 reads or calls, private or easily moved (no write).
+- `read`: a name glm53 reads or calls, private or easily moved (no write);
+- `ext`: a function of exllamav3's compiled extension that glm53 calls (its bindings.cpp).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class PatchPoint:
     module: str  # the exllamav3 module that defines `owner` (or the function)
     owner: str  # the class; "" for a module-level function
     name: str  # the attribute, method or function
-    kind: str  # class, instance, slot, attribute, subclass or read (module docstring)
+    kind: str  # class, instance, slot, attribute, subclass, read or ext (module docstring)
     params: tuple[str, ...] | None  # a method's or function's parameter names; None: not callable
     where: str  # the glm53.exl3 module that touches it
     why: str
@@ -53,6 +54,8 @@ POINTS: tuple[PatchPoint, ...] = (
                "a routed expert's trellis is read into the pinned (or absent) home"),
     PatchPoint(_MLP, "BlockSparseMLP", "routing_fn", "class", None, "hooks",
                "set by __init__; a class property routes the picks through the VRAM cache"),
+    PatchPoint("exllamav3.exllamav3_ext", "", "pinned_cuda_view", "ext", ("t", "device"),
+               "hooks", "the loader gets a CUDA alias of the expert's pinned home bytes"),
     PatchPoint(_MLP, "BlockSparseMLP", "_g53_routing_fn", "slot", None, "hooks", _SLOT),
     PatchPoint(_MLP, "BlockSparseMLP", "_g53_moe_index", "slot", None, "hooks", _SLOT),
     PatchPoint(_MLP, "BlockSparseMLP", "_g53_cache", "slot", None, "hooks", _SLOT),
@@ -94,10 +97,11 @@ POINTS: tuple[PatchPoint, ...] = (
                ("input_ids", "params", "model"), "layer_major",
                "the recorder advances recurrent state as Model.prefill does"),
     PatchPoint("exllamav3.modules.gated_delta_net", "GDNLayerState", "stash", "read",
-               ("self", "slot", "position", "parity"), "layer_major",
+               ("self", "slot", "position", "parity"), "layer_major_pass",
                "a checkpoint is stashed layer by layer"),
     PatchPoint("exllamav3.cache.recurrent", "RecurrentCache", "put", "read",
-               ("self", "key", "state"), "layer_major", "the assembled checkpoint handed over"),
+               ("self", "key", "state"), "layer_major_pass",
+               "the assembled checkpoint handed over"),
     # the layer split (glm53.exl3.split)
     PatchPoint("exllamav3.modules.module", "Module", "load", "instance", ("self", "device"),
                "split", "each top-level module loads on its planned GPU"),
