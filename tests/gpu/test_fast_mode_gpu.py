@@ -1,5 +1,5 @@
 """Fast mode on the GPU engine (issue #16): exact mode's tiers + the CPU lane and its router,
-wired by glm53.tiers.fast_lane into GpuEngine(mode="fast").
+wired by glm53.exl3.fast and glm53.tiers.fast_lane into GpuEngine(mode="fast").
 
 WRITTEN FOR THE NEXT GPU SESSION, NOT YET RUN: this session had no GPU time. The CI side is
 tests/test_fast_lane.py (the host glue against a mock device) and tests/test_gpu_engine_config.py

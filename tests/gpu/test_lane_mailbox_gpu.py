@@ -208,8 +208,8 @@ def _checkpoint():
 
 
 def lane_tables(loaded):
-    """The engine's own tables over the pinned home (glm53.tiers.fast_lane.lane_tables)."""
-    from glm53.tiers.fast_lane import lane_tables as tables
+    """The engine's own tables over the pinned home (glm53.exl3.fast.lane_tables)."""
+    from glm53.exl3.fast import lane_tables as tables
 
     return tables(loaded.home, loaded.moe)
 
