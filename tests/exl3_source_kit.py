@@ -27,8 +27,8 @@ CACHE = Path.home() / ".cache" / "glm53-tests" / f"exllamav3-{EXLLAMAV3_VERSION}
 class Source:
     """exllamav3's modules by dotted name: `tree("exllamav3.model.model")` is its ast."""
 
-    def __init__(self, read, origin: str):
-        self._read, self.origin = read, origin
+    def __init__(self, read, origin: str, paths: list[str]):
+        self._read, self.origin, self.paths = read, origin, paths
         self._trees: dict[str, ast.Module] = {}
 
     def tree(self, module: str) -> ast.Module:
@@ -42,6 +42,9 @@ class Source:
             else:
                 raise KeyError(f"{module}: not in exllamav3 {EXLLAMAV3_VERSION} ({self.origin})")
         return self._trees[module]
+
+    def python_files(self) -> list[str]:
+        return [p for p in self.paths if p.endswith(".py")]
 
     def is_package(self, module: str) -> bool:
         return self._read(module.replace(".", "/") + "/__init__.py") is not None
@@ -66,7 +69,8 @@ def _installed() -> Source | None:
         p = root / path
         return p.read_text(encoding="utf-8") if p.is_file() else None
 
-    return Source(read, f"installed at {root}")
+    files = sorted(str(p.relative_to(root)) for p in (root / "exllamav3").rglob("*.py"))
+    return Source(read, f"installed at {root}", files)
 
 
 def _unavailable(why: str):
@@ -103,7 +107,7 @@ def _wheel() -> Source:
     def read(name: str) -> str | None:
         return archive.read(name).decode("utf-8") if name in names else None
 
-    return Source(read, str(path))
+    return Source(read, str(path), sorted(names))
 
 
 @cache

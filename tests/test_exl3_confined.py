@@ -12,6 +12,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from exl3_source_kit import exllamav3_source
+
 from glm53.exl3.patches import BY_KEY, POINTS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,6 +119,38 @@ def test_nothing_outside_glm53_exl3_imports_or_patches_exllamav3():
     problems = []
     for path in _files(inside=False):
         problems += outside_problems(path, ast.parse(path.read_text(encoding="utf-8")))
+    assert not problems, "\n".join(problems)
+
+
+def _private_names(tree: ast.AST) -> set[str]:
+    """`_x` names (not dunders) that the classes of one module define: methods, `self._x =`."""
+    out = set()
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        for node in ast.walk(cls):
+            name = None
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                name = node.name
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                name = node.attr
+            if name and name.startswith("_") and not name.startswith("__"):
+                out.add(name)
+    return out
+
+
+def test_nothing_outside_glm53_exl3_reads_a_private_name_of_exllamav3():
+    """Every private name exllamav3 1.6.5's classes define (read from its source: needs the
+    wheel, tests/exl3_source_kit.py), read off anything but self outside glm53/exl3/."""
+    src = exllamav3_source()
+    private: set[str] = set()
+    for path in src.python_files():
+        private |= _private_names(ast.parse(src.text(path) or "", path))
+    assert "_get_prefetch_layers" in private  # the one glm53.exl3 reads (layer_major)
+    problems = [
+        f"{_where(path, node)} reads .{node.attr}, private in exllamav3"
+        for path in _files(inside=False)
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.Attribute) and node.attr in private and not _is_self(node.value)
+    ]
     assert not problems, "\n".join(problems)
 
 

@@ -7,23 +7,46 @@ Every write onto an exllamav3 class or instance goes through glm53.exl3.patches,
 point not declared in its POINTS; tests/test_exl3_patch_points.py checks each declared point
 against exllamav3 1.6.5's own source (the PyPI wheel, read with ast). The points:
 
-| what is patched                      | in exllamav3 1.6.5               | how      | why (module)                          |
-|--------------------------------------|----------------------------------|----------|---------------------------------------|
-| SafetensorsCollection.get_tensor     | loader/safetensors.py            | class    | experts load into the home (hooks)    |
-| BlockSparseMLP.routing_fn            | modules/block_sparse_mlp.py      | class    | picks routed via the VRAM cache, nvme |
-|                                      |                                  |          | home, fast lane (hooks, fast_hooks)   |
-| BlockSparseMLP.cpu_split_combine     | modules/block_sparse_mlp_cpu.py  | class    | fast lane's wait + combine            |
-| BlockSparseMLP._g53_* (6 slots)      | (glm53's, in the instance dict)  | slot     | what the routing property reads       |
-| Model.prefill, Model._g53_prefill    | model/model.py                   | instance | fast: prefill exact; layer-major:     |
-|                                      |                                  |          | chunks recorded (fast_hooks, l_major) |
-| Job.hash_completed_page              | generator/job.py                 | instance | prefix reuse in whole chunks (prefix) |
-| Job.maybe_stash_recurrent            | generator/job.py                 | instance | the same; layer-major's checkpoints   |
-| Job.all_unique_hashes, Sequence.page_hashes, .new_unique_pages | job.py, pagetable.py | attribute | the standard region (prefix) |
-| Job.prefill, Job.is_prefill_done, Job._g53_layer_major | generator/job.py | instance | layer-major prefill (layer_major) |
-| Module.load                          | modules/module.py                | instance | each module on its GPU (split)        |
-| Model.active_devices                 | model/model.py                   | attribute| the split's devices (split)           |
-| Sampler.__init__, Sampler.forward    | generator/sampler/sampler.py     | subclass | host and device-logprob samplers      |
-| Model._get_prefetch_layers, advance_recurrent_states, GDNLayerState.stash, RecurrentCache.put | | read | layer-major's recorder and stashes |
+| point (kind)                           | in exllamav3 1.6.5              | module: why           |
+|----------------------------------------|---------------------------------|-----------------------|
+| SafetensorsCollection.get_tensor       | loader/safetensors.py           | hooks: experts load   |
+| (class)                                |                                 | into the home         |
+| BlockSparseMLP.routing_fn (class       | modules/block_sparse_mlp.py     | hooks, fast_hooks:    |
+| property)                              |                                 | picks via the VRAM    |
+|                                        |                                 | cache, nvme home,     |
+|                                        |                                 | lane                  |
+| BlockSparseMLP.cpu_split_combine       | modules/block_sparse_mlp_cpu.py | fast_hooks: the       |
+| (class)                                |                                 | lane's wait and       |
+|                                        |                                 | combine               |
+| BlockSparseMLP._g53_* (6 slots)        | (glm53's own entries)           | hooks, fast_hooks:    |
+|                                        |                                 | what routing_fn reads |
+| Model.prefill, Model._g53_prefill      | model/model.py                  | fast_hooks: prefill   |
+| (instance)                             |                                 | exact; layer_major:   |
+|                                        |                                 | chunks recorded       |
+| Job.hash_completed_page (instance)     | generator/job.py                | prefix: hashes in     |
+|                                        |                                 | whole chunks          |
+| Job.maybe_stash_recurrent (instance)   | generator/job.py                | prefix, layer_major:  |
+|                                        |                                 | where state is        |
+|                                        |                                 | stashed               |
+| Job.all_unique_hashes (attribute)      | generator/job.py                | prefix: the standard  |
+|                                        |                                 | region                |
+| Sequence.page_hashes,                  | generator/pagetable.py          | prefix: the standard  |
+| .new_unique_pages (attribute)          |                                 | region                |
+| Job.prefill, Job.is_prefill_done,      | generator/job.py                | layer_major: the pass |
+| Job._g53_layer_major (instance, slot)  |                                 |                       |
+| Module.load (instance)                 | modules/module.py               | split: each module on |
+|                                        |                                 | its GPU               |
+| Model.active_devices (attribute)       | model/model.py                  | split: the devices    |
+|                                        |                                 | used                  |
+| Sampler.__init__, Sampler.forward      | generator/sampler/sampler.py    | sampler_classes: host |
+| (subclass)                             |                                 | and device-logprob    |
+|                                        |                                 | samplers              |
+| Model._get_prefetch_layers,            | model/model.py,                 | layer_major(_pass):   |
+| advance_recurrent_states,              | cache/recurrent_util.py,        | the recorder, the     |
+| GDNLayerState.stash,                   | modules/gated_delta_net.py,     | stashes               |
+| RecurrentCache.put (read)              | cache/recurrent.py              |                       |
+| exllamav3_ext.pinned_cuda_view (ext)   | exllamav3_ext/bindings.cpp      | hooks: the home's     |
+|                                        |                                 | CUDA alias            |
 
 The interface the engine calls (everything else here is this package's own):
 - the version: EXLLAMAV3_VERSION, installed_version, version_problem, check_version;

@@ -1,6 +1,6 @@
 """Prefix reuse inside exllamav3 1.6.5's Generator, made independent of what the cache held.
 
-Determinism and prefix reuse. The Generator reuses cached KV pages and recurrent (KDA) state
+The Generator reuses cached KV pages and recurrent (KDA) state
 snapshots of a prompt's longest cached prefix. Restoring state at an arbitrary page boundary
 changes how the rest of the prompt is chunked, and with it the rounding (measured on the H200: a
 6,216-token follow-up reusing 5,888 tokens gave other tokens than on a cold cache). glm53 keeps
