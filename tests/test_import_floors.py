@@ -37,7 +37,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     # the one adapter over exllamav3: load, hooks, fast lane and nvme glue, prefix reuse, the
     # samplers, the layer split and layer-major prefill (the only importer of exllamav3)
     ("exl3", ("glm53.exl3",)),
-    # request types, the scheduler, the CPU and GPU engines and their loaders
+    # request types, the scheduler, the CPU and GPU engines (the GPU one over glm53.exl3)
     ("engine", ("glm53.engine",)),
     # prompt rendering and output parsing
     ("chat", ("glm53.chat",)),
