@@ -129,7 +129,7 @@ class Tokenizer(Protocol):
     chat_template: str
 
     def encode(self, text: str, context_length: int | None = None) -> list[int]:
-        """The text's token ids; with `context_length`, PromptTooLong (engine.scheduler) when
+        """The text's token ids; with `context_length`, PromptTooLong (above) when
         they are that many or more, found before they are listed."""
         ...
 
