@@ -1,8 +1,8 @@
 """The inbox between the event loop and the engine thread, and what both engine loops share.
 
-`Inbox`: the event loop puts new jobs and cancels in and says stop; the engine thread takes them
-between two steps, and waits on it while it has nothing to run. `Loop` is the base of the two
-loops that run on the engine thread (glm53.engine.step_loop for step engines,
+`Inbox`: the event loop puts new jobs and cancels in and says stop; the engine thread takes
+them between two steps, and waits on it while it has nothing to run. `EngineLoop` is the base
+of the two loops that run on the engine thread (glm53.engine.step_loop for step engines,
 glm53.engine.job_loop for job engines): the job lists, the counters, and the post of JobEvents
 to the event loop.
 """
@@ -10,15 +10,12 @@ to the event loop.
 from __future__ import annotations
 
 import collections
-import logging
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from glm53._handoff import Handoff
 from glm53.engine.stream import Job, JobEvent, JobState
-
-log = logging.getLogger("glm53.scheduler")
 
 # The engine thread's counters (Scheduler.step_counters); fixed keys, so that a reader on another
 # thread never sees the dict grow.
@@ -79,7 +76,7 @@ class Inbox:
             return list(self._jobs)
 
 
-class Loop:
+class EngineLoop:
     """A loop over one engine, on the engine thread, which owns `running`, `waiting` and every
     Job's state. `run` returns when the inbox says stop; `all_jobs` are the ones it leaves."""
 

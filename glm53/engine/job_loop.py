@@ -10,17 +10,20 @@ running job, and the loop goes on serving.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 
 from glm53.engine.base import FinishReason, JobOutput
-from glm53.engine.inbox import Loop, log
+from glm53.engine.inbox import EngineLoop
 from glm53.engine.logprobs import block_logprobs
 from glm53.engine.stream import EventKind, Job, JobEvent, JobState
 
+log = logging.getLogger("glm53.scheduler")
 
-class JobLoop(Loop):
+
+class JobLoop(EngineLoop):
     """Starts, iterates and cancels the jobs of a job engine."""
 
     def run(self) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import math
 import threading
 import time
@@ -28,7 +29,7 @@ from typing import Any
 from glm53._handoff import Handoff
 from glm53.engine.base import Engine, JobEngine, PrefixSnapshots, PromptTooLong
 from glm53.engine.grammar import Constraint
-from glm53.engine.inbox import STEP_COUNTERS, Inbox, Loop, log
+from glm53.engine.inbox import STEP_COUNTERS, EngineLoop, Inbox
 from glm53.engine.job_loop import JobLoop
 from glm53.engine.prefix_cache import PrefixCache
 from glm53.engine.requests import GenerationRequest, QueueFull, TokenEvent
@@ -36,6 +37,8 @@ from glm53.engine.sampling import StreamSampler
 from glm53.engine.step_loop import StepLoop
 from glm53.engine.stops import StopMatcher
 from glm53.engine.stream import Job, JobEvent, JobStream
+
+log = logging.getLogger("glm53.scheduler")
 
 __all__ = [
     "GenerationRequest",
@@ -79,7 +82,7 @@ class Scheduler:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._handoff: Handoff | None = None  # engine thread -> event loop
         self._inbox = Inbox()
-        self._engine_loop: Loop | None = None  # the engine thread's, once the engine loaded
+        self._engine_loop: EngineLoop | None = None  # the engine thread's, once the engine loaded
         self._thread: threading.Thread | None = None
         self._num_active = 0
         self._job_seconds = 2.0  # moving average of a job's duration, for Retry-After
@@ -230,7 +233,7 @@ class Scheduler:
                 self._handoff.post(self._deliver, events)
             self._close_engine()
 
-    def _new_loop(self) -> Loop:
+    def _new_loop(self) -> EngineLoop:
         args = (
             self.engine,
             self._inbox,

@@ -26,6 +26,7 @@ same steps, so neither a hit nor a neighbour changes a stream's tokens or logits
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -33,11 +34,13 @@ import numpy as np
 import torch
 
 from glm53.engine.base import EngineError, FinishReason, StreamWork
-from glm53.engine.inbox import Loop, log
+from glm53.engine.inbox import EngineLoop
 from glm53.engine.logprobs import block_logprobs
 from glm53.engine.prefix_cache import PrefixCache, Snapshot, chain_keys
 from glm53.engine.sampling import StreamSampler, sample
 from glm53.engine.stream import EventKind, Job, JobEvent, JobState
+
+log = logging.getLogger("glm53.scheduler")
 
 
 @dataclass(slots=True)
@@ -51,7 +54,7 @@ class StepPlan:
     scored: list[tuple[Job, int, int]] = field(default_factory=list)  # (job, start, length)
 
 
-class StepLoop(Loop):
+class StepLoop(EngineLoop):
     """Plans and runs the steps of a step engine; keeps prefix snapshots in `prefix_cache`
     (None: the engine takes none, or the cache is off)."""
 
