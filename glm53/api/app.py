@@ -151,9 +151,7 @@ class App:
                 self._on_load_failed(exc)
             return
         state.load_seconds = round(time.monotonic() - start, 3)
-        if (
-            state.status != ServerStatus.LOADING
-        ):  # a SIGTERM came during the load: stay out of service
+        if state.status != ServerStatus.LOADING:  # a SIGTERM came during the load: stay out
             log.info("loaded in %.1f s, but the server is %s", state.load_seconds, state.status)
             return
         state.status = ServerStatus.READY
