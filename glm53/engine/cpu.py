@@ -49,6 +49,7 @@ log = logging.getLogger("glm53.engine.cpu")
 class CpuEngine:
     name = "cpu"
     is_model = True
+    drives_jobs = False  # a step engine: the scheduler plans its steps and samples
 
     def __init__(
         self,

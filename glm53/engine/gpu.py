@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 from glm53 import exl3
-from glm53.engine.base import EngineError, JobOutput
+from glm53.engine.base import EngineError, FinishReason, JobOutput
 from glm53.exl3 import PAGE
 from glm53.units import GIB
 
@@ -37,6 +37,7 @@ class GpuEngine:
     name = "gpu"
     is_model = True
     drives_jobs = True  # the scheduler submits requests (glm53.engine.base.JobEngine)
+    verify_tiers = None  # exact mode has no tier check; nvme-exact sets one (_start_nvme)
 
     def __init__(
         self,
@@ -275,7 +276,11 @@ class GpuEngine:
             if max_new_tokens == 0:  # scored, nothing to generate
                 self._scored.append(
                     JobOutput(
-                        key, [], prompt_logits=prompt_logits, finish="length", cached_tokens=0
+                        key,
+                        [],
+                        prompt_logits=prompt_logits,
+                        finish=FinishReason.LENGTH,
+                        cached_tokens=0,
                     )
                 )
                 return
@@ -371,7 +376,9 @@ class GpuEngine:
             stage = r["stage"]
             if stage == "error":
                 self._jobs.pop(key, None)
-                outs[key] = JobOutput(key, [], finish="error", error=f"engine error: {r['error']}")
+                outs[key] = JobOutput(
+                    key, [], finish=FinishReason.ERROR, error=f"engine error: {r['error']}"
+                )
                 continue
             if stage == "started":
                 job = self._jobs[key]
@@ -401,7 +408,7 @@ class GpuEngine:
             if r.get("eos"):
                 self._jobs.pop(key, None)
                 reason = r.get("eos_reason")
-                out.finish = "stop" if reason == "stop_token" else "length"
+                out.finish = FinishReason.STOP if reason == "stop_token" else FinishReason.LENGTH
         self._stats["iterations"] += 1
         self._stats["decode_tokens"] += sum(len(o.token_ids) for o in outs.values())
         self._stats["iterate_s"] += time.perf_counter() - t0
