@@ -219,17 +219,13 @@ def load_split(
     allow_unsupported: bool = False,
     vram_budget: int | None = None,
 ) -> Loaded:
-    """glm53.exl3.loader.load over `gpus` (two or more entries); vram_budget applies to each."""
+    """glm53.exl3.loader.load over `gpus` (two or more entries); vram_budget applies to each.
+    `mode` is exact or zerocopy (glm53.exl3.options.LoadOptions refuses the others)."""
     import json
     import os
 
     import torch
 
-    if mode == "stock":
-        raise ValueError(
-            "--gpus with two or more entries runs modes exact and zerocopy (routed experts in "
-            "the pinned home); stock mode places every expert in VRAM and is the one-GPU reference"
-        )
     check_version(allow_unsupported)
     hooks.install_hooks()
     from exllamav3 import Cache, Config, Model, Tokenizer
