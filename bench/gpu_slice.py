@@ -218,6 +218,7 @@ def measure_mode(args, mode) -> dict:
 
     from glm53.exl3 import loader as exl3_load
     from glm53.exl3.loader import moe_geometry
+    from glm53.exl3.options import LoadOptions
 
     geo = moe_geometry(Config.from_directory(args.model).stc)
     info = {
@@ -262,10 +263,10 @@ def measure_mode(args, mode) -> dict:
     dev = torch.device("cuda:0")  # glm53.exl3.loader.load's default device
     with torch.inference_mode():
         t0 = time.perf_counter()
-        loaded = exl3_load.load(
-            args.model, load_mode, cache_tokens=CACHE_TOKENS, max_batch=MAX_BATCH,
+        loaded = exl3_load.load(args.model, LoadOptions(
+            mode=load_mode, cache_tokens=CACHE_TOKENS, max_batch=MAX_BATCH,
             max_chunk=MAX_CHUNK, **kw,
-        )  # fmt: skip
+        ))  # fmt: skip
         fast = start_fast_row(args, loaded) if mode == "fast" else None
         load_s = time.perf_counter() - t0
         resident = (loaded.resident_bytes, loaded.load_peak_bytes)

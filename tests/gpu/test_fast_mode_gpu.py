@@ -39,6 +39,7 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
 from glm53.engine.gpu import GpuEngine  # noqa: E402
+from glm53.engine.gpu_options import EngineOptions  # noqa: E402
 from glm53.exl3 import align_prefix_reuse  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -103,10 +104,10 @@ def case(tmp_path_factory):
 
 
 def fast_engine(case, name, **kw):
-    e = GpuEngine(
-        case["path"], "fast", context=CONTEXT, max_batch=4, chunk_size=CHUNK,
+    e = GpuEngine(case["path"], EngineOptions(
+        mode="fast", context=CONTEXT, max_batch=4, chunk_size=CHUNK,
         ec_max_slots=case["slots"], heat_file=str(case["tmp"] / f"heat-{name}.json"), **kw,
-    )  # fmt: skip
+    ))  # fmt: skip
     e.load()
     return e
 

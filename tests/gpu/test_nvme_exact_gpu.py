@@ -39,6 +39,7 @@ from serving_kit import Server  # noqa: E402
 from store_kit import flip_byte  # noqa: E402
 
 from glm53.engine.gpu import GpuEngine  # noqa: E402
+from glm53.engine.gpu_options import EngineOptions  # noqa: E402
 
 LENGTHS = (1, 9, 257, 2049, 5000)
 CONTEXT = 8192
@@ -79,11 +80,11 @@ def case(tmp_path_factory, slice_store):
 
 @pytest.mark.parametrize("share", RAM_SHARES)
 def test_in_process_nvme_exact_equals_stock_exllamav3(case, share):
-    e = GpuEngine(
-        case["path"], "nvme-exact", context=CONTEXT, max_batch=4, chunk_size=CHUNK,
+    e = GpuEngine(case["path"], EngineOptions(
+        mode="nvme-exact", context=CONTEXT, max_batch=4, chunk_size=CHUNK,
         ec_max_slots=case["slots"], heat_file=str(case["tmp"] / f"heat-{share}.json"),
         store=case["store"], ram_cap=case["cap"][share],
-    )  # fmt: skip
+    ))  # fmt: skip
     e.load()
     try:
         for n in LENGTHS:
@@ -169,11 +170,11 @@ def test_a_store_read_fault_names_layer_expert_and_rows_and_the_tier_serves_on(c
     from glm53.engine.scheduler import GenerationRequest
 
     share = RAM_SHARES[0]
-    e = GpuEngine(
-        case["path"], "nvme-exact", context=CONTEXT, max_batch=4, chunk_size=CHUNK,
+    e = GpuEngine(case["path"], EngineOptions(
+        mode="nvme-exact", context=CONTEXT, max_batch=4, chunk_size=CHUNK,
         ec_max_slots=case["slots"], heat_file=str(case["tmp"] / "heat-fault.json"),
         store=case["store"], ram_cap=case["cap"][share],
-    )  # fmt: skip
+    ))  # fmt: skip
     e.load()
     try:
         store = e.loaded.nvme.tier.source
