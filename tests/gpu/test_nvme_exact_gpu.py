@@ -3,7 +3,7 @@
 at the 24 GB card's 11.4 % share, in-process and through the real server; the tier check at
 start and on demand (/admin/verify) clean, and a flipped store byte caught by it.
 
-WRITTEN, NOT YET RUN ON A GPU. Needs GLM53_TEST_SLICE (a `glm53 synth --preset slice`
+Passed 6 of 6 on an H200 (2026-12-02). Needs GLM53_TEST_SLICE (a `glm53 synth --preset slice`
 checkpoint); the store is conftest.py's `slice_store`, packed once for the session unless
 GLM53_TEST_SLICE_STORE names one already packed from it (about 22 GB); the servers serve it too,
 and the flipped bytes are flipped back before the next server starts. The reference runs in a
@@ -109,7 +109,7 @@ def server(case, request):
     # them back (flip_byte is an XOR) before it returns, so each server starts on clean bytes and
     # its tier check at start would report any left behind
     store = Path(case["store"])
-    args = ["--engine", "gpu", "--mode", "nvme-exact", "--allow-unrun-modes", "--model",
+    args = ["--engine", "gpu", "--mode", "nvme-exact", "--model",
             case["path"], "--store", str(store), "--ram-cap", str(case["cap"][share]),
             "--context", str(CONTEXT), "--chunk-size", str(CHUNK), "--max-batch", "4",
             "--ec-max-slots", str(case["slots"])]  # fmt: skip
