@@ -6,7 +6,7 @@ zero-copy from pinned RAM (the floor); glm53 exact with a VRAM expert cache of -
 the experts (default 11.4 %, the 24 GB RTX 3090's 1,376 / 12,096), with its admission
 filter (exact) and without (exact_clock: plain CLOCK); stock exllamav3's own offload at the
 same VRAM budget, without and with its pinned arena; glm53 fast (exact's tiers + the CPU lane
-and its router, `--modes ...,fast` only: not yet run on a GPU), and on the same load a sweep of
+and its router, `--modes ...,fast` only), and on the same load a sweep of
 fixed shares of the misses on the lane (--fixed-splits, default 0, 10, 20, 30, 40 %) to compare
 the router against (ratios.fast_router_vs_best_fixed_split). Decode tok/s at concurrency 1, 2, 4
 (512-token prompts, 128 greedy tokens), prefill tok/s at 512 and 8k (8k at 2,048-token
@@ -170,9 +170,9 @@ def measure(loaded, vocab, quick=False, step=None):
 
 # exact_clock: exact mode with the admission filter off (plain CLOCK), for comparison;
 # nvme_exact_ramNN: nvme-exact (exact's VRAM cache over the RAM tier capped at NN % of the
-# experts, filled from --store); measured only when --store is given (not yet run on a GPU)
-# fast: exact's tiers + the CPU lane (glm53.exl3.fast, glm53.tiers.fast_lane); measured only when --modes names it
-# (not yet run on a GPU)
+# experts, filled from --store); measured only when --store is given
+# fast: exact's tiers + the CPU lane (glm53.exl3.fast, glm53.tiers.fast_lane); measured only
+# when --modes names it
 ALL_MODES = ("stock", "zerocopy", "exact", "exact_clock", "stock_offload", "stock_offload_arena",
              "nvme_exact_ram70", "nvme_exact_ram40", "fast")  # fmt: skip
 ON_REQUEST = ("fast",)  # rows left out of the default --modes
