@@ -19,6 +19,7 @@ import logging
 import os
 
 from glm53.exl3 import hooks
+from glm53.exl3.errors import Exl3Refused
 from glm53.exl3.loaded import (
     Loaded,
     MoeGeometry,
@@ -137,18 +138,19 @@ def load(model_dir: str, options: LoadOptions | None = None) -> Loaded:
     free, _ = torch.cuda.mem_get_info(dev)
     if vram_budget is not None:
         if vram_budget > free:
-            raise RuntimeError(
+            raise Exl3Refused(
                 f"--vram-budget {vram_budget / GIB:.2f} GiB is more than the "
                 f"{free / GIB:.2f} GiB free on {dev}; pass at most that"
             )
         free = vram_budget
     need = geo.other_bytes + (geo.expert_bytes_total if mode == "stock" else 0)
     if need + ec_reserve_gb * GIB > free:
-        raise RuntimeError(
+        raise Exl3Refused(
             f"not enough VRAM on {dev}: {need / GIB:.2f} GiB of weights to place "
             f"({'all experts included' if mode == 'stock' else 'routed experts stay in host RAM'})"
             f" + {ec_reserve_gb:.2f} GiB reserve > {free / GIB:.2f} GiB "
-            f"{'free' if vram_budget is None else 'budget (--vram-budget)'}"
+            f"{'free' if vram_budget is None else 'budget (--vram-budget)'}: lower "
+            "--ec-reserve-gb, free the GPU of other processes, or use a GPU with more VRAM"
         )
     plan = None
     if vram_budget is not None and mode in ("exact", "nvme-exact"):
@@ -200,10 +202,11 @@ def load(model_dir: str, options: LoadOptions | None = None) -> Loaded:
             slots = min(slots, o.ec_max_slots)
         slots = min(slots, home.geo.n_keys)
         if slots < 1 or slots > fit:
-            raise RuntimeError(
+            raise Exl3Refused(
                 f"the VRAM expert cache cannot hold {slots} slots of "
                 f"{home.geo.record_bytes / 2**20:.1f} MiB: {free / GIB:.2f} GiB free, "
-                f"{ec_reserve_gb:.2f} GiB reserved (--ec-reserve-gb) leaves room for {fit}"
+                f"{ec_reserve_gb:.2f} GiB reserved (--ec-reserve-gb) leaves room for {fit}; "
+                "lower --ec-reserve-gb, --context or --max-batch"
             )
         ec = DeviceExpertCache(
             home.geo, slots, home_addr, hooks.table_addresses(moe), dev,
@@ -244,6 +247,7 @@ def _measured(loaded: Loaded, dev) -> Loaded:
 def _check_store_geometry(store, geo: MoeGeometry) -> None:
     """The store's records must be this checkpoint's experts as exllamav3 lays them out: the
     same MoE layers, experts per layer and trellis sizes (the fingerprint already matched)."""
+    from glm53.store.errors import StoreMismatchError
     from glm53.tiers.vram_cache import CacheGeometry
 
     m = store.manifest
@@ -251,7 +255,7 @@ def _check_store_geometry(store, geo: MoeGeometry) -> None:
     got = (store.moe_layers, store.num_experts, tuple(m.trellis_bytes), m.slot_bytes)
     have = (geo.moe_layers, geo.n_experts, tuple(geo.part_bytes), want.record_bytes)
     if got != have:
-        raise RuntimeError(
+        raise StoreMismatchError(
             f"the store {store.store_dir} holds MoE layers {got[0]}, {got[1]} experts, trellis "
             f"{got[2]} bytes in slots of {got[3]}; exllamav3 loads {have[0]}, {have[1]}, "
             f"{have[2]} in {have[3]}: repack the store from this checkpoint"
@@ -275,7 +279,7 @@ def _start_nvme(loaded: Loaded, nvme_src, ram_cap, read_timeout_s, rows):
         check_home_cap(cap, source.record_bytes, working_set, top_k, rows)
     limit = hooks.memlock_limit()
     if 0 <= limit < min(cap, num_records * source.record_bytes):
-        raise RuntimeError(
+        raise Exl3Refused(
             f"the locked-memory limit is {limit} bytes, but pinning the RAM tier (--ram-cap) "
             f"needs {cap}: raise it (`ulimit -l unlimited`, or LimitMEMLOCK=infinity in the "
             "systemd unit) or lower --ram-cap"
