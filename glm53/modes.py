@@ -35,6 +35,14 @@ class Mode(StrEnum):
     NVME_EXACT = "nvme-exact"  # NVMe store -> RAM tier -> VRAM, bit-identical
 
 
+# The tier modes themselves, without auto (a choice among them): what `glm53 doctor` plans and
+# predicts (glm53.doctor.costmodel imports it as its Mode). Made from Mode, so the names and
+# values are written once; a TierMode equals the Mode of the same value.
+TierMode = StrEnum(
+    "TierMode", [(m.name, m.value) for m in Mode if m is not Mode.AUTO], module=__name__
+)
+
+
 class ReferenceMode(StrEnum):
     """The GPU engine's reference loads (tests and benches; never a --mode)."""
 
