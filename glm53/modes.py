@@ -7,6 +7,8 @@ A rule per (engine, mode):
 - `store`: "needs" (--store required), "refuses" (--store would do nothing), or "optional";
 - `lane`: the CPU lane takes part (--cpus, --cpu-threads, --ct-precision, --ct-b);
 - `one_gpu`: the mode runs on one GPU (--gpus names at most one);
+- `load`: the GPU engine's load under it (glm53.exl3.options.LoadMode: exact or nvme-exact; the
+  lane modes add the CPU lane on top of that load);
 - `doctor`: `glm53 doctor` recommends it (exact only, still: its plans for fast and nvme-exact
   wait on the doctor's own update, issue #25).
 
@@ -61,23 +63,38 @@ class ModeRule:
     lane: bool = False
     one_gpu: bool = False
     doctor: bool = False
-    what: str = ""  # the mode in words, for messages
+    load: str = ""
+    name: str = ""  # the mode as messages name it
+    what: str = ""  # store="refuses": what the mode keeps instead of a store
     refusal: str = ""  # served=False: why, and the fix
 
 
-_EXACT_WHAT = "exact mode keeps every routed expert in pinned RAM"
-_FAST_WHAT = "fast mode keeps every routed expert in pinned RAM, as exact mode does,"
+_EXACT_WHAT = "keeps every routed expert in pinned RAM"
+_FAST_WHAT = "keeps every routed expert in pinned RAM, as exact mode does,"
 
 RULES: dict[tuple[Engine, Mode], ModeRule] = {
-    ("gpu", Mode.EXACT): ModeRule(True, store="refuses", doctor=True, what=_EXACT_WHAT),
-    ("gpu", Mode.FAST): ModeRule(True, store="refuses", lane=True, one_gpu=True, what=_FAST_WHAT),
-    ("gpu", Mode.NVME_EXACT): ModeRule(True, store="needs", one_gpu=True, what="nvme-exact"),
+    ("gpu", Mode.EXACT): ModeRule(
+        True, store="refuses", doctor=True, load="exact", name="exact mode", what=_EXACT_WHAT
+    ),
+    ("gpu", Mode.FAST): ModeRule(
+        True,
+        store="refuses",
+        lane=True,
+        one_gpu=True,
+        load="exact",
+        name="fast mode",
+        what=_FAST_WHAT,
+    ),  # fmt: skip
+    ("gpu", Mode.NVME_EXACT): ModeRule(
+        True, store="needs", one_gpu=True, load="nvme-exact", name="nvme-exact"
+    ),
     ("gpu", Mode.NVME): ModeRule(
         False,
         store="needs",
         lane=True,
         one_gpu=True,
-        what="nvme",
+        load="nvme-exact",
+        name="nvme mode",
         refusal=(
             "this build's GPU engine serves exact, fast and nvme-exact mode; nvme mode (the "
             "store under a RAM tier plus the CPU lane) needs the CPU lane and the store wired "

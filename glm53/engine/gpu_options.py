@@ -30,7 +30,7 @@ def check_mode(mode: Mode | ReferenceMode, store: str | None, gpus) -> None:
         raise ConfigurationError(f"--mode {mode}: {r.refusal}")
     if r.store == "refuses" and store:
         raise ConfigurationError(
-            f"--store {store}: {r.what} and does not read a store; leave --store out"
+            f"--store {store}: {r.name} {r.what} and does not read a store; leave --store out"
         )
     if r.store == "needs" and not store:
         raise ConfigurationError(
@@ -38,8 +38,7 @@ def check_mode(mode: Mode | ReferenceMode, store: str | None, gpus) -> None:
             "(`glm53 store pack`)"
         )
     if r.one_gpu and gpus is not None and len(gpus) > 1:
-        label = "fast mode" if mode is Mode.FAST else str(mode)
-        raise ConfigurationError(f"--gpus {_gpus_text(gpus)}: {label} runs on one GPU; name one")
+        raise ConfigurationError(f"--gpus {_gpus_text(gpus)}: {r.name} runs on one GPU; name one")
 
 
 def _engine_mode(mode) -> Mode | ReferenceMode:
@@ -117,7 +116,8 @@ class EngineOptions:
         set_(self, "gpus", tuple(gpus) if gpus is not None and len(gpus) > 1 else None)
         pages = -(-self.context // PAGE)
         set_(self, "cache_tokens", self.cache_tokens or self.max_batch * pages * PAGE)
-        load_mode = LoadMode.EXACT if mode is Mode.FAST else LoadMode(mode)  # fast: + the lane
+        # the mode's load (glm53.modes' table: fast loads exact, the lane goes on top)
+        load_mode = LoadMode(mode if isinstance(mode, ReferenceMode) else rule("gpu", mode).load)
         set_(self, "load", LoadOptions(
             mode=load_mode, device=self.device, cache_tokens=self.cache_tokens,
             max_batch=self.max_batch, max_chunk=self.chunk_size, ec_max_slots=self.ec_max_slots,
