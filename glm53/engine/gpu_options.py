@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from glm53.config import ConfigurationError
 from glm53.exl3.options import LoadMode, LoadOptions
 from glm53.exl3.prefix import PAGE
-from glm53.modes import Mode, ReferenceMode, resolved, rule
+from glm53.modes import Mode, ReferenceMode, resolved, rule, served
 
 PREFILL_ORDERS = ("chunk", "layer-major")
 
@@ -47,10 +47,9 @@ def _engine_mode(mode) -> Mode | ReferenceMode:
     try:
         return resolved("gpu", mode)
     except ValueError:
+        runs = ", ".join(repr(str(m)) for m in (*served("gpu"), *ReferenceMode))
         raise ConfigurationError(
-            f"mode {mode!r}: the GPU engine runs 'exact', 'fast' and 'nvme-exact' (and the "
-            "reference modes 'stock' and 'zerocopy'); 'nvme' (nvme-exact with the CPU lane) "
-            "is not wired in yet"
+            f"mode {mode!r}: the GPU engine runs {runs} (the last two: reference loads)"
         ) from None
 
 
