@@ -71,6 +71,7 @@ async def stats(state: ServerState, body: bytes, receive: Receive, send: Send) -
         **state.metrics.summary(),
         "queue": scheduler,
         "engine": _engine_stats(state),
+        "frozen_objects": state.frozen_objects,
     }
     await send_bytes(send, 200, _encoder.encode(payload))
     return 200

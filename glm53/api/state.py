@@ -27,6 +27,7 @@ class ServerState:
     load_error: str | None = None
     started_at: float = field(default_factory=time.time)
     load_seconds: float | None = None
+    frozen_objects: int = 0  # objects the load left out of later collections (app.freeze_heap)
     checkpoint: str | None = None
 
     def ready_scheduler(self) -> Scheduler:
