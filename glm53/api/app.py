@@ -20,6 +20,7 @@ from glm53.config import ConfigurationError, Settings, Source
 from glm53.engine import checkpoint_dir, create_engine
 from glm53.engine.base import Engine, EngineUnavailable
 from glm53.engine.scheduler import Scheduler
+from glm53.tiers.thread_pins import pin_server_threads
 
 log = logging.getLogger("glm53.server")
 
@@ -171,6 +172,10 @@ class App:
                 self._on_load_failed(exc)
             return
         state.load_seconds = round(time.monotonic() - start, 3)
+        state.thread_pins = pin_server_threads(state.engine)
+        for pin in state.thread_pins.values():
+            log.info("the %s thread (%d) runs on cpus %s, which the CPU lane leaves (--cpus "
+                     "turns this off)", pin.role, pin.native_id, list(pin.cpus))  # fmt: skip
         if self._freeze_heap:
             state.frozen_objects = freeze_heap()
         if state.status != "loading":  # a SIGTERM came during the load: stay out of service

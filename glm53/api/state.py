@@ -11,6 +11,7 @@ from glm53.api.offload import Offload
 from glm53.config import Settings, Source
 from glm53.engine.base import Engine
 from glm53.engine.scheduler import Scheduler
+from glm53.tiers.thread_pins import ThreadPin
 
 
 @dataclass
@@ -28,6 +29,7 @@ class ServerState:
     started_at: float = field(default_factory=time.time)
     load_seconds: float | None = None
     frozen_objects: int = 0  # objects the load left out of later collections (app.freeze_heap)
+    thread_pins: dict[str, ThreadPin] = field(default_factory=dict)  # fast mode: role -> pin
     checkpoint: str | None = None
 
     def ready_scheduler(self) -> Scheduler:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -36,6 +37,9 @@ class FastLane:
                 f"the router has {router.n_layers} layers, the lane {len(lane.mailboxes)}"
             )
         self.lane, self.router, self.layers = lane, router, list(layers)
+        # the thread that built it: in the server, the engine thread (its load runs there),
+        # which glm53.tiers.thread_pins pins to the cores the lane leaves
+        self.owner_native_id = threading.get_native_id()
         self.steps = 0
         self.budgets = [int(m.load("budget")) for m in lane.mailboxes]
         self.waits_ns = [0] * len(lane.mailboxes)  # the router's wait per layer, newest step
