@@ -161,6 +161,8 @@ class App:
             )
             state.scheduler = scheduler
             await scheduler.start()
+            # fast mode: the engine thread and this one on the cores the CPU lane leaves
+            state.thread_pins = pin_server_threads(state.engine)
         except Exception as exc:  # noqa: BLE001 - reported in /health and by the exit status
             state.status, state.load_error = "failed", f"{type(exc).__name__}: {exc}"
             expected = isinstance(exc, EngineUnavailable | ConfigurationError)
@@ -172,7 +174,6 @@ class App:
                 self._on_load_failed(exc)
             return
         state.load_seconds = round(time.monotonic() - start, 3)
-        state.thread_pins = pin_server_threads(state.engine)
         for pin in state.thread_pins.values():
             log.info("the %s thread (%d) runs on cpus %s, which the CPU lane leaves (--cpus "
                      "turns this off)", pin.role, pin.native_id, list(pin.cpus))  # fmt: skip
