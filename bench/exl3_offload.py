@@ -29,7 +29,7 @@ def run_child(args) -> dict:
     from exllamav3 import Cache, Config, Model, Tokenizer
     from gpu_slice import measure, prefill_shapes
 
-    from glm53.engine.exl3_loaded import Loaded, moe_geometry
+    from glm53.exl3.loaded import Loaded, moe_geometry
 
     with torch.inference_mode():
         config = Config.from_directory(args.model)

@@ -30,7 +30,7 @@ serial = 1 / (t + b / R) (reads stall compute, as nvme-exact's blocking reads do
 overlap = 1 / max(t, b / R) (reads hidden behind compute). ratios.nvme_exact_ramNN_vs_disk_bound
 is the row's decode c1 tok/s over its serial bound.
 
---vram-budget SIZE plans exact mode within SIZE as on a card that size (exl3_load.plan_vram);
+--vram-budget SIZE plans exact mode within SIZE as on a card that size (glm53.exl3.loader.vram_plan_for);
 the expert cache is then as large as the budget allows unless --share caps it, and the stock
 offload rows keep as many experts per layer in VRAM as exact's cache and staging take. Every
 row the cost model covers (stock: all slots, zerocopy: none, exact: its slots) gets doctor's
@@ -223,9 +223,9 @@ def measure(loaded, vocab, quick=False, step=None, layer_major=None, shapes=PREF
 # exact_clock: exact mode with the admission filter off (plain CLOCK), for comparison;
 # nvme_exact_ramNN: nvme-exact (exact's VRAM cache over the RAM tier capped at NN % of the
 # experts, filled from --store); measured only when --store is given (not yet run on a GPU)
-# fast: exact's tiers + the CPU lane (glm53.tiers.fast_lane); measured only when --modes names it
+# fast: exact's tiers + the CPU lane (glm53.exl3.fast, glm53.tiers.fast_lane); measured only when --modes names it
 # (not yet run on a GPU)
-# exact_layer_major: exact's load with layer-major prefill (glm53.engine.layer_major_gpu, not
+# exact_layer_major: exact's load with layer-major prefill (glm53.exl3.layer_major, not
 # yet run on a GPU); stock_offload_stream: stock_offload_arena (the faster stock offload) with
 # EXL3_MOE_STREAM_T pinned (--stream-t: in prefill, an expert that many tokens of a chunk pick
 # is streamed to the GPU; unset, as in the other offload rows, exllamav3 scales it from 8)
@@ -255,7 +255,7 @@ def offload_split(args, n_experts: int, n_moe: int, plan, record_bytes: int) -> 
 
 
 def exact_kwargs(args, mode: str, n_experts: int, n_moe: int) -> dict:
-    """exl3_load.load arguments of an exact row."""
+    """glm53.exl3.loader.load arguments of an exact row."""
     kw = {"ec_freq_window": 0 if mode == "exact_clock" else None}
     share = cache_share(args)
     if share is not None:
@@ -266,13 +266,13 @@ def exact_kwargs(args, mode: str, n_experts: int, n_moe: int) -> dict:
 
 
 CACHE_TOKENS, MAX_BATCH, MAX_CHUNK = 16384, 4, 2048
-EC_RESERVE_GB = 1.0  # exl3_load.load's default reserve, which layer-major's room keeps too
+EC_RESERVE_GB = 1.0  # glm53.exl3.load's default reserve, which layer-major's room keeps too
 
 
 def layer_major_driver(args, loaded):
     """exact_layer_major: a function of a Generator that returns the LayerMajorPrefill driving
     it, built as GpuEngine._start_layer_major builds it, at the Generator's chunk size."""
-    from glm53.engine.layer_major_gpu import LayerMajorPrefill
+    from glm53.exl3 import LayerMajorPrefill
 
     with open(os.path.join(args.model, "config.json"), encoding="utf-8") as f:
         text_config = json.load(f)["text_config"]
@@ -297,8 +297,8 @@ def measure_mode(args, mode) -> dict:
     subprocess."""
     from exllamav3 import Config
 
-    from glm53.engine import exl3_load
-    from glm53.engine.exl3_load import moe_geometry
+    from glm53.exl3 import loader as exl3_load
+    from glm53.exl3.loader import moe_geometry
 
     geo = moe_geometry(Config.from_directory(args.model).stc)
     info = {
@@ -347,7 +347,7 @@ def measure_mode(args, mode) -> dict:
         kw.update(store=args.store, ram_cap=nvme_ram_cap(args.store, mode))
         info["ram_share"] = NVME_RAM_SHARE[mode]
         info["store_read"] = store_read_rate(args)
-    dev = torch.device("cuda:0")  # exl3_load.load's default device
+    dev = torch.device("cuda:0")  # glm53.exl3.loader.load's default device
     with torch.inference_mode():
         t0 = time.perf_counter()
         loaded = exl3_load.load(
@@ -365,7 +365,7 @@ def measure_mode(args, mode) -> dict:
         row = measure(loaded, loaded.config.vocab_size, args.quick, step, lm, shapes)
         row["load_s"] = load_s
         if fast is not None:
-            from glm53.tiers.fast_lane import stop_fast
+            from glm53.exl3 import stop_fast
 
             row["lane"] = fast.stats()
             if args.fixed_splits:
@@ -412,8 +412,8 @@ def fixed_split_sweep(loaded, fast, percents: list[int], quick: bool) -> dict:
 def start_fast_row(args, loaded):
     """The fast row's lane as `glm53 serve --mode fast` builds it: every CPU the default
     layout gives (one per physical core, leaving two), fast precision, the live router."""
+    from glm53.exl3 import start_fast
     from glm53.tiers.cpu_lane import CpuLane, lane_layout
-    from glm53.tiers.fast_lane import start_fast
 
     return start_fast(loaded, args.model, CpuLane(lane_layout(), precision="fast"))
 

@@ -47,7 +47,7 @@ CACHE_TOKENS, MAX_BATCH, MAX_CHUNK = 16384, 4, 2048
 def row(args, gpus, slots) -> dict:
     """Load exact mode on `gpus` (None: one GPU) with `slots` expert slots in all, measure,
     unload."""
-    from glm53.engine import exl3_load
+    from glm53.exl3 import loader as exl3_load
 
     with torch.inference_mode():
         t0 = time.perf_counter()

@@ -40,8 +40,8 @@ PROMPTS = (("p8192", 8192, 2048), ("p8192_c8192", 8192, 8192))
 def main() -> int:
     from exllamav3 import Config
 
-    from glm53.engine import exl3_load
-    from glm53.engine.exl3_loaded import moe_geometry
+    from glm53.exl3 import loader as exl3_load
+    from glm53.exl3.loaded import moe_geometry
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=os.environ.get("GLM53_TEST_SLICE"))

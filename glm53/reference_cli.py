@@ -136,9 +136,9 @@ def _cpu_logits(model_dir: str):
 def _stock_logits(model_dir: str):
     import torch
 
-    from glm53.engine import exl3_load
+    from glm53 import exl3
 
-    loaded = exl3_load.load(model_dir, "stock", cache_tokens=8192, max_batch=1)
+    loaded = exl3.load(model_dir, "stock", cache_tokens=8192, max_batch=1)
 
     @torch.inference_mode()
     def logits(ids: list[int]):

@@ -1,4 +1,4 @@
-"""The GPU engine's on-device logprobs (glm53.engine.gpu.device_logprobs, run here on torch's CPU
+"""The GPU engine's on-device logprobs (glm53.engine.logprobs.device_logprobs, run here on torch's CPU
 device) against a pure-Python fp64 reference (exactly summed) and glm53.engine.logprobs, the host
 definition the CPU engine and the host sampler use: the same token logprob, the same top ids in the same order (ties by the smaller id) and the
 same values to float64 rounding, on rows with ties at and across the k-th place and masked
@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from glm53.engine.gpu import device_logprobs, unpack_logprobs
-from glm53.engine.logprobs import log_softmax, token_logprob
+from glm53.engine.logprobs import device_logprobs, log_softmax, token_logprob, unpack_logprobs
 
 
 def _rows():

@@ -1,5 +1,5 @@
 """Fast mode's host-side glue in the GPU engine (glm53.tiers.fast_lane, the prefill mark in
-glm53.tiers.fast_hooks, the /metrics counters), without CUDA.
+glm53.exl3.fast_hooks, the /metrics counters), without CUDA.
 
 The lane, its pool, its poller and the router are the real ones. `MockDevice` (a mock: the real
 device side is cuda/lane.cu, which needs a GPU) writes a layer's reported hits and misses and
@@ -171,13 +171,13 @@ class MockModel:
 
 
 def test_prefill_chunks_of_any_size_are_marked_exact_and_decode_calls_are_not():
-    from glm53.tiers.exl3_hooks import DECODE_MAX_ROWS
-    from glm53.tiers.fast_hooks import (
+    from glm53.exl3.fast_hooks import (
         NO_LANE,
         exact_call,
         mark_prefill_exact,
         unmark_prefill_exact,
     )
+    from glm53.exl3.hooks import DECODE_MAX_ROWS
 
     model = MockModel()
     mark_prefill_exact(model)
@@ -199,7 +199,7 @@ def test_prefill_chunks_of_any_size_are_marked_exact_and_decode_calls_are_not():
 
 
 def _importers(module: str) -> list[str]:
-    """The files of the glm53 package that import glm53.tiers.<module> (any form)."""
+    """The files of the glm53 package that import glm53.<module> (any form)."""
     import ast
     import pathlib
 
@@ -213,17 +213,19 @@ def _importers(module: str) -> list[str]:
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module:
                 names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-            if f"glm53.tiers.{module}" in names:
+            if f"glm53.{module}" in names:
                 found.append(str(path.relative_to(root)))
                 break
     return sorted(found)
 
 
 def test_the_fast_mode_hooks_are_reached_only_through_fast_mode():
-    """fast_hooks is attached by fast_lane.start_fast, which only the GPU engine's fast mode
-    calls (refused by serve without --allow-unrun-modes); nothing else imports either."""
-    assert _importers("fast_hooks") == ["engine/gpu.py", "tiers/fast_lane.py"]
-    assert _importers("fast_lane") == ["engine/gpu.py"]
+    """fast_hooks is attached by glm53.exl3.fast.start_fast, which only the GPU engine's fast
+    mode calls (refused by serve without --allow-unrun-modes), through glm53.exl3's start_fast;
+    nothing else imports either."""
+    assert _importers("exl3.fast_hooks") == ["exl3/fast.py"]
+    assert _importers("exl3.fast") == ["exl3/__init__.py"]
+    assert _importers("tiers.fast_lane") == ["exl3/fast.py"]
 
 
 # --- /metrics -----------------------------------------------------------------------------------
@@ -279,7 +281,7 @@ def test_the_gpu_engine_steps_the_lane_after_every_iteration_and_shows_it_in_sta
     import argparse
 
     from glm53.config import add_arguments, resolve
-    from glm53.engine.gpu import create
+    from glm53.engine.gpu_create import create
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -5,7 +5,8 @@ import argparse
 import pytest
 
 from glm53.config import ConfigurationError, add_arguments, resolve
-from glm53.engine.gpu import GpuEngine, create
+from glm53.engine.gpu import GpuEngine
+from glm53.engine.gpu_create import create
 
 
 def settings(*argv):
@@ -212,7 +213,7 @@ def test_vram_budget_is_a_size_flag_with_an_environment_twin():
 def test_load_takes_an_optional_vram_budget_that_defaults_to_none():
     import inspect
 
-    from glm53.engine.exl3_load import load
+    from glm53.exl3.loader import load
 
     assert inspect.signature(load).parameters["vram_budget"].default is None
 
@@ -220,7 +221,7 @@ def test_load_takes_an_optional_vram_budget_that_defaults_to_none():
 def test_the_standard_region_ends_where_a_cold_prefill_first_cuts_short():
     """exllamav3 prefills [0, n - 1), cutting a forward at the last page boundary; whole chunks
     before that are the same for every prompt sharing their tokens."""
-    from glm53.engine.gpu import standard_region
+    from glm53.exl3 import standard_region
 
     c = 2048
     assert standard_region(1, c) == 0
@@ -308,7 +309,7 @@ def test_resident_bytes_count_what_the_load_holds_after_moving_experts_out_of_vr
     12 GB at the peak while exllamav3 loaded experts into VRAM before the home hook moved them
     out, 5 GB held at the end (weights, KV cache, expert cache). The driver's free count gave
     -6.2 GB for such a load (issue #26); the allocator's live bytes give the 5 GB."""
-    from glm53.engine.exl3_load import VramUse, held_vram_bytes
+    from glm53.exl3.loader import VramUse, held_vram_bytes
 
     before = VramUse(allocated=2_000_000_000, peak=2_000_000_000)
     after = VramUse(allocated=7_000_000_000, peak=14_000_000_000)
@@ -321,7 +322,7 @@ def test_resident_bytes_count_what_the_load_holds_after_moving_experts_out_of_vr
 def test_resident_bytes_are_unknown_when_tensors_freed_during_the_load_made_them_negative():
     """Not a negative count and not a failed load: None, which the load logs with both numbers
     and /stats shows as null."""
-    from glm53.engine.exl3_load import VramUse, held_vram_bytes
+    from glm53.exl3.loader import VramUse, held_vram_bytes
 
     assert held_vram_bytes(VramUse(9_000, 9_000), VramUse(4_000, 9_000)) is None
 
@@ -378,7 +379,7 @@ def test_the_gpus_pci_address_is_written_as_sysfs_names_it():
     torch.cuda.get_device_properties (no CUDA here)."""
     from types import SimpleNamespace
 
-    from glm53.engine.gpu import pci_address_of
+    from glm53.tiers.cpu_lane import pci_address_of
 
     props = SimpleNamespace(pci_domain_id=0, pci_bus_id=0x3B, pci_device_id=0)
     assert pci_address_of(props) == "0000:3b:00.0"

@@ -33,7 +33,7 @@ ABSENT = 0x7F00_0000_0000  # stands for the poison record's address on the GPU
 
 class MockDeviceTable:
     """Mock of the device's home table (DeviceExpertCache's `home` tensor): applies the host's
-    writes as the scatter in glm53.tiers.nvme_device does."""
+    writes as the scatter in glm53.exl3.nvme_device does."""
 
     def __init__(self, num_keys: int):
         self.home = np.full(num_keys, ABSENT, dtype=np.int64)

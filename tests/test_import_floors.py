@@ -32,10 +32,12 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("store", ("glm53.store",)),
     # the synthetic checkpoint writer (the engine writes the demo checkpoint with it)
     ("synth", ("glm53.synth",)),
-    # the expert tier system (exllamav3's insides are touched here until glm53/exl3/ exists,
-    # which will sit between tiers and engine)
+    # the expert tier system (knows no exllamav3)
     ("tiers", ("glm53.tiers",)),
-    # request types, the scheduler, the CPU and GPU engines and their loaders
+    # the one adapter over exllamav3: load, hooks, fast lane and nvme glue, prefix reuse, the
+    # samplers, the layer split and layer-major prefill (the only importer of exllamav3)
+    ("exl3", ("glm53.exl3",)),
+    # request types, the scheduler, the CPU and GPU engines (the GPU one over glm53.exl3)
     ("engine", ("glm53.engine",)),
     # prompt rendering and output parsing
     ("chat", ("glm53.chat",)),

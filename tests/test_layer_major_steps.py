@@ -1,10 +1,11 @@
-"""The torch-free parts of the GPU engine's layer-major prefill (glm53.engine.layer_major_gpu):
+"""The torch-free parts of the GPU engine's layer-major prefill (glm53.exl3.layer_major):
 which modules each step runs, and how the longest decode pause is counted. The GPU side is
 tests/gpu/test_layer_major_gpu.py."""
 
 from types import SimpleNamespace
 
-from glm53.engine.layer_major_gpu import LayerMajorPrefill, _module_steps
+from glm53.exl3.layer_major import LayerMajorPrefill
+from glm53.exl3.layer_major_pass import _module_steps
 from glm53.models.tokenizer import token_ids
 from glm53.synth.layout import text_config
 from glm53.synth.shapes import SLICE
@@ -36,7 +37,7 @@ def _ctl():
 
 
 def test_a_pause_counts_only_between_two_iterations_that_gave_tokens(monkeypatch):
-    import glm53.engine.layer_major_gpu as lm
+    import glm53.exl3.layer_major as lm
 
     clock = iter([1.0, 1.5, 3.0, 10.0, 10.2])
     monkeypatch.setattr(lm.time, "perf_counter", lambda: next(clock))

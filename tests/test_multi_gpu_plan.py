@@ -20,7 +20,7 @@ from glm53.doctor import multi_gpu as doctor_mg
 from glm53.doctor.plan import PlanRequest, make_plan
 from glm53.doctor.probes import probe_host
 from glm53.doctor.source import FixtureSource
-from glm53.engine.exl3_split import SplitCaches, module_devices, planned_devices
+from glm53.exl3.split import SplitCaches, module_devices, planned_devices
 from glm53.models.tokenizer import token_ids
 from glm53.plan import split as mg
 from glm53.plan import vram

@@ -1,4 +1,4 @@
-"""glm53.tiers.nvme_device (nvme-exact's device glue) on the CPU: the real RAM tier over a real
+"""glm53.exl3.nvme_device (nvme-exact's device glue) on the CPU: the real RAM tier over a real
 store and real O_DIRECT reads, with the GPU played by named mocks: `MockExpertCache` (the
 device cache's tensors on the CPU, recording route calls) and `MockCudaLib` (glm53._cuda's
 launchers, recording their calls). What it checks is the glue's own logic (which picks reach the
@@ -87,7 +87,7 @@ class MockExpertCache:
 
 @pytest.fixture
 def glue(demo, good_store, monkeypatch):
-    from glm53.tiers import nvme_device
+    from glm53.exl3 import nvme_device
 
     lib = MockCudaLib()
     monkeypatch.setitem(sys.modules, "glm53._cuda", lib)

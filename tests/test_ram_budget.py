@@ -57,6 +57,45 @@ def test_a_v1_limit_and_no_cgroup_are_read(tmp_path):
     assert host_memory(str(unlimited)) == HostMemory(10 * GIB, None, None)
 
 
+def nested_tree(tmp_path: Path, parent_current: int) -> Path:
+    """A service with its own 6 GiB limit (1 GiB used) under a slice limited to 8 GiB, whose
+    usage (the service's and its siblings') is `parent_current`."""
+    return host(
+        tmp_path,
+        "0::/work.slice/glm53.service\n",
+        {
+            "sys/fs/cgroup/work.slice/glm53.service/memory.max": f"{6 * GIB}\n",
+            "sys/fs/cgroup/work.slice/glm53.service/memory.current": f"{GIB}\n",
+            "sys/fs/cgroup/work.slice/memory.max": f"{8 * GIB}\n",
+            "sys/fs/cgroup/work.slice/memory.current": f"{parent_current}\n",
+            "sys/fs/cgroup/memory.max": "max\n",
+        },
+    )
+
+
+def test_every_level_up_the_tree_binds_and_the_doctor_reads_the_same_tree(tmp_path):
+    # the slice's siblings use 6 of its 8 GiB: the slice leaves 2 GiB, the service's own
+    # limit 5; the room is the slice's (the nearest limit alone would say 5 GiB)
+    busy = nested_tree(tmp_path / "busy", 6 * GIB)
+    assert host_memory(str(busy)) == HostMemory(10 * GIB, 8 * GIB, 6 * GIB)
+    assert host_memory(str(busy)).room_bytes() == 2 * GIB
+    # an idle slice: the service's limit leaves less room, so it binds
+    idle = nested_tree(tmp_path / "idle", GIB)
+    assert host_memory(str(idle)) == HostMemory(10 * GIB, 6 * GIB, GIB)
+    # the doctor, planning before glm53 runs, reads the same levels and takes the tightest limit
+    from glm53.doctor.memory import probe_memory
+    from glm53.doctor.source import FixtureSource
+
+    for root in (busy, idle):
+        (root / "cmd").mkdir()
+        (root / "cmd/ulimit-l.txt").write_text("unlimited\n")
+        (root / "root").mkdir()
+        for sub in ("proc", "sys"):
+            (root / sub).rename(root / "root" / sub)
+        mem = probe_memory(FixtureSource(root))
+        assert (mem.cgroup_version, mem.cgroup_limited, mem.cgroup_max_bytes) == (2, True, 6 * GIB)
+
+
 def test_the_planned_cap_is_the_tighter_room_less_the_margin():
     # MemAvailable 10 GiB, no cgroup: small-host margin 1.5 + 0.3 GiB
     free = HostMemory(10 * GIB, None, None)

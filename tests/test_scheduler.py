@@ -24,6 +24,8 @@ class TableEngine:
     name = "table"
     description = "test table engine"
     is_model = False
+    drives_jobs = False
+    verify_tiers = None
     generation_defaults: dict = {}
 
     def __init__(self, checkpoint, *, num_slots=4, context_length=4096, fail_steps=()):
@@ -55,6 +57,12 @@ class TableEngine:
 
     def release(self, slot):
         self.released.append(slot)
+
+    def stream_usage(self, slot):
+        return None  # no tier counts per stream
+
+    def save_heat(self):
+        return None
 
     def stats(self):
         return {}

@@ -34,6 +34,7 @@ class MockJobEngine:
     description = "MOCK job engine (tests only; not a model)"
     is_model = False
     drives_jobs = True
+    verify_tiers = None
     generation_defaults: dict = {}
 
     def __init__(self, checkpoint, *, num_slots=2, context_length=4096):
@@ -101,6 +102,9 @@ class MockJobEngine:
             outs.append(JobOutput(key, [token], finish=finish))
         self.batches.append(batch)
         return outs
+
+    def save_heat(self):
+        return None
 
     def stats(self):
         return {}

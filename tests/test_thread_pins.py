@@ -91,8 +91,8 @@ def table():
 
 
 class MockEngine:
-    """A mock of the GPU engine's one attribute that pin_server_threads reads (`fast`, the
-    FastLane of fast mode; the real GpuEngine needs a GPU)."""
+    """A mock of the engine member that pin_server_threads reads (`fast`: the GPU engine's
+    FastLane in fast mode, None for every other engine; the real GpuEngine needs a GPU)."""
 
     def __init__(self, fast):
         self.fast = fast
@@ -124,8 +124,7 @@ def test_the_server_pins_the_lanes_builder_and_its_own_thread_to_the_reserved_cp
 
 def test_nothing_is_pinned_without_a_lane_or_without_reserved_cpus(table):
     mask = os.sched_getaffinity(0)
-    assert pin_server_threads(MockEngine(None)) == {}  # a GPU engine in another mode
-    assert pin_server_threads(object()) == {}  # the CPU and scripted engines have no `fast`
+    assert pin_server_threads(MockEngine(None)) == {}  # every engine and mode but fast
     with MailboxLane(CpuLane(LaneLayout((max(mask),), "from --cpus")), [table]) as lane:
         fast = FastLane(lane, LaneRouter(1, 9_440_000))
         assert pin_server_threads(MockEngine(fast)) == {}

@@ -41,7 +41,7 @@ def parse_samples(query: bytes) -> int:
 async def verify(state: ServerState, query: bytes, send: Send) -> int:
     num_samples = parse_samples(query)
     state.ready_scheduler()
-    check = getattr(state.engine, "verify_tiers", None)
+    check = state.engine.verify_tiers
     if check is None:
         raise ApiError(
             409,

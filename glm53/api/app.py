@@ -15,7 +15,7 @@ from glm53 import notify
 from glm53.api import admin, chat, completions, info, native
 from glm53.api.errors import ApiError
 from glm53.api.http import ClientGone, Receive, Send, read_body, send_error
-from glm53.api.state import ServerState
+from glm53.api.state import ServerState, ServerStatus
 from glm53.config import ConfigurationError, Settings, Source
 from glm53.engine import checkpoint_dir, create_engine
 from glm53.engine.base import Engine, EngineUnavailable
@@ -164,7 +164,7 @@ class App:
             # fast mode: the engine thread and this one on the cores the CPU lane leaves
             state.thread_pins = pin_server_threads(state.engine)
         except Exception as exc:  # noqa: BLE001 - reported in /health and by the exit status
-            state.status, state.load_error = "failed", f"{type(exc).__name__}: {exc}"
+            state.status, state.load_error = ServerStatus.FAILED, f"{type(exc).__name__}: {exc}"
             expected = isinstance(exc, EngineUnavailable | ConfigurationError)
             log.error(
                 "the model failed to load: %s", state.load_error, exc_info=None if expected else exc
@@ -179,10 +179,10 @@ class App:
                      "turns this off)", pin.role, pin.native_id, list(pin.cpus))  # fmt: skip
         if self._freeze_heap:
             state.frozen_objects = freeze_heap()
-        if state.status != "loading":  # a SIGTERM came during the load: stay out of service
+        if state.status != ServerStatus.LOADING:  # a SIGTERM came during the load: stay out
             log.info("loaded in %.1f s, but the server is %s", state.load_seconds, state.status)
             return
-        state.status = "ready"
+        state.status = ServerStatus.READY
         log.info(
             "ready in %.1f s: %s, context %d, %d slots; serving %r",
             state.load_seconds,
@@ -205,8 +205,8 @@ class App:
         """Drain as `begin_drain` says; the seconds it took."""
         state, timeout_s = self.state, self.state.settings.drain_timeout
         start = time.monotonic()
-        if state.status in ("loading", "ready"):
-            state.status = "draining"
+        if state.status in (ServerStatus.LOADING, ServerStatus.READY):
+            state.status = ServerStatus.DRAINING
         notify.stopping()
         log.info(
             "draining: %d requests running or queued; waiting up to %.1f s (--drain-timeout)",
@@ -247,7 +247,7 @@ class App:
             await asyncio.sleep(0.02)
 
     async def close(self) -> None:
-        self.state.status = "stopping"
+        self.state.status = ServerStatus.STOPPING
         self.state.offload.close()
         notify.stopping()
         if self._load_task is not None and not self._load_task.done():

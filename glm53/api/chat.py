@@ -40,6 +40,7 @@ from glm53.api.schemas import (
 from glm53.api.state import ServerState
 from glm53.chat.parse import CompletionParser, Delta
 from glm53.chat.render import RESERVED_VARIABLES, TemplateError, render
+from glm53.engine.base import FinishReason, PromptTooLong
 from glm53.engine.grammar import (
     Constraint,
     GrammarError,
@@ -48,7 +49,7 @@ from glm53.engine.grammar import (
     json_schema_grammar,
     tool_call_grammar,
 )
-from glm53.engine.scheduler import GenerationRequest, PromptTooLong
+from glm53.engine.requests import GenerationRequest
 from glm53.engine.tokenizer import missing_template
 
 _decoder = msgspec.json.Decoder(ChatRequest)
@@ -388,7 +389,7 @@ async def _generate(
         run.close()
 
 
-def _finish(plan: _Plan, pick: _Choice) -> str:
+def _finish(plan: _Plan, pick: _Choice) -> FinishReason:
     """The finish reason of a finished choice. A choice the request's own limits cut short is
     answered as it stands, as OpenAI does, grammar complete or not: "length" (max_tokens or the
     context ran out, often inside the reasoning) or "stop" (one of its stop strings, even in a
@@ -397,16 +398,16 @@ def _finish(plan: _Plan, pick: _Choice) -> str:
     prevent in two cases: the model ended inside its free reasoning, or the engine's logits
     ruled out every token the grammar allowed (the matcher then lets only the end through)."""
     last = pick.last
-    if last.finish_reason == "error":
+    if last.finish_reason == FinishReason.ERROR:
         raise ApiError(500, f"generation failed: {last.error}", code="engine_error")
-    if last.finish_reason == "length":
-        return "length"
+    if last.finish_reason == FinishReason.LENGTH:
+        return FinishReason.LENGTH
     if isinstance(last.matched_stop, str):
-        return "stop"
+        return FinishReason.STOP
     calls = pick.parser.tool_calls
     if (problem := _tool_choice_error(plan.tool_choice, calls)) is not None:
         raise ApiError(500, problem, code="tool_choice_not_satisfied")
-    return "tool_calls" if calls else "stop"
+    return FinishReason.TOOL_CALLS if calls else FinishReason.STOP
 
 
 async def _answer(
@@ -428,7 +429,7 @@ async def _answer(
     choices = []
     for index, pick in enumerate(picks):
         parser = pick.parser
-        if pick.last.finish_reason != "error":
+        if pick.last.finish_reason != FinishReason.ERROR:
             parser.finish()
         finish = _finish(plan, pick)
         calls = parser.tool_calls
@@ -507,11 +508,11 @@ async def _stream(
     async for index, event in run.choice_events():
         pick = picks[index]
         pick.last = event
-        if event.finish_reason == "error":
+        if event.finish_reason == FinishReason.ERROR:
             failed = event
             break
         deltas = pick.parser.feed(event.text)
-        if event.finish_reason in ("stop", "length"):
+        if event.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
             deltas += pick.parser.finish()
         delta = _delta(deltas, pick.parser, with_reasoning_field)
         logprobs = (

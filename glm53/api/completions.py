@@ -15,7 +15,8 @@ from glm53.api.http import DisconnectWatcher, Receive, Send, send_bytes
 from glm53.api.logprobs import CompletionLogprobBuilder, TokenNames
 from glm53.api.schemas import Completion, CompletionChoice, CompletionRequest
 from glm53.api.state import ServerState
-from glm53.engine.scheduler import GenerationRequest
+from glm53.engine.base import FinishReason
+from glm53.engine.requests import GenerationRequest
 
 _decoder = msgspec.json.Decoder(CompletionRequest)
 _encoder = msgspec.json.Encoder()
@@ -133,7 +134,7 @@ async def _generate(
         if run.is_gone or any(p.last is None for p in picks):
             return 499
         for pick in picks:
-            if pick.last.finish_reason == "error":
+            if pick.last.finish_reason == FinishReason.ERROR:
                 raise ApiError(500, f"generation failed: {pick.last.error}", code="engine_error")
         answer = Completion(
             id=gen.new_id("cmpl"),
@@ -185,7 +186,7 @@ async def _stream(
     async for index, event in run.choice_events():
         pick = picks[index]
         pick.last = event
-        if event.finish_reason == "error":
+        if event.finish_reason == FinishReason.ERROR:
             failed = event
             break
         text = event.text

@@ -17,16 +17,11 @@ from glm53.api.http import DisconnectWatcher, Send, SseWriter
 from glm53.api.limits import check_prompt_chars
 from glm53.api.schemas import PromptTokensDetails, SamplingFields, TierUsage, Usage
 from glm53.api.state import ServerState
-from glm53.engine.base import Tokenizer
+from glm53.engine.base import PromptTooLong, Tokenizer
 from glm53.engine.grammar import Constraint
+from glm53.engine.requests import GenerationRequest, QueueFull, TokenEvent
 from glm53.engine.sampling import SamplingParams
-from glm53.engine.scheduler import (
-    GenerationRequest,
-    JobStream,
-    PromptTooLong,
-    QueueFull,
-    TokenEvent,
-)
+from glm53.engine.stream import JobStream
 
 _TOKEN_ID = re.compile(r"[0-9]{1,10}", re.ASCII)
 # Prompts longer than this are tokenized (and token-id prompts decoded) on glm53.api.offload's

@@ -15,14 +15,18 @@ from glm53.api.errors import ApiError
 from glm53.api.http import Receive, Send, send_bytes
 from glm53.api.openapi import openapi_document
 from glm53.api.schemas import Health, ModelCard, ModelList
-from glm53.api.state import ServerState
+from glm53.api.state import ServerState, ServerStatus
 from glm53.config import effective
 
 _encoder = msgspec.json.Encoder()
 
 
 def _context_length(state: ServerState) -> int:
-    return state.scheduler.context_length if state.status == "ready" else state.settings.context
+    return (
+        state.scheduler.context_length
+        if state.status == ServerStatus.READY
+        else state.settings.context
+    )
 
 
 def _model_card(state: ServerState) -> ModelCard:
@@ -49,7 +53,7 @@ async def model(state: ServerState, name: str, send: Send) -> int:
 
 
 async def health(state: ServerState, body: bytes, receive: Receive, send: Send) -> int:
-    if state.status != "ready":
+    if state.status != ServerStatus.READY:
         state.ready_scheduler()  # raises the 503 that says why
     await send_bytes(send, 200, _encoder.encode(Health("ok")))
     return 200
@@ -57,7 +61,9 @@ async def health(state: ServerState, body: bytes, receive: Receive, send: Send) 
 
 def _is_serving(state: ServerState) -> bool:
     """Loaded and running: ready, or draining the requests it has."""
-    return state.status in ("ready", "draining") and state.scheduler is not None
+    return (
+        state.status in (ServerStatus.READY, ServerStatus.DRAINING) and state.scheduler is not None
+    )
 
 
 def _engine_stats(state: ServerState) -> dict:
@@ -82,8 +88,7 @@ async def save_heat(state: ServerState, body: bytes, receive: Receive, send: Sen
     """Write the VRAM expert cache's keys as the warm-start heat list now (it is also written
     at shutdown), so a crash or a kill -9 later does not lose a long run's warm cache."""
     state.ready_scheduler()
-    write = getattr(state.engine, "save_heat", None)
-    path = await asyncio.to_thread(write) if write is not None else None
+    path = await asyncio.to_thread(state.engine.save_heat)
     if path is None:
         raise ApiError(
             409,
@@ -106,9 +111,9 @@ async def server_info(state: ServerState, body: bytes, receive: Receive, send: S
         "is_model": engine.is_model if engine else None,
         "checkpoint": state.checkpoint,
         "context_length": _context_length(state),
-        "vocab_size": engine.tokenizer.vocab_size if state.status == "ready" else None,
+        "vocab_size": engine.tokenizer.vocab_size if state.status == ServerStatus.READY else None,
         "max_running_requests": state.scheduler.num_slots
-        if state.status == "ready"
+        if state.status == ServerStatus.READY
         else state.settings.max_batch,
         "load_seconds": state.load_seconds,
         "uptime_seconds": round(time.time() - state.started_at, 3),

@@ -27,7 +27,8 @@ from glm53.api.schemas import (
     TokenizeResponse,
 )
 from glm53.api.state import ServerState
-from glm53.engine.scheduler import GenerationRequest, TokenEvent
+from glm53.engine.base import FinishReason
+from glm53.engine.requests import GenerationRequest, TokenEvent
 
 _generate_decoder = msgspec.json.Decoder(GenerateRequest)
 _tokenize_decoder = msgspec.json.Decoder(TokenizeRequest)
@@ -48,8 +49,8 @@ async def tokenize(state: ServerState, body: bytes, receive: Receive, send: Send
 def _finish(event: TokenEvent | None) -> FinishInfo | None:
     if event is None or event.finish_reason is None:
         return None
-    if event.finish_reason == "error":
-        return FinishInfo("abort", message=event.error)
+    if event.finish_reason == FinishReason.ERROR:
+        return FinishInfo("abort", message=event.error)  # sglang's word for it
     return FinishInfo(event.finish_reason, matched=event.matched_stop)
 
 
@@ -162,7 +163,7 @@ async def _generate(
                 last = event
             if run.is_gone or last is None:
                 return 499
-            if last.finish_reason == "error":
+            if last.finish_reason == FinishReason.ERROR:
                 raise ApiError(500, f"generation failed: {last.error}", code="engine_error")
             await send_bytes(send, 200, _encoder.encode(response(last)))
             return 200
@@ -171,12 +172,12 @@ async def _generate(
         async for event in run.events():
             collect(event)
             last = event
-            if event.finish_reason == "error":
+            if event.finish_reason == FinishReason.ERROR:
                 break
             await sse.event(_encoder.encode(response(event)))
         if run.is_gone or last is None:
             return 200
-        if last.finish_reason == "error":
+        if last.finish_reason == FinishReason.ERROR:
             error = ApiError(500, f"generation failed: {last.error}", code="engine_error")
             await sse.close(b"data: " + error.body() + b"\n\ndata: [DONE]\n\n")
         else:

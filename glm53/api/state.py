@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import dataclass, field
 
@@ -14,6 +15,16 @@ from glm53.engine.scheduler import Scheduler
 from glm53.tiers.thread_pins import ThreadPin
 
 
+class ServerStatus(enum.StrEnum):
+    """Where the server is in its life (/health, /stats and /server_info show it as a string)."""
+
+    LOADING = "loading"  # the model loads in the background
+    READY = "ready"  # serving
+    DRAINING = "draining"  # SIGTERM: finishing what it has, taking nothing new
+    FAILED = "failed"  # the model failed to load
+    STOPPING = "stopping"  # the lifespan is shutting down
+
+
 @dataclass
 class ServerState:
     """Owned by the event loop of the one worker process."""
@@ -24,7 +35,7 @@ class ServerState:
     offload: Offload = field(default_factory=Offload)
     engine: Engine | None = None
     scheduler: Scheduler | None = None
-    status: str = "loading"  # loading | ready | draining | failed | stopping
+    status: ServerStatus = ServerStatus.LOADING
     load_error: str | None = None
     started_at: float = field(default_factory=time.time)
     load_seconds: float | None = None
@@ -34,13 +45,13 @@ class ServerState:
 
     def ready_scheduler(self) -> Scheduler:
         """The scheduler, or a 503 saying why there is none yet."""
-        if self.status == "ready" and self.scheduler is not None:
+        if self.status == ServerStatus.READY and self.scheduler is not None:
             return self.scheduler
-        if self.status == "failed":
+        if self.status == ServerStatus.FAILED:
             raise ApiError(
                 503, f"the model failed to load: {self.load_error}", code="model_load_failed"
             )
-        if self.status == "draining":
+        if self.status == ServerStatus.DRAINING:
             # A router takes the 503 as "try another replica"; Retry-After is for a lone client.
             raise ApiError(
                 503,
@@ -49,7 +60,7 @@ class ServerState:
                 code="draining",
                 headers=((b"retry-after", b"1"),),
             )
-        if self.status == "stopping":
+        if self.status == ServerStatus.STOPPING:
             raise ApiError(
                 503,
                 "the server is shutting down",

@@ -20,7 +20,7 @@ from glm53.doctor.costmodel import (
 )
 from glm53.doctor.host import Gpu, HostProbe
 from glm53.doctor.plan import Plan, PlanRequest, store_present
-from glm53.engine import EXLLAMAV3_VERSION
+from glm53.exl3.version import EXLLAMAV3_VERSION
 
 # the oldest driver branch that runs each CUDA major version (NVIDIA's compatibility table)
 MIN_DRIVER_FOR_CUDA = {13: 580, 12: 525, 11: 450}

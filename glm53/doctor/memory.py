@@ -5,7 +5,12 @@ from __future__ import annotations
 
 from glm53.doctor.host import Memory, SwapDevice
 from glm53.doctor.source import Source, Unavailable
-from glm53.plan.host_memory import parse_limit, parse_meminfo, parse_proc_cgroup
+from glm53.plan.host_memory import (
+    cgroup_levels,
+    parse_meminfo,
+    parse_proc_cgroup,
+    tightest_limit,
+)
 
 
 def parse_swaps(text: str) -> list[SwapDevice]:
@@ -25,28 +30,21 @@ def parse_swaps(text: str) -> list[SwapDevice]:
     return devices
 
 
-def _ancestors(path: str) -> list[str]:
-    """ "/a/b" -> ["/a/b", "/a", ""]: a limit anywhere up the tree applies."""
-    parts = [p for p in path.split("/") if p]
-    return ["/" + "/".join(parts[:i]) if i else "" for i in range(len(parts), -1, -1)]
+def _reader(source: Source):
+    """source.read as the shared cgroup walk wants it: None for a file that is not there."""
 
-
-def _tightest(source: Source, dirs: list[str], name: str) -> tuple[bool, int | None]:
-    """(was any such file found, smallest limit among them or None for no limit)."""
-    found, best = False, None
-    for d in dirs:
+    def read(path: str) -> str | None:
         try:
-            limit = parse_limit(source.read(f"{d}/{name}"))
+            return source.read(path)
         except Unavailable:
-            continue
-        found = True
-        if limit is not None and (best is None or limit < best):
-            best = limit
-    return found, best
+            return None
+
+    return read
 
 
 def _cgroup_limits(source: Source) -> tuple[int | None, str | None, int | None, int | None]:
-    """(version, path, memory limit, swap limit); limits None when there are none."""
+    """(version, path, memory limit, swap limit); limits None when there are none. Every level
+    up the tree is read, and the tightest limit applies (glm53.plan.host_memory's rule)."""
     try:
         found = parse_proc_cgroup(source.read("/proc/self/cgroup"))
     except Unavailable:
@@ -54,16 +52,15 @@ def _cgroup_limits(source: Source) -> tuple[int | None, str | None, int | None, 
     if found is None:
         return None, None, None, None
     version, path = found
+    read = _reader(source)
+    mem = tightest_limit(cgroup_levels(read, version, path))
     if version == 2:
-        dirs = ["/sys/fs/cgroup" + a for a in _ancestors(path)]
-        _, mem = _tightest(source, dirs, "memory.max")
-        _, swap = _tightest(source, dirs, "memory.swap.max")
+        swap = tightest_limit(cgroup_levels(read, 2, path, ("memory.swap.max", "")))
         return 2, path, mem, swap
-    dirs = ["/sys/fs/cgroup/memory" + a for a in _ancestors(path)]
-    _, mem = _tightest(source, dirs, "memory.limit_in_bytes")
-    has_memsw, memsw = _tightest(source, dirs, "memory.memsw.limit_in_bytes")
+    memsw_levels = cgroup_levels(read, 1, path, ("memory.memsw.limit_in_bytes", ""))
+    memsw = tightest_limit(memsw_levels)
     swap = None
-    if has_memsw and memsw is not None and mem is not None:
+    if memsw_levels and memsw is not None and mem is not None:
         swap = max(0, memsw - mem)
     return 1, path, mem, swap
 

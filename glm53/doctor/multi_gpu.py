@@ -72,7 +72,7 @@ def checkpoint_tensors(model_dir: str | None) -> tuple[dict[str, int], dict]:
 def serve_defaults() -> tuple[int, int, int, float]:
     """(cache tokens, max batch, chunk, reserve GiB) the GPU engine uses at serve's defaults."""
     from glm53.config import Settings
-    from glm53.engine.gpu import PAGE
+    from glm53.exl3 import PAGE
 
     s = Settings()
     return s.max_batch * -(-s.context // PAGE) * PAGE, s.max_batch, s.chunk_size, s.ec_reserve_gb

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from glm53.config import ConfigurationError, Settings, cache_dir
 from glm53.engine.base import Engine, EngineError, EngineUnavailable, StreamWork, Tokenizer
+from glm53.exl3.version import installed_version, version_problem
 
 __all__ = [
     "Engine",
@@ -29,10 +30,6 @@ __all__ = [
     "uses_demo",
 ]
 
-# The one exllamav3 release the GPU engine is written against: it patches that release's classes
-# and reads its private attributes (glm53.tiers.exl3_hooks, fast_hooks, engine.gpu), so another
-# release is refused before the server binds (refuse_unservable) and failed by `glm53 doctor`.
-EXLLAMAV3_VERSION = "1.6.5"
 log = logging.getLogger("glm53.engine")
 
 
@@ -134,7 +131,7 @@ def refuse_ct_b(settings: Settings, kind: str) -> None:
 
 
 def refuse_layer_major_off_gpu(settings: Settings, kind: str) -> None:
-    """--prefill layer-major is the GPU engine's (glm53.engine.layer_major_gpu); the other
+    """--prefill layer-major is the GPU engine's (glm53.exl3.layer_major); the other
     engines would prefill chunk by chunk whatever it says, so a value is refused."""
     if settings.prefill == "chunk" or kind == "gpu":
         return
@@ -165,27 +162,12 @@ def _gpu_host_problems(num_devices: int) -> list[str]:
             problems.append(f"this torch ({torch.__version__}) is a CPU build")
         else:
             problems.append(f"torch {torch.__version__} sees no CUDA device")
-    if importlib.util.find_spec("exllamav3") is None:
-        problems.append("exllamav3 is not installed")
-    else:
-        found = exllamav3_version()
-        if found != EXLLAMAV3_VERSION:
-            problems.append(
-                f"exllamav3 {found} is installed, and the GPU engine hooks exllamav3 "
-                f"{EXLLAMAV3_VERSION}'s insides, exactly that release"
-            )
+    # the one pin, glm53.exl3.version.EXLLAMAV3_VERSION (also read by `glm53 doctor`)
+    found = installed_version() if importlib.util.find_spec("exllamav3") is not None else None
+    problem = version_problem(found)
+    if problem is not None:
+        problems.append(problem)
     return problems
-
-
-def exllamav3_version() -> str | None:
-    """The installed exllamav3's version from its package metadata (not imported: importing it
-    on a host without CUDA fails inside its extension build); None when there is none."""
-    from importlib import metadata
-
-    try:
-        return metadata.version("exllamav3")
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def _refuse_nvme_exact_store(settings: Settings) -> None:
@@ -260,5 +242,5 @@ def create_engine(settings: Settings) -> Engine:
     if kind == "cpu":  # imported when picked: the CPU engine's module imports torch
         from glm53.engine.cpu import create
     else:
-        from glm53.engine.gpu import create
+        from glm53.engine.gpu_create import create
     return create(settings, checkpoint_dir(settings))

@@ -21,11 +21,19 @@ a slot's state out after prefill chunks that end at a chunk boundary and restore
 stream's slot whose prompt starts with the same tokens; that stream's first `StreamWork` has
 `start_pos` equal to the restored length (see glm53.engine.prefix_cache). Engines that reuse
 prefixes on their own (the GPU engine, inside exllamav3's Generator) leave it out.
+
+Optional capabilities are declared members that every engine sets, never probed with getattr:
+`drives_jobs` (False: a step engine; True: a job engine), `verify_tiers` (None: the engine keeps
+no expert tiers to check, so /admin/verify answers 409), `save_heat()` (returns None: no heat
+list to write, so /admin/save_heat answers 409), `fast` (None: no fast-mode lane, so the server
+pins no thread; glm53.tiers.thread_pins) and, for step engines, `stream_usage(slot)` (None: the
+engine does not count tiers per stream).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import enum
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import msgspec
@@ -35,6 +43,18 @@ from glm53.errors import Glm53Error
 
 if TYPE_CHECKING:  # only annotations name torch: glm53.engine imports without it (the doctor)
     import torch
+
+
+class FinishReason(enum.StrEnum):
+    """Why a stream ended (JobOutput.finish, TokenEvent.finish_reason, the API's finish_reason).
+    A StrEnum: each member is its own string, so JSON, counters and the API's bytes read as
+    plain strings."""
+
+    STOP = "stop"  # a stop token id or a stop string
+    LENGTH = "length"  # max_new_tokens or the end of the context; a scored prompt ends so too
+    ERROR = "error"  # the engine failed the stream (the error says how)
+    CANCELLED = "cancelled"  # the consumer cancelled it (a client disconnect); no event says it
+    TOOL_CALLS = "tool_calls"  # the chat API's alone: an answer that ended in tool calls
 
 
 class PromptTooLong(ValueError, Glm53Error):
@@ -110,7 +130,7 @@ class Tokenizer(Protocol):
     chat_template: str
 
     def encode(self, text: str, context_length: int | None = None) -> list[int]:
-        """The text's token ids; with `context_length`, PromptTooLong (engine.scheduler) when
+        """The text's token ids; with `context_length`, PromptTooLong (above) when
         they are that many or more, found before they are listed."""
         ...
 
@@ -137,19 +157,19 @@ class IncrementalDecoder(Protocol):
 class JobOutput(msgspec.Struct):
     """What one `JobEngine.iterate` produced for one job: its new tokens in order (a stop token
     included, last), the logits they were sampled from [len(token_ids), vocab] when the job asked
-    for them, and `finish` ("stop": a stop token; "length": max_new_tokens; "error") when the
-    job ended. `cached_tokens` is set once, when the job started: prompt tokens reused from the
+    for them, and `finish` (STOP: a stop token; LENGTH: max_new_tokens; ERROR, with `error`) when
+    the job ended. `cached_tokens` is set once, when the job started: prompt tokens reused from the
     prefix cache. `logprobs`, when the request asked for them, is aligned with token_ids
     (glm53.engine.logprobs.TokenLogprob entries). `prompt_logits` [len(prompt), vocab] comes
     once, for a request that asked for prompt logprobs: row i predicts prompt token i + 1. A
-    job that only scores its prompt (max_new_tokens 0) ends with finish "length" and no tokens."""
+    job that only scores its prompt (max_new_tokens 0) ends with finish LENGTH and no tokens."""
 
     key: Any
     token_ids: list[int]
     logits: Any = None
     logprobs: list[Any] | None = None
     prompt_logits: Any = None
-    finish: str | None = None
+    finish: FinishReason | None = None
     error: str | None = None
     cached_tokens: int | None = None
 
@@ -168,6 +188,14 @@ class Engine(Protocol):
     name: str
     description: str
     is_model: bool
+    drives_jobs: bool  # False: a step engine
+    # verify_tiers(num_samples): check that many sampled records of the expert tiers against
+    # their source and return the glm53.tiers.check.TierCheck (called from a worker thread, by
+    # /admin/verify; the engine locks its tiers). None: the engine keeps no tiers to check.
+    verify_tiers: Callable[[int], Any] | None
+    # the GPU engine's glm53.tiers.fast_lane.FastLane in fast mode, built on the engine thread
+    # during `load`; None for every other engine and mode
+    fast: Any | None
     tokenizer: Tokenizer
     context_length: int
     num_slots: int
@@ -184,11 +212,17 @@ class Engine(Protocol):
 
     def release(self, slot: int) -> None: ...
 
-    def stream_usage(self, slot: int) -> StreamUsage:
+    def stream_usage(self, slot: int) -> StreamUsage | None:
         """The live counters of the stream now in `slot`: the engine adds to this object while
         the stream runs, and a new stream in the slot (`start_pos == 0`) gets a new one, so the
         scheduler can keep the object past `release`. Called on the engine thread after the
-        stream's first step; readers on other threads may see counts one step old."""
+        stream's first step; readers on other threads may see counts one step old. None: the
+        engine does not count per stream (the stream's usage then reports zeros)."""
+        ...
+
+    def save_heat(self) -> str | None:
+        """Write the engine's heat list (its expert cache's keys, hottest first) for a warm
+        start and return its path; None when the engine keeps no cache or has nothing to write."""
         ...
 
     def stats(self) -> dict[str, Any]:
@@ -229,7 +263,9 @@ class JobEngine(Protocol):
     name: str
     description: str
     is_model: bool
-    drives_jobs: bool
+    drives_jobs: bool  # True: a job engine
+    verify_tiers: Callable[[int], Any] | None  # as for Engine
+    fast: Any | None  # as for Engine
     tokenizer: Tokenizer
     context_length: int
     num_slots: int
@@ -242,6 +278,8 @@ class JobEngine(Protocol):
     def cancel(self, key: Any) -> None: ...
 
     def iterate(self) -> list[JobOutput]: ...
+
+    def save_heat(self) -> str | None: ...  # as for Engine
 
     def stats(self) -> dict[str, Any]: ...
 

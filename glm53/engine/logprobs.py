@@ -64,3 +64,27 @@ def block_logprobs(logits: np.ndarray, next_ids: list[int], k: int) -> list[Toke
     lp = log_softmax(logits[:n])
     picked = lp[np.arange(n), np.asarray(next_ids, dtype=np.int64)]
     return [TokenLogprob(next_ids[i], float(picked[i]), *top_k(lp[i], k)) for i in range(n)]
+
+
+def device_logprobs(logits, token, k: int):
+    """On the logits' device (the GPU engine's device-logprob sampler), one row's logprobs as
+    above: the float64 log-softmax of the float32 logits [vocab], the drawn `token`'s value and the k most
+    likely tokens, largest first with ties by the smaller id (a stable sort of the row: the
+    log-softmax is the row less one constant, so it orders the tokens as the logits do). Returns
+    one float64 tensor [1 + 2k]: the token's logprob, the k values, the k ids; no host sync."""
+    import torch
+
+    row = logits.reshape(-1).float()
+    lp = row.double() - torch.logsumexp(row.double(), 0)
+    parts = [lp[token.reshape(-1)[:1].long()]]
+    if k > 0:
+        ids = torch.sort(row, descending=True, stable=True).indices[:k]
+        parts += [lp[ids], ids.double()]
+    return torch.cat(parts)
+
+
+def unpack_logprobs(packed, token: int, k: int):
+    """The TokenLogprob of one `device_logprobs` result (on the host)."""
+    values = packed.tolist()
+    k = (len(values) - 1) // 2 if k > 0 else 0
+    return TokenLogprob(token, values[0], [int(i) for i in values[1 + k :]], values[1 : 1 + k])

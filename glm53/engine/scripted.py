@@ -68,6 +68,9 @@ class ScriptedEngine:
 
     name = "scripted"
     is_model = False
+    drives_jobs = False  # a step engine: the scheduler plans its steps and samples
+    verify_tiers = None  # no expert tiers to check
+    fast = None  # no CPU lane
 
     def __init__(
         self, checkpoint_dir: str | Path, script: Script, *, context_length: int, num_slots: int
@@ -185,6 +188,10 @@ class ScriptedEngine:
 
     def stream_usage(self, slot: int) -> StreamUsage:
         return self._slots[slot].usage
+
+    def save_heat(self) -> None:
+        """No expert cache, so no heat list."""
+        return None
 
     def stats(self) -> dict:
         return {"engine": self.name, "is_model": False, **self._counters}

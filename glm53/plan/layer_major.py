@@ -182,7 +182,7 @@ def lent_cache_slots(state_plan: HiddenStatePlan, free_bytes: int, record_bytes:
 
 @dataclass(frozen=True, slots=True)
 class PassLayout:
-    """Where one layer-major pass puts its streams (glm53.engine.layer_major_gpu). `pieces`
+    """Where one layer-major pass puts its streams (glm53.exl3.layer_major). `pieces`
     are the stream tensors it keeps on the device: one per chunk when the states live in VRAM,
     the two chunk buffers when they live in pinned RAM. Each piece sits at its byte offset in
     the region of `lent_slots` expert-cache slots, or (offset None) is allocated from the

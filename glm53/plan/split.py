@@ -1,6 +1,6 @@
 """Two or more GPUs in one process: which layers each GPU holds and how many expert slots its
 VRAM cache gets (issue #20). Pure Python (no torch): the doctor and CI use it as the engine
-(glm53.engine.exl3_split) does.
+(glm53.exl3.split) does.
 
 exllamav3 places each module on a device of its own and moves the hidden state to the next
 module's device (`Module.prepare_for_device`); its KV and recurrent cache layers are allocated
@@ -414,7 +414,7 @@ def split_inputs(
     ec_stage_gb: float | None = None,
     ec_max_slots: int | None = None,
 ) -> SplitInputs:
-    """SplitInputs with the engine's accounting (glm53.engine.exl3_load.vram_plan_for's, per
+    """SplitInputs with the engine's accounting (glm53.exl3.loader.vram_plan_for's, per
     device)."""
     return SplitInputs(
         layers=layers,

@@ -1,7 +1,7 @@
 """Exact mode's VRAM plan on one GPU: where a budget of free VRAM goes (the non-expert weights,
 the KV cache of the DSA layers, the KDA layers' recurrent state, one chunk's activations, the
 reserve, two prefill staging buffers) and how many expert slots the VRAM cache gets from what
-is left. Plain Python (no torch): the GPU engine loads by it (glm53.engine.exl3_load), the
+is left. Plain Python (no torch): the GPU engine loads by it (glm53.exl3.loader), the
 multi-GPU split plans each device by it (glm53.plan.split), and benchmarks emulate a small card
 on a large one with it (--vram-budget).
 """

@@ -115,6 +115,24 @@ class LaneLayout:
         return len(self.cpus)
 
 
+def device_pci_address(device) -> str | None:
+    """The CUDA device's PCI address in sysfs form (0000:3b:00.0), from torch's device
+    properties; None where this torch does not give it."""
+    import torch
+
+    return pci_address_of(torch.cuda.get_device_properties(torch.device(device)))
+
+
+def pci_address_of(props) -> str | None:
+    """torch's CUDA device properties (pci_domain_id, pci_bus_id, pci_device_id) as a sysfs
+    PCI address; None where one is missing."""
+    parts = [getattr(props, f"pci_{k}_id", None) for k in ("domain", "bus", "device")]
+    if any(not isinstance(x, int) for x in parts):
+        return None
+    domain, bus, dev = parts
+    return f"{domain:04x}:{bus:02x}:{dev:02x}.0"
+
+
 def gpu_node_cpus(pci_address: str | None) -> tuple[set[int] | None, str]:
     """The CPUs of the NUMA node of the GPU at `pci_address` (sysfs form, 0000:3b:00.0), and
     where that came from; None with the reason when sysfs does not say (no address, a

@@ -1,25 +1,20 @@
 """Fast mode's host side in the GPU engine: the CPU lane over the pinned home, the router, and
 the per-step plumbing between them. NOT YET RUN ON A GPU: `glm53 serve --mode fast` reaches this
-only with --allow-unrun-modes (glm53.engine.gpu.create), for its GPU tests
+only with --allow-unrun-modes (glm53.engine.gpu_create.create), for its GPU tests
 (tests/gpu/test_fast_mode_gpu.py). docs/fast-mode.md has the protocol.
 
-`start_fast` builds it on an exact-mode load: a `MailboxLane` whose expert tables point into the
-pinned home's arenas (the lane reads the same bytes the GPU reads zero-copy: no second copy in
-RAM), fast_hooks' `FastLayer` on every MoE module, and a `LaneRouter`. Between Generator
-iterations the engine calls `FastLane.step`: the router sees each layer's newest lane time and
-the device's timed layers, and sets each layer's budget and wait for the next step (one step
-late: docs/fast-mode.md). `FastLane` itself
-needs no CUDA (its device layers are optional), so CI drives it against a mock device.
+`glm53.exl3.fast.start_fast` builds it on an exact-mode load: a `MailboxLane` whose expert tables
+point into the pinned home's arenas (the lane reads the same bytes the GPU reads zero-copy: no
+second copy in RAM), glm53.exl3.fast_hooks' `FastLayer` on every MoE module, and a
+`LaneRouter`. Between Generator iterations the engine calls `FastLane.step`: the router sees each
+layer's newest lane time and the device's timed layers, and sets each layer's budget and wait for
+the next step (one step late: docs/fast-mode.md). `FastLane` itself needs no CUDA (its device layers are optional), so CI drives it against a mock device.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import threading
 from collections.abc import Sequence
-
-import numpy as np
 
 from glm53.tiers.lane_mailbox import MAX_PICKS, MailboxLane
 from glm53.tiers.lane_router import LaneRouter
@@ -125,69 +120,3 @@ class FastLane:
 
     def close(self) -> None:
         self.lane.close()
-
-
-def swiglu_limit(model_dir: str) -> float:
-    """The checkpoint's swiglu_limit (0: none), as the CPU engine's lane reads it."""
-    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
-        cfg = json.load(f)
-    return float(cfg.get("text_config", cfg).get("swiglu_limit", 0.0))
-
-
-def lane_tables(home, moe) -> list:
-    """An ExpertTable per MoE module over the pinned home's trellis (views into its arenas, no
-    copy) and host copies of the experts' suh/svh (exllamav3 keeps those in VRAM: a few KB an
-    expert). exllamav3 1.6.5's layout: `gates` / `ups` / `downs` LinearEXL3 per expert, each
-    with `.inner.trellis/suh/svh`."""
-    from glm53 import _gemv
-
-    geo, tables = home.geo, []
-    for i, mod in enumerate(moe):
-        arena = home.arenas[home.moe_layers[i]]
-        first = mod.gates[0].inner
-        k_in, k_mid = first.trellis.shape[0] * 16, first.trellis.shape[1] * 16
-        table = _gemv.ExpertTable(len(mod.gates), k_in, k_mid, first.trellis.shape[2] // 8)
-        for e in range(len(mod.gates)):
-            parts = []
-            for p, lin in enumerate((mod.gates[e], mod.ups[e], mod.downs[e])):
-                off = e * geo.record_bytes + geo.part_off[p]
-                shape = tuple(lin.inner.trellis.shape)
-                trellis = arena.view[off : off + geo.part_bytes[p]].view(np.int16).reshape(shape)
-                parts.append((trellis, lin.inner.suh.cpu().numpy(), lin.inner.svh.cpu().numpy()))
-            table.set(e, *parts)
-        tables.append(table)
-    return tables
-
-
-def start_fast(
-    loaded, model_dir: str, cpu_lane, ct_b: float | None = None, budget_ns: int | None = None
-) -> FastLane:
-    """Fast mode on an exact-mode load (exl3_load.load(..., "exact")): the lane over its pinned
-    home, the hooks on its MoE modules (prefill marked exact), the router. `budget_ns` pins
-    every layer's wait for the lane (None: the router's predicted wait, per layer and step).
-    GPU only."""
-    from glm53.tiers import fast_hooks
-
-    if loaded.home is None or loaded.ec is None:
-        raise RuntimeError("fast mode needs an exact-mode load (the pinned home and VRAM cache)")
-    lane = MailboxLane(cpu_lane, lane_tables(loaded.home, loaded.moe), swiglu_limit(model_dir))
-    try:
-        fast_hooks.install_fast_hooks()
-        fast_hooks.mark_prefill_exact(loaded.model)
-        layers = fast_hooks.attach_fast(loaded.moe, lane.mailboxes, loaded.ec, budget_ns)
-    except Exception:
-        fast_hooks.detach_fast(loaded.moe)
-        fast_hooks.unmark_prefill_exact(loaded.model)
-        lane.close()
-        raise
-    router = LaneRouter(len(loaded.moe), loaded.home.geo.record_bytes, ct_b=ct_b)
-    return FastLane(lane, router, layers)
-
-
-def stop_fast(fast: FastLane, loaded) -> None:
-    """Detach the hooks (unpins the mailboxes) and stop the lane, before the load closes."""
-    from glm53.tiers import fast_hooks
-
-    fast_hooks.detach_fast(loaded.moe)
-    fast_hooks.unmark_prefill_exact(loaded.model)
-    fast.close()

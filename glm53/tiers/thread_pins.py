@@ -49,7 +49,7 @@ def pin_server_threads(engine) -> dict[str, ThreadPin]:
     thread to the CPUs its lane layout reserves, and return the pins by role. Empty for an
     engine without a lane (the GPU engine's modes but fast, the CPU and scripted engines) and
     for a layout that reserves none (--cpus)."""
-    fast = getattr(engine, "fast", None)  # the GPU engine's FastLane in fast mode, else None
+    fast = engine.fast  # the GPU engine's FastLane in fast mode, else None
     if fast is None:
         return {}
     reserved = fast.lane.lane.layout.reserved

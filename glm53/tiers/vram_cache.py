@@ -170,7 +170,7 @@ class DeviceExpertCache:
 
     def lend(self, n: int):
         """Take the last n slots out of CLOCK's reach for a layer-major prefill
-        (glm53.engine.layer_major_gpu) and return their bytes (a uint8 CUDA tensor). The keys
+        (glm53.exl3.layer_major) and return their bytes (a uint8 CUDA tensor). The keys
         they held go back to their homes (every table rewritten: no entry points into the lent
         bytes, none points into a staging buffer either), and admissions use the first
         n_slots - n slots only (`n_active`) until `unlend`. Synchronizes the device. Not yet
@@ -365,7 +365,7 @@ class PrefillStager:
         self.side = torch.cuda.Stream(dev)
         self.pending: dict = {}
         self.stages = 0
-        # a layer-major pass (glm53.engine.layer_major_gpu) runs every chunk through a layer in
+        # a layer-major pass (glm53.exl3.layer_major) runs every chunk through a layer in
         # a row: while it holds, a layer staged during the pass whose buffer still holds it is
         # not copied again (its entries point at that buffer, the slot or home: all exact)
         self.hold = False

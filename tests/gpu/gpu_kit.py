@@ -67,7 +67,7 @@ def batch_prompts(vocab: int) -> list[list[int]]:
 def together_generator() -> dict:
     """The reference Generator's arguments for prompts admitted together: glm53's own
     (generator_settings) at the batch's size, as the engine runs them."""
-    from glm53.engine.gpu import generator_settings
+    from glm53.exl3 import generator_settings
 
     settings = generator_settings(len(BATCH), CHUNK, 1.0)
     return {k: v for k, v in settings.items() if k != "max_batch_size"}

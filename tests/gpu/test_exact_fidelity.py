@@ -15,7 +15,7 @@ pytest.importorskip("glm53._cuda")
 
 from gpu_kit import generator_run  # noqa: E402
 
-from glm53.engine import exl3_load  # noqa: E402
+from glm53.exl3 import loader as exl3_load  # noqa: E402
 
 CHECKPOINTS = {k: os.environ.get(f"GLM53_TEST_{k.upper()}") for k in ("demo", "slice")}
 

@@ -1,5 +1,5 @@
 """Fast mode on the GPU engine (issue #16): exact mode's tiers + the CPU lane and its router,
-wired by glm53.tiers.fast_lane into GpuEngine(mode="fast").
+wired by glm53.exl3.fast and glm53.tiers.fast_lane into GpuEngine(mode="fast").
 
 WRITTEN FOR THE NEXT GPU SESSION, NOT YET RUN: this session had no GPU time. The CI side is
 tests/test_fast_lane.py (the host glue against a mock device) and tests/test_gpu_engine_config.py
@@ -38,7 +38,8 @@ httpx = pytest.importorskip("httpx")
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
-from glm53.engine.gpu import GpuEngine, align_prefix_reuse  # noqa: E402
+from glm53.engine.gpu import GpuEngine  # noqa: E402
+from glm53.exl3 import align_prefix_reuse  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))

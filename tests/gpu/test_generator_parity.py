@@ -38,7 +38,8 @@ from gpu_kit import (  # noqa: E402
 )
 from serving_kit import Server  # noqa: E402
 
-from glm53.engine.gpu import GpuEngine, standard_region  # noqa: E402
+from glm53.engine.gpu import GpuEngine  # noqa: E402
+from glm53.exl3 import standard_region  # noqa: E402
 
 CHECKPOINTS = {"slice": "GLM53_TEST_SLICE", "resharded": "GLM53_TEST_SLICE_RESHARDED"}
 CONTEXT = 8192

@@ -192,7 +192,7 @@ def test_a_stalled_lane_falls_back_to_the_gpu_only_output_and_is_counted(
 
 
 # --- through exllamav3's own Generator, on a synthetic checkpoint --------------------------------
-# The model-level cases: glm53/tiers/fast_hooks.py around stock exllamav3's BlockSparseMLP of an
+# The model-level cases: glm53/exl3/fast_hooks.py around stock exllamav3's BlockSparseMLP of an
 # exact-mode load. A lane that never answers must give exact mode's tokens and logits bit for bit
 # (every layer falls back to the whole-layer GPU call, counted); a working lane must send picks,
 # never fall back, and stay near-exact.
@@ -208,15 +208,15 @@ def _checkpoint():
 
 
 def lane_tables(loaded):
-    """The engine's own tables over the pinned home (glm53.tiers.fast_lane.lane_tables)."""
-    from glm53.tiers.fast_lane import lane_tables as tables
+    """The engine's own tables over the pinned home (glm53.exl3.fast.lane_tables)."""
+    from glm53.exl3.fast import lane_tables as tables
 
     return tables(loaded.home, loaded.moe)
 
 
 @pytest.fixture(scope="module")
 def exact_load():
-    from glm53.engine import exl3_load
+    from glm53.exl3 import loader as exl3_load
 
     path = _checkpoint()
     # the cache at the 24 GB card's share of the routed experts, counted from config.json (a
@@ -239,7 +239,7 @@ def _prompts(loaded, batch, seed):
 def test_a_lane_that_never_answers_gives_exact_modes_tokens_and_counts_every_fallback(
     exact_load, batch
 ):
-    from glm53.tiers.fast_hooks import attach_fast, detach_fast, install_fast_hooks
+    from glm53.exl3.fast_hooks import attach_fast, detach_fast, install_fast_hooks
     from glm53.tiers.lane_mailbox import Mailbox
 
     prompts = _prompts(exact_load, batch, 16 + batch)
@@ -273,7 +273,7 @@ def test_a_working_lane_takes_picks_without_falling_back_and_stays_within_the_fl
     (test_exact_fidelity.py, test_generator_parity.py), so this floor is exllamav3's. Both lane
     precisions: on 2026-12-02 the fast one gave KL 0.030 at the first decoded token, and the
     exact (fp32) one tells whether the lane's precision or its hand-off is the cause."""
-    from glm53.tiers.fast_hooks import attach_fast, detach_fast, install_fast_hooks
+    from glm53.exl3.fast_hooks import attach_fast, detach_fast, install_fast_hooks
 
     prompts = _prompts(exact_load, 2, 7)
     with torch.inference_mode():

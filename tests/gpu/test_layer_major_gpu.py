@@ -1,4 +1,4 @@
-"""Layer-major prefill (glm53.engine.layer_major_gpu, --prefill layer-major) against stock
+"""Layer-major prefill (glm53.exl3.layer_major, --prefill layer-major) against stock
 exllamav3 1.6.5's own Generator prefilling the same prompt at the same chunk size, chunk-major:
 the logits of the prompt's last position (the first decode row) and every decoded token and
 its logits are torch.equal, on the slice (GLM53_TEST_SLICE) in exact mode at the 24 GB card's
@@ -29,7 +29,8 @@ from gpu_kit import (  # noqa: E402
     text_config,
 )
 
-from glm53.engine.gpu import GpuEngine, standard_region  # noqa: E402
+from glm53.engine.gpu import GpuEngine  # noqa: E402
+from glm53.exl3 import standard_region  # noqa: E402
 
 ENV = "GLM53_TEST_SLICE"
 CHUNK = 1024

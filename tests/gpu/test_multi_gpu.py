@@ -2,7 +2,7 @@
 the same total cache: greedy tokens and the logits they were sampled from are identical
 (torch.equal), in-process and (tokens, per-GPU cache counters) through the real server.
 
-NOT YET RUN: written with the split wiring (glm53/engine/exl3_split.py) in a session without
+NOT YET RUN: written with the split wiring (glm53/exl3/split.py) in a session without
 GPU time. `--gpus 0,0` runs the split code path with both halves on GPU 0 (two caches, two
 stagers, exllamav3's per-range loader) and needs one GPU; the two-device case skips unless
 torch sees two or more CUDA devices.

@@ -16,7 +16,7 @@ part. exllamav3's autosplit (`use_per_device`) is not used: it cuts where a meas
 runs out of memory, not where the plan says. With `--gpus 0,0` every module gets GPU 0: the
 exllamav3 load is then the one-GPU load itself.
 
-The experts. The one PinnedExpertHome (pinned, portable, mapped; glm53.tiers.exl3_hooks) takes
+The experts. The one PinnedExpertHome (pinned, portable, mapped; glm53.exl3.hooks) takes
 every routed expert's trellis, whatever device its module is on; each module's pointer tables
 get the home's UVA addresses, which every device can read, so there is no second copy in RAM.
 Each part with MoE layers gets its own DeviceExpertCache (and PrefillStager) on its device over
@@ -31,9 +31,11 @@ import contextlib
 import re
 from collections.abc import Callable, Sequence
 
-from glm53.engine.exl3_loaded import Loaded, check_tables_point_home, moe_geometry
+from glm53.exl3 import hooks
+from glm53.exl3.loaded import Loaded, check_tables_point_home, moe_geometry
+from glm53.exl3.patches import assign, shadow, unshadow
+from glm53.exl3.version import check_version
 from glm53.plan.split import SplitPlan, model_layers, plan_split, split_in_proportion, split_inputs
-from glm53.tiers import exl3_hooks
 from glm53.units import GIB
 
 LAYER_MODULE = re.compile(r"\.layers\.(\d+)$")
@@ -183,7 +185,7 @@ def planned_devices(modules, devices: list[int]):
     the way out."""
     import torch
 
-    def shadow(load, planned):
+    def on_plan(load, planned):
         def load_on_plan(device, *args, **kwargs):
             device = torch.device(device)
             return load(planned if device.type == "cuda" else device, *args, **kwargs)
@@ -194,11 +196,11 @@ def planned_devices(modules, devices: list[int]):
         raise ValueError(f"{len(devices)} devices for {len(modules)} modules")
     try:
         for mod, d in zip(modules, devices, strict=True):
-            mod.__dict__["load"] = shadow(mod.load, torch.device("cuda", d))
+            shadow(mod, "Module.load", on_plan(mod.load, torch.device("cuda", d)))
         yield
     finally:
         for mod in modules:
-            mod.__dict__.pop("load", None)
+            unshadow(mod, "Module.load")
 
 
 def load_split(
@@ -217,7 +219,7 @@ def load_split(
     allow_unsupported: bool = False,
     vram_budget: int | None = None,
 ) -> Loaded:
-    """exl3_load.load over `gpus` (two or more entries). vram_budget applies to each device."""
+    """glm53.exl3.loader.load over `gpus` (two or more entries); vram_budget applies to each."""
     import json
     import os
 
@@ -228,8 +230,8 @@ def load_split(
             "--gpus with two or more entries runs modes exact and zerocopy (routed experts in "
             "the pinned home); stock mode places every expert in VRAM and is the one-GPU reference"
         )
-    exl3_hooks.check_exllamav3(allow_unsupported)
-    exl3_hooks.install_hooks()
+    check_version(allow_unsupported)
+    hooks.install_hooks()
     from exllamav3 import Cache, Config, Model, Tokenizer
 
     count = torch.cuda.device_count()
@@ -274,21 +276,19 @@ def load_split(
     model = Model.from_config(config)
     cache = Cache(model, max_num_tokens=cache_tokens, max_batch_size=max_batch)
     first = torch.device("cuda", plan.parts[0].device)
-    home = exl3_hooks.PinnedExpertHome(
-        model_dir, geo.moe_layers, geo.n_experts, geo.part_bytes, first
-    )
-    exl3_hooks.register_home(home)
+    home = hooks.PinnedExpertHome(model_dir, geo.moe_layers, geo.n_experts, geo.part_bytes, first)
+    hooks.register_home(home)
     try:
         with planned_devices(model.modules, module_devices(model.modules, plan)):
             model.load(first, max_chunk_size=max_chunk)
-        model.active_devices = list(dict.fromkeys(p.device for p in plan.parts))
+        assign(model, "Model.active_devices", list(dict.fromkeys(p.device for p in plan.parts)))
     except Exception:
         home.close()
         raise
     finally:
-        exl3_hooks.unregister_home(home)
+        hooks.unregister_home(home)
     tokenizer = Tokenizer.from_config(config)
-    moe = exl3_hooks.moe_modules(model)
+    moe = hooks.moe_modules(model)
     loaded = Loaded(mode, config, model, cache, tokenizer, geo, moe, home, split=plan)
     home_addr = home.home_addresses()
     check_tables_point_home(moe, home_addr, home.geo)
@@ -333,11 +333,11 @@ def _attach_caches(plan, moe, geo, home, home_addr, freq_window, min_rows, dma, 
         with torch.cuda.device(dev):
             ec = DeviceExpertCache(
                 CacheGeometry(len(mods), n_e, home.geo.part_bytes), slots, home_addr[keys],
-                exl3_hooks.table_addresses(mods), dev, freq_window=freq_window,
+                hooks.table_addresses(mods), dev, freq_window=freq_window,
             )  # fmt: skip
             stager = None
             if part.stage_slots > 0:
                 stager = OnDevice(PrefillStager(ec, part.stage_slots, min_rows, dma), dev)
-        exl3_hooks.attach_cache(mods, OnDevice(ec, dev), stager)
+        hooks.attach_cache(mods, OnDevice(ec, dev), stager)
         caches.append(ec)
     return SplitCaches(plan, caches, n_e, guard=torch.cuda.device)

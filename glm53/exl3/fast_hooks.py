@@ -1,13 +1,13 @@
 """Fast mode's hooks around stock exllamav3 1.6.5's MoE decode forward (cuda/lane_cuda.h's
 sequence). NOT YET RUN ON A GPU: the GPU engine attaches them in `--mode fast`
-(glm53.tiers.fast_lane.start_fast), which serve runs only with --allow-unrun-modes.
+(glm53.exl3.fast.start_fast), which serve runs only with --allow-unrun-modes.
 
-Two class-level hooks, on top of exl3_hooks' (install those first):
+Two class-level hooks, on top of glm53.exl3.hooks' (install those first):
 
 - `BlockSparseMLP.routing_fn`: for a decode call (bsz <= 8) on a module with a `FastLayer`
   attached, the router's picks go through `g53_lane_publish` before the VRAM cache's route, so
   the lane's picks (masked as id -1, weight 0) are neither computed on the GPU nor admitted.
-  Prefill calls go through exl3_hooks' routing as before: those of more than 8 rows by their
+  Prefill calls go through glm53.exl3.hooks' routing as before: those of more than 8 rows by their
   size, and every chunk of `model.prefill` (a prompt's tail can be 8 rows or fewer and take the
   decode kernels) by the `NO_LANE` mark that `mark_prefill_exact` puts in its params.
 - `BlockSparseMLP.cpu_split_combine`, which exllamav3 calls with the fp32 routed sum right after
@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from glm53.tiers.exl3_hooks import DECODE_MAX_ROWS
+from glm53.exl3.hooks import DECODE_MAX_ROWS, NO_LANE
+from glm53.exl3.patches import patch_class, shadow, unshadow
 from glm53.tiers.lane_mailbox import Mailbox, lane_dev_dtype
 
 # The device's wait for the lane before it falls back is the router's predicted one, set per
@@ -31,9 +32,6 @@ from glm53.tiers.lane_mailbox import Mailbox, lane_dev_dtype
 # Every TIME_EVERY-th decode call of a layer is timed with CUDA events (the GPU's share and the
 # wait), for the router's GPU and link rates: three event records a layer, a few us of host time
 TIME_EVERY = 8
-# A forward whose params hold this key runs exact: none of its MoE calls publish (prefill, and
-# the engine's cache-free prompt scoring)
-NO_LANE = "g53_no_lane"
 
 
 def exact_call(bsz: int, params: dict) -> bool:
@@ -57,13 +55,13 @@ def mark_prefill_exact(model) -> None:
         params[NO_LANE] = True
         return prefill(input_ids, params)
 
-    model.__dict__["_g53_prefill"] = prefill
-    model.prefill = marked
+    shadow(model, "Model._g53_prefill", prefill)
+    shadow(model, "Model.prefill", marked)
 
 
 def unmark_prefill_exact(model) -> None:
-    if model.__dict__.pop("_g53_prefill", None) is not None:
-        del model.prefill  # the class's method again
+    if unshadow(model, "Model._g53_prefill") is not None:
+        unshadow(model, "Model.prefill")  # the class's method again
 
 
 class FastLayer:
@@ -189,7 +187,7 @@ _installed = False
 
 
 def install_fast_hooks() -> None:
-    """Wrap exl3_hooks' routing property and cpu_split_combine (idempotent)."""
+    """Wrap glm53.exl3.hooks' routing property and cpu_split_combine (idempotent)."""
     global _installed
     if _installed:
         return
@@ -197,7 +195,7 @@ def install_fast_hooks() -> None:
 
     prop = BlockSparseMLP.__dict__["routing_fn"]
     if not isinstance(prop, property):
-        raise RuntimeError("install exl3_hooks' hooks (install_hooks) before the fast-mode ones")
+        raise RuntimeError("install glm53.exl3.hooks' hooks (install_hooks) before fast mode's")
     base_get = prop.fget
 
     def _get(self):
@@ -219,7 +217,7 @@ def install_fast_hooks() -> None:
 
         return fast_routed
 
-    BlockSparseMLP.routing_fn = property(_get, prop.fset)
+    patch_class(BlockSparseMLP, "BlockSparseMLP.routing_fn", property(_get, prop.fset))
     original_combine = BlockSparseMLP.cpu_split_combine
 
     def cpu_split_combine(self, final_hidden_states, cpu_partial, cpu_pending, shape):
@@ -229,7 +227,7 @@ def install_fast_hooks() -> None:
         return original_combine(self, final_hidden_states, cpu_partial, cpu_pending, shape)
 
     cpu_split_combine.__wrapped__ = original_combine
-    BlockSparseMLP.cpu_split_combine = cpu_split_combine
+    patch_class(BlockSparseMLP, "BlockSparseMLP.cpu_split_combine", cpu_split_combine)
     _installed = True
 
 
@@ -238,13 +236,13 @@ def attach_fast(modules, mailboxes, cache=None, budget_ns=None) -> list[FastLaye
     layers = []
     for i, (mod, mbox) in enumerate(zip(modules, mailboxes, strict=True)):
         layer = FastLayer(mod, i, mbox, cache, budget_ns)
-        mod.__dict__["_g53_fast"] = layer
+        shadow(mod, "BlockSparseMLP._g53_fast", layer)
         layers.append(layer)
     return layers
 
 
 def detach_fast(modules) -> None:
     for mod in modules:
-        layer = mod.__dict__.pop("_g53_fast", None)
+        layer = unshadow(mod, "BlockSparseMLP._g53_fast")
         if layer is not None:
             layer.mailbox.unpin()

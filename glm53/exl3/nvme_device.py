@@ -4,7 +4,7 @@ WRITTEN, NOT YET RUN ON A GPU (this build's sessions had no GPU time); tests/gpu
 test_nvme_exact_gpu.py is what will run it. The host logic it drives (glm53.tiers.gpu_home.
 RamHome) is tested in CI with the real RAM tier, store and O_DIRECT reads.
 
-Per MoE layer, in exllamav3's routing hook (glm53.tiers.exl3_hooks):
+Per MoE layer, in exllamav3's routing hook (glm53.exl3.hooks):
 
 1. The picks and, gathered on the device, the VRAM slot of each reach the host in one copy: the
    one sync per layer that nvme modes cannot avoid, since the store read needs the picks.

@@ -6,7 +6,7 @@
                 kernels, no cache (the floor);
 - `exact`:      the same pinned home plus the device-side CLOCK cache in VRAM;
 - `nvme-exact`: the same cache, with the RAM tier (--ram-cap, filled from the packed --store
-                with O_DIRECT) as the experts' home (glm53.tiers.nvme_device; not yet run on
+                with O_DIRECT) as the experts' home (glm53.exl3.nvme_device; not yet run on
                 a GPU).
 """
 
@@ -17,13 +17,15 @@ import json
 import logging
 import os
 
-from glm53.engine.exl3_loaded import (
+from glm53.exl3 import hooks
+from glm53.exl3.loaded import (
     Loaded,
     MoeGeometry,
     VramUse,
     check_tables_point_home,
     moe_geometry,
 )
+from glm53.exl3.version import check_version
 from glm53.plan.vram import (
     VramInputs,
     VramPlan,
@@ -32,7 +34,6 @@ from glm53.plan.vram import (
     plan_vram,
     staging_slots,
 )
-from glm53.tiers import exl3_hooks
 from glm53.units import GIB
 
 log = logging.getLogger(__name__)
@@ -114,7 +115,7 @@ def load(
     """Load model_dir in `mode`. vram_budget (bytes; None: the device's free VRAM) plans exact
     mode's expert cache and staging with plan_vram, as on a card with that much free, so that
     a small card can be emulated on a large one; the other arguments behave as without it.
-    `gpus` with two or more entries (--gpus) splits the layers over them (exl3_split; `device`
+    `gpus` with two or more entries (--gpus) splits the layers over them (glm53.exl3.split; `device`
     is then unused); None, or one entry (the caller passes it as `device`), is the one-GPU load
     below, unchanged. nvme-exact also takes the store, --ram-cap and the read timeout (one GPU)."""
     import torch
@@ -124,9 +125,9 @@ def load(
     if gpus is not None and len(gpus) > 1:
         if mode == "nvme-exact":
             raise ValueError("nvme-exact runs on one GPU: --gpus names more than one")
-        from glm53.engine import exl3_split
+        from glm53.exl3.split import load_split
 
-        return exl3_split.load_split(
+        return load_split(
             model_dir, mode, list(gpus), cache_tokens=cache_tokens, max_batch=max_batch,
             max_chunk=max_chunk, ec_max_slots=ec_max_slots, ec_reserve_gb=ec_reserve_gb,
             ec_stage_gb=ec_stage_gb, ec_freq_window=ec_freq_window,
@@ -139,8 +140,8 @@ def load(
 
         nvme_src = open_home_source(model_dir, store, ram_cap, rows=max(max_chunk, max_batch))
         ec_stage_gb = 0.0  # staging copies from home on a side stream: off (gpu_home)
-    exl3_hooks.check_exllamav3(allow_unsupported)
-    exl3_hooks.install_hooks()
+    check_version(allow_unsupported)
+    hooks.install_hooks()
     from exllamav3 import Cache, Config, Model, Tokenizer
 
     config = Config.from_directory(model_dir)
@@ -179,9 +180,9 @@ def load(
     cache = Cache(model, max_num_tokens=cache_tokens, max_batch_size=max_batch)
     home = None
     if mode != "stock":
-        kind = exl3_hooks.AbsentExpertHome if nvme_src else exl3_hooks.PinnedExpertHome
+        kind = hooks.AbsentExpertHome if nvme_src else hooks.PinnedExpertHome
         home = kind(model_dir, geo.moe_layers, geo.n_experts, geo.part_bytes, dev)
-        exl3_hooks.register_home(home)
+        hooks.register_home(home)
     try:
         model.load(dev, max_chunk_size=max_chunk)
     except Exception:
@@ -190,9 +191,9 @@ def load(
         raise
     finally:
         if home is not None:
-            exl3_hooks.unregister_home(home)  # only loads go through the hook
+            hooks.unregister_home(home)  # only loads go through the hook
     tokenizer = Tokenizer.from_config(config)
-    moe = exl3_hooks.moe_modules(model)
+    moe = hooks.moe_modules(model)
     loaded = Loaded(mode, config, model, cache, tokenizer, geo, moe, home, vram_plan=plan)
     loaded.vram_before = vram_before
     if mode == "stock":
@@ -225,7 +226,7 @@ def load(
                 f"{ec_reserve_gb:.2f} GiB reserved (--ec-reserve-gb) leaves room for {fit}"
             )
         ec = DeviceExpertCache(
-            home.geo, slots, home_addr, exl3_hooks.table_addresses(moe), dev,
+            home.geo, slots, home_addr, hooks.table_addresses(moe), dev,
             freq_window=ec_freq_window,
         )  # fmt: skip
         stager = None
@@ -233,12 +234,12 @@ def load(
             from glm53.tiers.vram_cache import PrefillStager
 
             stager = PrefillStager(ec, stage_slots, min_rows=stage_min_rows, dma=stage_dma)
-        exl3_hooks.attach_cache(moe, ec, stager)
+        hooks.attach_cache(moe, ec, stager)
         loaded.ec, loaded.stager = ec, stager
     if nvme_src is not None:
         rows = max(max_chunk, max_batch)
         loaded.nvme = _start_nvme(loaded, nvme_src, ram_cap, read_timeout_s, rows)
-        exl3_hooks.attach_nvme(moe, loaded.nvme)
+        hooks.attach_nvme(moe, loaded.nvme)
     return _measured(loaded, dev)
 
 
@@ -280,11 +281,11 @@ def _check_store_geometry(store, geo: MoeGeometry) -> None:
 
 def _start_nvme(loaded: Loaded, nvme_src, ram_cap, read_timeout_s, rows):
     """The RAM tier (planned from free memory when --ram-cap is not set), registered with CUDA
-    as the experts' home (glm53.tiers.nvme_device.NvmeHome)."""
+    as the experts' home (glm53.exl3.nvme_device.NvmeHome)."""
+    from glm53.exl3.nvme_device import NvmeHome
     from glm53.plan.host_memory import host_memory
     from glm53.plan.ram_cap import planned_cap_bytes
     from glm53.tiers.gpu_home import check_home_cap
-    from glm53.tiers.nvme_device import NvmeHome
     from glm53.tiers.ram_tier import RamTier
 
     source, working_set, top_k = nvme_src
@@ -293,7 +294,7 @@ def _start_nvme(loaded: Loaded, nvme_src, ram_cap, read_timeout_s, rows):
     if cap is None:
         cap = planned_cap_bytes(host_memory(), source.record_bytes, num_records)
         check_home_cap(cap, source.record_bytes, working_set, top_k, rows)
-    limit = exl3_hooks.memlock_limit()
+    limit = hooks.memlock_limit()
     if 0 <= limit < min(cap, num_records * source.record_bytes):
         raise RuntimeError(
             f"the locked-memory limit is {limit} bytes, but pinning the RAM tier (--ram-cap) "

@@ -25,37 +25,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from glm53.errors import Glm53Error
+from glm53.exl3.patches import patch_class, shadow, unshadow
 
-PINNED_EXLLAMAV3 = "1.6.5"
 EXPERT_TRELLIS = re.compile(
     r"^(?P<mlp>.*\.layers\.(?P<layer>\d+)\.mlp)\.experts\.(?P<expert>\d+)\."
     r"(?P<proj>gate_proj|up_proj|down_proj)\.trellis$"
 )
 PROJ_INDEX = {"gate_proj": 0, "up_proj": 1, "down_proj": 2}
 DECODE_MAX_ROWS = 8  # exllamav3's fused decode path (MAX_BSZN); larger calls are prefill
-
-
-class UnsupportedExllamaV3(RuntimeError, Glm53Error):
-    pass
-
-
-def check_exllamav3(allow_unsupported: bool = False) -> str:
-    """The installed exllamav3 version; refuses anything but the pinned one unless told."""
-    try:
-        from exllamav3.version import __version__ as version
-    except ImportError as exc:
-        raise UnsupportedExllamaV3(
-            f"exllamav3 is not installed: the GPU engine needs exllamav3=={PINNED_EXLLAMAV3} "
-            "(pip install 'glm53[gpu]')"
-        ) from exc
-    if version != PINNED_EXLLAMAV3 and not allow_unsupported:
-        raise UnsupportedExllamaV3(
-            f"exllamav3 {version} is installed; glm53's hooks are checked against "
-            f"{PINNED_EXLLAMAV3} only. Install exllamav3=={PINNED_EXLLAMAV3}, or pass "
-            "--allow-unsupported-exllamav3 to try this version anyway (unsupported)."
-        )
-    return version
+# fast mode (glm53.exl3.fast_hooks): a forward whose params hold this key runs exact, none of its
+# MoE calls publish to the lane (prefill, and the engine's cache-free prompt scoring)
+NO_LANE = "g53_no_lane"
 
 
 def memlock_limit() -> int:
@@ -195,7 +175,7 @@ class AbsentExpertHome:
     """nvme-exact's loader side: the routed experts stay in the store, so the loader reads none
     of them. Every expert's trellis is handed to exllamav3 as a view into one poison record in
     VRAM (zeros, one record of gate|up|down), so its pointer tables start out pointing there;
-    glm53.tiers.nvme_device points each pick's entries at its VRAM slot or RAM-tier home before
+    glm53.exl3.nvme_device points each pick's entries at its VRAM slot or RAM-tier home before
     the MoE kernel reads them. The poison record is also the device home table's `absent`
     address: a read of it is a table_bad fault, counted. Not yet run on a GPU."""
 
@@ -260,7 +240,7 @@ def install_hooks() -> None:
         return original_get_tensor(self, key, device, *args, **kwargs)
 
     get_tensor.__wrapped__ = original_get_tensor
-    SafetensorsCollection.get_tensor = get_tensor
+    patch_class(SafetensorsCollection, "SafetensorsCollection.get_tensor", get_tensor)
 
     def _get(self):
         fn = self.__dict__.get("_g53_routing_fn")
@@ -270,7 +250,7 @@ def install_hooks() -> None:
         layer = self.__dict__["_g53_moe_index"]
 
         stager = self.__dict__.get("_g53_stager")
-        nvme = self.__dict__.get("_g53_nvme")  # nvme-exact: glm53.tiers.nvme_device.NvmeHome
+        nvme = self.__dict__.get("_g53_nvme")  # nvme-exact: glm53.exl3.nvme_device.NvmeHome
 
         def routed(bsz, cfg, z, params):
             selected, weights = fn(bsz, cfg, z, params)
@@ -288,9 +268,9 @@ def install_hooks() -> None:
         return routed
 
     def _set(self, fn):
-        self.__dict__["_g53_routing_fn"] = fn
+        shadow(self, "BlockSparseMLP._g53_routing_fn", fn)
 
-    BlockSparseMLP.routing_fn = property(_get, _set)
+    patch_class(BlockSparseMLP, "BlockSparseMLP.routing_fn", property(_get, _set))
     _installed = True
 
 
@@ -336,18 +316,18 @@ def table_addresses(modules) -> list[int]:
 
 def attach_cache(modules, cache, stager=None) -> None:
     for i, mod in enumerate(modules):
-        mod.__dict__["_g53_moe_index"] = i
-        mod.__dict__["_g53_cache"] = cache
-        mod.__dict__["_g53_stager"] = stager
+        shadow(mod, "BlockSparseMLP._g53_moe_index", i)
+        shadow(mod, "BlockSparseMLP._g53_cache", cache)
+        shadow(mod, "BlockSparseMLP._g53_stager", stager)
 
 
 def attach_nvme(modules, nvme) -> None:
     """nvme-exact: route every call's picks through `nvme` (after attach_cache)."""
     for mod in modules:
-        mod.__dict__["_g53_nvme"] = nvme
+        shadow(mod, "BlockSparseMLP._g53_nvme", nvme)
 
 
 def detach_cache(modules) -> None:
     for mod in modules:
-        mod.__dict__.pop("_g53_cache", None)
-        mod.__dict__.pop("_g53_nvme", None)
+        unshadow(mod, "BlockSparseMLP._g53_cache")
+        unshadow(mod, "BlockSparseMLP._g53_nvme")

@@ -1,15 +1,15 @@
 """What loading a glm5_next EXL3 checkpoint into exllamav3 gives back (Loaded), the MoE geometry
 it is loaded with (moe_geometry, from exllamav3's safetensors headers), and the check that
 exllamav3's pointer tables point at the experts' home. Shared by the one-GPU load
-(glm53.engine.exl3_load) and the split over several GPUs (glm53.engine.exl3_split).
+(glm53.exl3.loader) and the split over several GPUs (glm53.exl3.split).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from glm53.exl3 import hooks
 from glm53.plan.vram import VramPlan
-from glm53.tiers import exl3_hooks
 
 EMBEDDING_SUFFIX = "embed_tokens.weight"  # exllamav3's embedding module prefers host memory
 
@@ -35,14 +35,14 @@ def moe_geometry(stc) -> MoeGeometry:
     expert_total = other = host = 0
     for key, filename in stc.tensor_file_map.items():
         beg, end = stc.file_headers[filename][key]["data_offsets"]
-        m = exl3_hooks.EXPERT_TRELLIS.match(key)
+        m = hooks.EXPERT_TRELLIS.match(key)
         if m is None:
             other += end - beg
             host += end - beg if key.endswith(EMBEDDING_SUFFIX) else 0
             continue
         expert_total += end - beg
         layers.setdefault(int(m["layer"]), set()).add(int(m["expert"]))
-        proj = exl3_hooks.PROJ_INDEX[m["proj"]]
+        proj = hooks.PROJ_INDEX[m["proj"]]
         if parts.setdefault(proj, end - beg) != end - beg:
             raise RuntimeError(f"{key}: {end - beg} bytes, other experts have {parts[proj]}")
     if not layers:
@@ -75,20 +75,20 @@ class Loaded:
     tokenizer: object
     geometry: MoeGeometry
     moe: list = field(default_factory=list)
-    home: exl3_hooks.PinnedExpertHome | None = None
+    home: hooks.PinnedExpertHome | None = None
     ec: object | None = None
     stager: object | None = None
     vram_plan: VramPlan | None = None  # with a VRAM budget: where the budget went
     # VRAM the load holds (weights, KV cache, VRAM expert cache, staging), measured at its end:
-    # exl3_load.held_vram_bytes(vram_before, vram_use(device))
+    # glm53.exl3.loader.held_vram_bytes(vram_before, vram_use(device))
     resident_bytes: int | None = None
     load_peak_bytes: int | None = None  # the most the load held at once, the same way
     vram_before: VramUse | None = None  # the allocator's counts before the load
-    split: object | None = None  # --gpus with two or more entries: the SplitPlan (exl3_split)
-    nvme: object | None = None  # nvme-exact: glm53.tiers.nvme_device.NvmeHome
+    split: object | None = None  # --gpus with two or more entries: the SplitPlan (glm53.exl3.split)
+    nvme: object | None = None  # nvme-exact: glm53.exl3.nvme_device.NvmeHome
 
     def close(self) -> None:
-        exl3_hooks.detach_cache(self.moe)
+        hooks.detach_cache(self.moe)
         if self.nvme is not None:
             self.nvme.close()
         self.model.unload()

@@ -1,0 +1,125 @@
+"""glm53's one adapter over stock exllamav3 1.6.5 (never edited): the only package that imports
+exllamav3, patches it, or reads its insides (tests/test_exl3_confined.py fails CI otherwise).
+Importing this package imports neither exllamav3 nor torch (nor the CPU lane's native modules):
+what needs them imports them when called.
+
+Every write onto an exllamav3 class or instance goes through glm53.exl3.patches, which refuses a
+point not declared in its POINTS; tests/test_exl3_patch_points.py checks each declared point
+against exllamav3 1.6.5's own source (the PyPI wheel, read with ast). The points:
+
+| point (kind)                           | in exllamav3 1.6.5              | module: why           |
+|----------------------------------------|---------------------------------|-----------------------|
+| SafetensorsCollection.get_tensor       | loader/safetensors.py           | hooks: experts load   |
+| (class)                                |                                 | into the home         |
+| BlockSparseMLP.routing_fn (class       | modules/block_sparse_mlp.py     | hooks, fast_hooks:    |
+| property)                              |                                 | picks via the VRAM    |
+|                                        |                                 | cache, nvme home,     |
+|                                        |                                 | lane                  |
+| BlockSparseMLP.cpu_split_combine       | modules/block_sparse_mlp_cpu.py | fast_hooks: the       |
+| (class)                                |                                 | lane's wait and       |
+|                                        |                                 | combine               |
+| BlockSparseMLP._g53_* (6 slots)        | (glm53's own entries)           | hooks, fast_hooks:    |
+|                                        |                                 | what routing_fn reads |
+| Model.prefill, Model._g53_prefill      | model/model.py                  | fast_hooks: prefill   |
+| (instance)                             |                                 | exact; layer_major:   |
+|                                        |                                 | chunks recorded       |
+| Job.hash_completed_page (instance)     | generator/job.py                | prefix: hashes in     |
+|                                        |                                 | whole chunks          |
+| Job.maybe_stash_recurrent (instance)   | generator/job.py                | prefix, layer_major:  |
+|                                        |                                 | where state is        |
+|                                        |                                 | stashed               |
+| Job.all_unique_hashes (attribute)      | generator/job.py                | prefix: the standard  |
+|                                        |                                 | region                |
+| Sequence.page_hashes,                  | generator/pagetable.py          | prefix: the standard  |
+| .new_unique_pages (attribute)          |                                 | region                |
+| Job.prefill, Job.is_prefill_done,      | generator/job.py                | layer_major: the pass |
+| Job._g53_layer_major (instance, slot)  |                                 |                       |
+| Module.load (instance)                 | modules/module.py               | split: each module on |
+|                                        |                                 | its GPU               |
+| Model.active_devices (attribute)       | model/model.py                  | split: the devices    |
+|                                        |                                 | used                  |
+| Sampler.__init__, Sampler.forward      | generator/sampler/sampler.py    | sampler_classes: host |
+| (subclass)                             |                                 | and device-logprob    |
+|                                        |                                 | samplers              |
+| Model._get_prefetch_layers,            | model/model.py,                 | layer_major(_pass):   |
+| advance_recurrent_states,              | cache/recurrent_util.py,        | the recorder, the     |
+| GDNLayerState.stash,                   | modules/gated_delta_net.py,     | stashes               |
+| RecurrentCache.put (read)              | cache/recurrent.py              |                       |
+| exllamav3_ext.pinned_cuda_view (ext)   | exllamav3_ext/bindings.cpp      | hooks: the home's     |
+|                                        |                                 | CUDA alias            |
+
+The interface the engine calls (everything else here is this package's own):
+- the version: EXLLAMAV3_VERSION, installed_version, version_problem, check_version;
+- loading: load (-> Loaded), heat_path;
+- generation: make_generator, make_job, request_sampler (exllamav3_sampler, device_logprob_sampler
+  or host_sampler);
+- prefix reuse: PAGE, standard_region, align_prefix_reuse, generator_settings;
+- layer-major prefill: LayerMajorPrefill; fast mode: start_fast, stop_fast, NO_LANE.
+
+Modules: version (the pin and its check), patches (the declared points and the write helpers),
+hooks (the expert homes and the class-level hooks), loader / loaded / split (loading, one GPU or a
+layer split), nvme_device (nvme-exact's device glue), fast_hooks / fast (fast mode), prefix
+(prefix reuse), generator / sampler_classes (Generator, Jobs, samplers), layer_major /
+layer_major_pass (layer-major prefill).
+"""
+
+from glm53.exl3.generator import (
+    device_logprob_sampler,
+    exllamav3_sampler,
+    host_sampler,
+    make_generator,
+    make_job,
+    request_sampler,
+)
+from glm53.exl3.hooks import NO_LANE
+from glm53.exl3.layer_major import LayerMajorPrefill
+from glm53.exl3.loaded import Loaded
+from glm53.exl3.loader import heat_path, load
+from glm53.exl3.prefix import PAGE, align_prefix_reuse, generator_settings, standard_region
+from glm53.exl3.version import (
+    EXLLAMAV3_VERSION,
+    UnsupportedExllamaV3,
+    check_version,
+    installed_version,
+    version_problem,
+)
+
+__all__ = [
+    "EXLLAMAV3_VERSION",
+    "NO_LANE",
+    "PAGE",
+    "LayerMajorPrefill",
+    "Loaded",
+    "UnsupportedExllamaV3",
+    "align_prefix_reuse",
+    "check_version",
+    "device_logprob_sampler",
+    "exllamav3_sampler",
+    "generator_settings",
+    "heat_path",
+    "host_sampler",
+    "installed_version",
+    "load",
+    "make_generator",
+    "make_job",
+    "request_sampler",
+    "standard_region",
+    "start_fast",
+    "stop_fast",
+    "version_problem",
+]
+
+
+def start_fast(loaded, model_dir: str, cpu_lane, ct_b: float | None = None, budget_ns=None):
+    """Fast mode on an exact-mode load (glm53.exl3.fast.start_fast; imported here on call, as
+    it loads the CPU lane's native modules)."""
+    from glm53.exl3.fast import start_fast as start
+
+    return start(loaded, model_dir, cpu_lane, ct_b=ct_b, budget_ns=budget_ns)
+
+
+def stop_fast(fast, loaded) -> None:
+    """glm53.exl3.fast.stop_fast: the hooks detached and the lane stopped."""
+    from glm53.exl3.fast import stop_fast as stop
+
+    stop(fast, loaded)

@@ -1,0 +1,79 @@
+"""Fast mode's start and stop on an exact-mode load: the CPU lane's expert tables over the pinned
+home's arenas (read from exllamav3 1.6.5's MoE modules), fast_hooks on every MoE module, and the
+router (glm53.tiers.fast_lane.FastLane, the host side, which needs no exllamav3). NOT YET RUN ON
+A GPU: only the GPU engine's `--mode fast` calls it (served with --allow-unrun-modes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from glm53.exl3 import fast_hooks
+from glm53.tiers.fast_lane import FastLane
+from glm53.tiers.lane_mailbox import MailboxLane
+from glm53.tiers.lane_router import LaneRouter
+
+
+def swiglu_limit(model_dir: str) -> float:
+    """The checkpoint's swiglu_limit (0: none), as the CPU engine's lane reads it."""
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    return float(cfg.get("text_config", cfg).get("swiglu_limit", 0.0))
+
+
+def lane_tables(home, moe) -> list:
+    """An ExpertTable per MoE module over the pinned home's trellis (views into its arenas, no
+    copy) and host copies of the experts' suh/svh (exllamav3 keeps those in VRAM: a few KB an
+    expert). exllamav3 1.6.5's layout: `gates` / `ups` / `downs` LinearEXL3 per expert, each
+    with `.inner.trellis/suh/svh`."""
+    from glm53 import _gemv
+
+    geo, tables = home.geo, []
+    for i, mod in enumerate(moe):
+        arena = home.arenas[home.moe_layers[i]]
+        first = mod.gates[0].inner
+        k_in, k_mid = first.trellis.shape[0] * 16, first.trellis.shape[1] * 16
+        table = _gemv.ExpertTable(len(mod.gates), k_in, k_mid, first.trellis.shape[2] // 8)
+        for e in range(len(mod.gates)):
+            parts = []
+            for p, lin in enumerate((mod.gates[e], mod.ups[e], mod.downs[e])):
+                off = e * geo.record_bytes + geo.part_off[p]
+                shape = tuple(lin.inner.trellis.shape)
+                trellis = arena.view[off : off + geo.part_bytes[p]].view(np.int16).reshape(shape)
+                parts.append((trellis, lin.inner.suh.cpu().numpy(), lin.inner.svh.cpu().numpy()))
+            table.set(e, *parts)
+        tables.append(table)
+    return tables
+
+
+def start_fast(
+    loaded, model_dir: str, cpu_lane, ct_b: float | None = None, budget_ns: int | None = None
+) -> FastLane:
+    """Fast mode on an exact-mode load (glm53.exl3.load(..., "exact")): the lane over its pinned
+    home, the hooks on its MoE modules (prefill marked exact), the router. `budget_ns` pins
+    every layer's wait for the lane (None: the router's predicted wait, per layer and step).
+    GPU only."""
+    if loaded.home is None or loaded.ec is None:
+        raise RuntimeError("fast mode needs an exact-mode load (the pinned home and VRAM cache)")
+    lane = MailboxLane(cpu_lane, lane_tables(loaded.home, loaded.moe), swiglu_limit(model_dir))
+    try:
+        fast_hooks.install_fast_hooks()
+        fast_hooks.mark_prefill_exact(loaded.model)
+        layers = fast_hooks.attach_fast(loaded.moe, lane.mailboxes, loaded.ec, budget_ns)
+    except Exception:
+        fast_hooks.detach_fast(loaded.moe)
+        fast_hooks.unmark_prefill_exact(loaded.model)
+        lane.close()
+        raise
+    router = LaneRouter(len(loaded.moe), loaded.home.geo.record_bytes, ct_b=ct_b)
+    return FastLane(lane, router, layers)
+
+
+def stop_fast(fast: FastLane, loaded) -> None:
+    """Detach the hooks (unpins the mailboxes) and stop the lane, before the load closes."""
+    fast_hooks.detach_fast(loaded.moe)
+    fast_hooks.unmark_prefill_exact(loaded.model)
+    fast.close()
