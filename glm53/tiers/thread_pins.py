@@ -10,9 +10,10 @@ it takes turns with a worker in the middle of a job and the GPU waits for both.
 it pins the engine thread, found as the thread that built the fast lane (the engine's load runs
 on the engine thread), and the loop's own thread. `os.sched_setaffinity` on Linux sets one
 thread's mask when given its native id (`threading.get_native_id()`), not the process's.
-Threads a pinned thread starts later inherit its mask (on the loop thread: the offload threads
-and asyncio's default pool, created lazily), which keeps them off the lane's cores as well;
-threads started before (the lane's own workers, pinned one per core; granian's) keep theirs.
+Threads a pinned thread starts later inherit its mask (from the loop thread: the offload
+threads, created on first use, and any thread asyncio's default pool adds), which keeps them off
+the lane's cores as well; threads started before (the lane's own workers, pinned one per core;
+granian's; the default pool's thread that ran the engine's construction) keep theirs.
 Nothing is pinned for an engine without a lane, or when the user chose the lane's CPUs
 (--cpus): the layout then reserves none.
 """
