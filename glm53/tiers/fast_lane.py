@@ -13,6 +13,7 @@ the next step (one step late: docs/fast-mode.md). `FastLane` itself needs no CUD
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 from glm53.tiers.lane_mailbox import MAX_PICKS, MailboxLane
@@ -31,6 +32,9 @@ class FastLane:
                 f"the router has {router.n_layers} layers, the lane {len(lane.mailboxes)}"
             )
         self.lane, self.router, self.layers = lane, router, list(layers)
+        # the thread that built it: in the server, the engine thread (its load runs there),
+        # which glm53.tiers.thread_pins pins to the cores the lane leaves
+        self.owner_native_id = threading.get_native_id()
         self.steps = 0
         self.budgets = [int(m.load("budget")) for m in lane.mailboxes]
         self.waits_ns = [0] * len(lane.mailboxes)  # the router's wait per layer, newest step
