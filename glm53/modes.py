@@ -9,8 +9,6 @@ A rule per (engine, mode):
 - `one_gpu`: the mode runs on one GPU (--gpus names at most one);
 - `load`: the GPU engine's load under it (glm53.exl3.options.LoadMode: exact or nvme-exact; the
   lane modes add the CPU lane on top of that load);
-- `doctor`: `glm53 doctor` recommends it (exact only, still: its plans for fast and nvme-exact
-  wait on the doctor's own update, issue #25).
 
 The GPU engine maps `auto` to exact. The CPU engine runs one path for every mode (the tiers
 over the store or the shards; the mode only picks the lane's precision), and the scripted
@@ -62,7 +60,6 @@ class ModeRule:
     store: Store = "optional"
     lane: bool = False
     one_gpu: bool = False
-    doctor: bool = False
     load: str = ""
     name: str = ""  # the mode as messages name it
     what: str = ""  # store="refuses": what the mode keeps instead of a store
@@ -74,7 +71,7 @@ _FAST_WHAT = "keeps every routed expert in pinned RAM, as exact mode does,"
 
 RULES: dict[tuple[Engine, Mode], ModeRule] = {
     ("gpu", Mode.EXACT): ModeRule(
-        True, store="refuses", doctor=True, load="exact", name="exact mode", what=_EXACT_WHAT
+        True, store="refuses", load="exact", name="exact mode", what=_EXACT_WHAT
     ),
     ("gpu", Mode.FAST): ModeRule(
         True,
@@ -125,11 +122,6 @@ def rule(engine: Engine, mode: Mode | str) -> ModeRule:
 def served(engine: Engine) -> tuple[Mode, ...]:
     """The tier modes `engine` serves (glm53 doctor recommends only the GPU engine's)."""
     return tuple(m for (e, m), r in RULES.items() if e == engine and r.served)
-
-
-def recommended(engine: Engine) -> tuple[Mode, ...]:
-    """The tier modes `glm53 doctor` recommends on `engine` (a subset of `served`)."""
-    return tuple(m for (e, m), r in RULES.items() if e == engine and r.served and r.doctor)
 
 
 def lane_runs_beside_gpu(engine: str, mode: Mode | str) -> bool:

@@ -44,19 +44,19 @@ def test_reference_host_probes():
     assert host.storage.nvme[1].namespaces == ["nvme1n1"]
 
 
-def test_reference_host_runs_exact_and_shows_fast_as_not_served_yet():
+def test_reference_host_runs_fast_with_exact_as_the_bit_exact_alternative():
     _, plan, checks = doctor("reference-3090-epyc-raid0")
-    # fast is the fastest fit, but this build's GPU engine refuses it: exact is what runs
-    assert plan.mode == Mode.EXACT and plan.planned == Mode.FAST
-    assert plan.exact_alternative is None
-    assert "fast would give 21.7 tok/s, but this build's GPU engine does not serve it yet" in (
-        plan.headline
-    )
+    # fast is the fastest fit and the GPU engine serves it; exact is named as the bit-exact one
+    assert plan.mode == Mode.FAST and plan.planned is None
+    assert plan.exact_alternative == Mode.EXACT
+    assert plan.headline.startswith("fast: 21.7 tok/s decode at concurrency 1")
+    assert "does not serve it yet" not in plan.headline
     assert plan.lane_cpus == list(range(2, 24))  # the seed's CPUs 2-23
     assert plan.store_location == "/nvx/glm53-store"  # the md RAID0, ~26.8 GB/s estimated
     assert plan.steps == [
         "glm53 download --dir /var/lib/glm53/GLM-5.3-Flash-exl3-3.05bpw",
-        "glm53 serve --model /var/lib/glm53/GLM-5.3-Flash-exl3-3.05bpw --mode exact",
+        "glm53 serve --model /var/lib/glm53/GLM-5.3-Flash-exl3-3.05bpw --mode fast --cpus 2-23 "
+        "--ct-b 0.165",
     ]
     # the seed's in-place lane (§3.6: no swizzled copy) is slower than --ct-b's default
     assert option(plan, Mode.FAST).flags == {"--cpus": "2-23", "--ct-b": "0.165"}
@@ -91,15 +91,22 @@ def test_reference_host_predictions_land_near_the_seeds_measurements():
     assert checks["store-odirect"].verdict == Verdict.OK
 
 
-def test_desktop_with_one_gen4_nvme_and_64_gb_fits_only_nvme_which_is_not_served_yet():
+def test_desktop_with_one_gen4_nvme_and_64_gb_runs_nvme_exact_and_shows_nvme_as_not_served():
     host, plan, checks = doctor("desktop-4090-gen4-64g")
-    # exact needs 111 GiB of RAM; nvme fits, but this build's GPU engine refuses it: demo only
-    assert plan.mode is None and plan.planned == Mode.NVME
-    assert plan.headline.startswith("no mode this build serves fits this host (exact: needs ")
+    # exact and fast need 111 GiB of RAM; of the store modes, nvme is faster, but this build's
+    # GPU engine does not serve it yet: nvme-exact is what runs
+    assert plan.mode == Mode.NVME_EXACT and plan.planned == Mode.NVME
+    assert plan.headline.startswith("nvme-exact: 9.0 tok/s decode at concurrency 1")
     assert "nvme would give 11.3 tok/s, but this build's GPU engine does not serve it yet" in (
         plan.headline
     )
-    assert plan.steps == ["glm53 serve --demo"]
+    assert plan.steps == [
+        "glm53 download --dir /var/lib/glm53/GLM-5.3-Flash-exl3-3.05bpw",
+        "glm53 store pack --model /var/lib/glm53/GLM-5.3-Flash-exl3-3.05bpw "
+        "--out /var/lib/glm53/glm53-store",
+        "glm53 serve --model /var/lib/glm53/GLM-5.3-Flash-exl3-3.05bpw --mode nvme-exact "
+        "--store /var/lib/glm53/glm53-store --ram-cap 33.5G --ec-max-slots 1376",
+    ]
     for mode in (Mode.EXACT, Mode.FAST):
         assert not option(plan, mode).feasible
         assert checks[f"ram-{mode}"].verdict == Verdict.FAIL
@@ -136,10 +143,11 @@ def test_machine_without_a_gpu_is_demo_only():
     assert checks["swap"].verdict == Verdict.OK
 
 
-def test_blackwell_host_via_nvml_runs_exact_predicts_fast_and_proposes_a_raid0():
+def test_blackwell_host_via_nvml_runs_fast_and_proposes_a_raid0():
     host, plan, checks = doctor("blackwell-5090-192g-idle-nvme")
     assert host.gpus[0].source == "nvml" and host.gpus[0].compute_capability == "12.0"
-    assert plan.mode == Mode.EXACT and plan.planned == Mode.FAST
+    assert plan.mode == Mode.FAST and plan.planned is None
+    assert plan.exact_alternative == Mode.EXACT
     fast = option(plan, Mode.FAST)
     assert not any("ct-swz" in flag for flag in fast.flags)  # no second copy, nothing to turn off
     assert fast.host_ram_bytes < 112 * GIB
@@ -203,7 +211,7 @@ def test_report_json_holds_probes_checks_and_plan():
     host, plan, checks = doctor("desktop-4090-gen4-64g")
     doc = msgspec.json.decode(to_json(DoctorReport(host, list(checks.values()), plan)))
     assert set(doc) == {"host", "checks", "plan"}
-    assert (doc["plan"]["mode"], doc["plan"]["planned"]) == (None, "nvme")
+    assert (doc["plan"]["mode"], doc["plan"]["planned"]) == ("nvme-exact", "nvme")
     assert doc["host"]["gpus"][0]["processes"][0]["name"] == "/usr/lib/xorg/Xorg"
     assert {"name", "verdict", "detail", "fix"} <= set(doc["checks"][0])
 

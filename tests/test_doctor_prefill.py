@@ -120,7 +120,7 @@ def test_doctor_json_gives_every_mode_its_prefill_outlook(capsys):
         outlook = o["prefill"]
         assert outlook["chunk_tokens"] == 2048
         assert outlook["layer_major"] == LAYER_MAJOR_STATUS
-        assert "not in the GPU engine yet" in outlook["layer_major"]
+        assert "--allow-unrun-modes" in outlook["layer_major"]
         assert [r["prompt_tokens"] for r in outlook["rows"]] == [512, 2048, 8192, 32768, 131072]
         assert set(outlook["rows"][0]) == set(PrefillRow.__struct_fields__)
     exact = next(o for o in feasible if o["mode"] == "exact")
@@ -129,12 +129,14 @@ def test_doctor_json_gives_every_mode_its_prefill_outlook(capsys):
     assert row8k["states_placement"] == "vram" and row8k["states_bytes"] == 512 << 20
 
 
-def test_doctor_report_labels_layer_major_as_planned(capsys):
+def test_doctor_report_labels_layer_major_with_its_status(capsys):
     assert main(["doctor", "--replay", str(REF)]) == 0
     out = capsys.readouterr().out
-    assert "Prefill of exact by prompt length (predicted tok/s, 2,048-token chunks)" in out
-    assert "layer-major*" in out and "planned (issue 18)" in out
-    assert "not in the GPU engine yet" in " ".join(out.split())
+    assert "Prefill of fast by prompt length (predicted tok/s, 2,048-token chunks)" in out
+    assert "layer-major*" in out
+    assert "written, not yet run on a GPU: exact mode with --prefill layer-major" in " ".join(
+        out.split()
+    )
 
 
 def test_nvme_prefill_reads_the_store_once_per_layer_in_layer_major_order():

@@ -1,5 +1,5 @@
 """The planner's prefill model per prompt length: chunk-major prefill (what the GPU engine runs),
-layer-major prefill (issue 18: planned, not in the GPU engine yet) and the one-pass stream
+layer-major prefill (issue 28: written, its GPU tests not yet run) and the one-pass stream
 bound the issue's benchmark ratios are taken against.
 
 Touched experts. Each token of a layer picks expert e with probability r_e, its rate on the
@@ -50,7 +50,10 @@ from glm53.plan.layer_major import (
 
 PREFILL_PROMPTS = (512, 2048, 8192, 32768, 131072)
 CHUNK_TOKENS = 2048  # serve's --chunk-size default (exllamav3's too)
-LAYER_MAJOR_STATUS = "planned (issue 18), not in the GPU engine yet: serve runs chunk-major prefill"
+LAYER_MAJOR_STATUS = (
+    "written, not yet run on a GPU: exact mode with --prefill layer-major --allow-unrun-modes; "
+    "serve runs chunk-major prefill by default"
+)
 
 
 class PrefillRow(msgspec.Struct, frozen=True):
@@ -62,7 +65,7 @@ class PrefillRow(msgspec.Struct, frozen=True):
     touched_per_layer_prompt: float  # ... the whole prompt touches
     compute_tok_s: float  # the GPU's compute alone: no prefill is faster
     chunk_major_tok_s: float  # built: what serve runs
-    layer_major_tok_s: float | None  # planned (issue 18); None: no VRAM for its buffers
+    layer_major_tok_s: float | None  # --prefill layer-major; None: no VRAM for its buffers
     stream_once_tok_s: float  # every touched expert crosses the link once
     states_bytes: int  # layer-major's hidden states; 0 on the normal path
     states_placement: str  # "vram", "pinned", "normal path" (one chunk) or "no VRAM room"
@@ -71,7 +74,7 @@ class PrefillRow(msgspec.Struct, frozen=True):
 
 class PrefillOutlook(msgspec.Struct, frozen=True):
     chunk_tokens: int
-    layer_major: str  # its status: planned, not built
+    layer_major: str  # its status: written, behind --allow-unrun-modes
     rows: list[PrefillRow]
 
 
