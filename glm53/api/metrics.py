@@ -179,7 +179,7 @@ class Metrics:
 # Fast mode's counts from the GPU engine's stats()["lane"] (its FastLane), as counters
 LANE_COUNTS = {
     "fallbacks": "Fast mode: decode MoE layers whose CPU-lane share missed its wait and was "
-    "recomputed on the GPU (counted on the device; fast mode has not yet run on a GPU).",
+    "recomputed on the GPU (counted on the device).",
     "jobs": "Fast mode: MoE jobs the CPU lane computed.",
 }
 

@@ -23,6 +23,7 @@ from glm53 import _gemv
 from glm53.errors import Glm53Error
 from glm53.models.exl3 import MUL1_MULT, Exl3Weights, decode_states, tc_perm
 from glm53.models.exl3 import _blocks as _hadamard_blocks
+from glm53.modes import lane_runs_beside_gpu
 
 log = logging.getLogger(__name__)
 
@@ -350,7 +351,7 @@ def lane_precision(setting: str, engine: str, mode: str) -> str:
         )
     if setting != "auto":
         return setting
-    return "fast" if engine == "gpu" and mode in ("fast", "nvme") else "exact"
+    return "fast" if lane_runs_beside_gpu(engine, mode) else "exact"
 
 
 def kernel_name(variant: int, precision: int) -> str:
