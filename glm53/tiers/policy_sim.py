@@ -2,13 +2,16 @@
 
 A trace is what the RAM tier sees: per MoE layer and forward, the distinct experts that the
 VRAM cache did not hold (glm53.tiers.gpu_home.RamHome.resolve's `need`), as one wave of keys
-(`moe_index * num_experts + expert`, the tier's keys). Three policies replay it at the same
+(`moe_index * num_experts + expert`, the tier's keys). Four policies replay it at the same
 number of slots and count hits (a key of a wave already resident):
 
-- `replay_ram_tier`: the tier's policy itself, the compiled CLOCK table (glm53._clock.Clock)
-  driven as RamTier.make_resident drives it: one `batch_into` per wave (hits first, misses
-  admitted evicting by CLOCK, never a slot of the same wave); keys a full wave could not place
-  go in further waves, as the CPU engine's caller does.
+- `replay_ram_tier`: the tier's policy itself, the compiled table RamTier holds
+  (glm53.tiers.ram_tier.tier_table: CLOCK with admission by frequency, pyx/clock.h) driven as
+  RamTier.make_resident drives it: one `batch_into` per wave (hits first, misses admitted,
+  never into a slot of the same wave); keys a full wave could not place go in further waves,
+  as the CPU engine's caller does.
+- `replay_wave_clock`: the same waves through a plain CLOCK table (the tier's policy before
+  frequency admission).
 - `replay_clock`: plain CLOCK, one key at a time (`lookup`, then `admit` on a miss), with no
   protection of the wave's other keys.
 - `replay_belady`: Belady's MIN over the waves laid end to end: a miss is admitted, evicting
@@ -28,6 +31,7 @@ import msgspec
 import numpy as np
 
 from glm53 import _clock
+from glm53.tiers.ram_tier import tier_table
 
 
 class PolicyResult(msgspec.Struct, frozen=True):
@@ -66,20 +70,17 @@ def _checked(waves, num_keys: int) -> list[np.ndarray]:
 
 
 def replay_ram_tier(waves, num_slots: int, num_keys: int) -> PolicyResult:
-    waves = _checked(waves, num_keys)
-    clock = _clock.Clock(num_slots, num_keys)
-    keys = np.empty(num_keys, dtype=np.int32)
-    slots = np.empty(num_keys, dtype=np.int32)
-    evicted = np.empty(num_keys, dtype=np.int32)
-    hits = accesses = 0
-    for wave in waves:
-        accesses += len(wave)
-        rest = wave
-        while len(rest):
-            _, n_hits, n_admitted = clock.batch_into(rest, keys, slots, evicted)
-            hits += n_hits
-            rest = keys[n_hits + n_admitted : len(rest)].copy()
-    return PolicyResult(hits, accesses)
+    return replay_waves(waves, tier_table(num_slots, num_keys))
+
+
+def replay_wave_clock(waves, num_slots: int, num_keys: int) -> PolicyResult:
+    return replay_waves(waves, _clock.Clock(num_slots, num_keys))
+
+
+def replay_waves(waves, clock: _clock.Clock) -> PolicyResult:
+    """Replay the waves through a table as RamTier.make_resident drives it."""
+    hits = hits_per_wave(waves, clock)
+    return PolicyResult(int(hits.sum()), sum(len(w) for w in waves))
 
 
 def replay_clock(waves, num_slots: int, num_keys: int) -> PolicyResult:
@@ -122,6 +123,39 @@ def replay_belady(waves, num_slots: int, num_keys: int) -> PolicyResult:
         resident[key] = next_use[i]
         heapq.heappush(farthest, (-next_use[i], key))
     return PolicyResult(hits, len(seq))
+
+
+def with_burst(waves, at: int, burst: list[np.ndarray]) -> list[np.ndarray]:
+    """The waves with a burst (a long prompt's prefill: waves of keys seen once) put in
+    before wave `at`."""
+    return list(waves[:at]) + [np.asarray(w, dtype=np.int32) for w in burst] + list(waves[at:])
+
+
+def prefill_burst(num_keys: int, num_experts: int, share: float, seed: int) -> list[np.ndarray]:
+    """One prefill chunk's waves as the tier sees them: per MoE layer, in layer order, one wave
+    of `share` of the layer's experts, drawn at random and in random order."""
+    rng = np.random.default_rng(seed)
+    count = max(1, round(share * num_experts))
+    return [
+        (layer * num_experts + rng.permutation(num_experts)[:count]).astype(np.int32)
+        for layer in range(num_keys // num_experts)
+    ]
+
+
+def hits_per_wave(waves, clock: _clock.Clock) -> np.ndarray:
+    """replay_waves, with the hits of each wave (int64 [len(waves)])."""
+    waves = _checked(waves, clock.n_keys)
+    keys = np.empty(clock.n_keys, dtype=np.int32)
+    slots = np.empty(clock.n_keys, dtype=np.int32)
+    evicted = np.empty(clock.n_keys, dtype=np.int32)
+    out = np.zeros(len(waves), dtype=np.int64)
+    for i, wave in enumerate(waves):
+        rest = wave
+        while len(rest):
+            _, n_hits, n_admitted = clock.batch_into(rest, keys, slots, evicted)
+            out[i] += n_hits
+            rest = keys[n_hits + n_admitted : len(rest)].copy()
+    return out
 
 
 def misses_after_vram(
