@@ -279,12 +279,13 @@ static inline void mark_hit(g53_clock *c, int32_t s) {
 // Frequency mode, a miss of key with no free slot and a victim v found by the hand: the key
 // takes v's slot if it was accessed more often than v's key; else it goes on probation, in
 // the slot of the newest probation member not placed by this batch (v keeps its slot), or in
-// v's slot when there is none. Returns the slot.
+// v's slot when there is none, and the hand goes back to v. Returns the slot.
 static inline int32_t contest(g53_clock *c, int32_t key, int32_t v, int *on_probation) {
     *on_probation = 0;
     if (c->freq[key] > c->freq[c->key_of[v]]) return v;
     c->fn.rejected++;
     *on_probation = 1;
+    c->hand = v;  // the hand rests on v: the next miss is weighed against it first
     int32_t p = prob_victim(c);
     return p >= 0 ? p : v;
 }

@@ -26,8 +26,8 @@ def test_a_miss_no_more_frequent_than_the_victim_goes_on_probation():
     # key 5's count 1 is not above key 1's 1: probation, and with no member yet, slot 1
     assert (b.keys.tolist(), b.slots.tolist(), b.evicted.tolist()) == ([5], [1], [1])
     assert c.on_probation(1) and not c.on_probation(0)
-    # key 6 (count 1) loses to the hand's victim, slot 0 (key 0, count 2): it takes the newest
-    # probation member's slot, evicting key 5, and key 0 stays
+    # the hand rests on slot 1: key 6 (count 1) loses to key 5 there (count 1) and takes the
+    # newest probation member's slot, the same one, evicting key 5; key 0 stays
     b = c.batch([6])
     assert (b.slots.tolist(), b.evicted.tolist()) == ([1], [5])
     assert c.key_of(0) == 0 and c.counters()["rejected"] == 2
@@ -53,8 +53,10 @@ def test_the_reference_count_saturates_and_the_hand_lowers_it():
     for _ in range(5):
         c.batch([0])
     assert c.ref_bit(0) == 2
-    c.batch([9])  # the hand lowers slot 0 to 1 and takes slot 1 (count 0)
-    assert c.ref_bit(0) == 1 and c.hand == 0
+    c.batch([9])  # the hand lowers slot 0 to 1 and takes slot 1 (count 0), key 1 as its
+    # victim: key 9 (count 1) does not beat key 1 (1), so it goes on probation, in slot 1 (no
+    # other member), and the hand rests there
+    assert c.ref_bit(0) == 1 and c.key_of(1) == 9 and c.hand == 1
 
 
 def test_counts_age_every_freq_window_accesses():

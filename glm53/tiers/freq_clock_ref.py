@@ -64,6 +64,7 @@ class FreqClockRef(ClockRef):
         if self.freq[key] > self.freq[self.key_of_slot[v]]:
             return v, False
         self.counters["rejected"] += 1
+        self.hand = v  # the hand rests on v: the next miss is weighed against it first
         for p in reversed(self.probation):  # newest first, placed before this call
             if p not in self._batch_pushed and self.pins[p] == 0:
                 return p, True
