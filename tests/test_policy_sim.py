@@ -174,3 +174,37 @@ def test_the_tiers_replay_counts_the_hits_a_real_ram_tier_has(small_store):
     assert real_hits > 0  # the trace revisits experts the tier still holds
     assert got.hits == real_hits
     assert got.accesses == sum(len(w) for w in waves)
+
+
+def test_a_real_ram_tier_keeps_its_hot_experts_through_a_burst(small_store):
+    """Through RamTier.make_resident (real O_DIRECT reads from a packed store): three experts
+    decoded again and again, then a burst of every other expert of both MoE layers once, in
+    waves of three (a wave per layer it touches); the hot experts keep their slots and bytes,
+    and lead the heat list."""
+    from glm53.store.reader import ExpertStore
+    from glm53.tiers.ram_tier import RamTier
+
+    store = ExpertStore(small_store)
+    tier = RamTier(store, ram_cap_bytes=6 * store.record_bytes)
+    first, second = store.moe_layers
+    hot = np.array([5, 1, 6], dtype=np.int32)
+    try:
+        for _ in range(4):
+            r = tier.make_resident(first, hot)
+        slots = {int(e): int(s) for e, s in zip(r.experts, r.slots, strict=True)}
+        records = {e: tier.record(s).copy() for e, s in slots.items()}
+        burst = [(first, e) for e in range(EXPERTS) if e not in slots]
+        burst += [(second, e) for e in range(EXPERTS)]
+        for i in range(0, len(burst), 3):
+            part = burst[i : i + 3]
+            for layer in dict.fromkeys(layer for layer, _ in part):
+                experts = np.array([e for lay, e in part if lay == layer], dtype=np.int32)
+                assert tier.make_resident(layer, experts).num_admitted == len(experts)
+        base = tier.moe_index[first] * EXPERTS
+        for e, s in slots.items():
+            assert tier.clock.slot_of(base + e) == s
+            assert np.array_equal(tier.record(s), records[e])
+        assert sorted(tier.heat_list()[:3]) == sorted((base + hot).tolist())
+        assert tier.counters()["rejected"] > 0
+    finally:
+        tier.close()
