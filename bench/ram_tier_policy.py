@@ -20,6 +20,12 @@ layer of SHARE of its experts, each key once: policy_sim.prefill_burst) and repo
 table, the share of its resident keys that the burst left resident and the hit rate on the
 next --burst-tokens tokens' waves, with and without the burst.
 
+--warm (synthetic) also measures a warm start, as the engine makes one from the heat list it
+saved at its last close: twice --streams streams are drawn from the same model; the second
+half is the earlier run, replayed through the tier's table, whose residents hottest first
+(ram_tier.heat_order) seed the tier's and wave CLOCK's tables (Clock.seed) before the first
+half is replayed; Belady starts from the same keys.
+
 --streams, --seed, --vram-share and --ram-share take comma-separated lists; more than one case
 puts each case's figures and ratios under figures.cases and the worst of them at the top.
 
@@ -43,7 +49,7 @@ from benchlib import git_commit
 
 from glm53 import _clock
 from glm53.tiers import policy_sim
-from glm53.tiers.ram_tier import POLICY, tier_table
+from glm53.tiers.ram_tier import POLICY, heat_order, tier_table
 
 REAL_24GB_SHARE = 1376 / 12096  # the 24 GB RTX 3090's VRAM slots of GLM-5.3-Flash's experts
 TABLES = {  # the policies replayed wave by wave through a compiled table
@@ -62,7 +68,10 @@ def synthetic_picks(args, streams: int, seed: int) -> list[np.ndarray]:
     ]
 
 
-def synthetic_trace(args, per_layer, vram_share: float) -> policy_sim.Trace:
+def synthetic_trace(args, per_layer, vram_share: float, streams=None) -> policy_sim.Trace:
+    """The RAM tier's trace of the picks' streams (all, or the `streams` slice)."""
+    if streams is not None:
+        per_layer = [p[streams] for p in per_layer]
     forwards = []
     for t in range(args.tokens):
         for layer, picks in enumerate(per_layer):
@@ -142,7 +151,25 @@ def burst_figures(trace, slots: int, share: float, seed: int, num_layers: int, t
     return out
 
 
-def one_case(trace, ram_share: float, args, num_layers: int) -> tuple[dict, dict]:
+def warm_figures(trace, earlier, slots: int) -> dict:
+    """Hit rates after a warm start from the heat list of an earlier run (`earlier`)."""
+    table = tier_table(slots, trace.num_keys)
+    policy_sim.hits_per_wave(earlier.waves, table)
+    heat = np.array(heat_order(table), dtype=np.int32)
+    rate = {}
+    for name, make in TABLES.items():
+        seeded = make(slots, trace.num_keys)
+        seeded.seed(heat)
+        rate[name] = policy_sim.replay_waves(trace.waves, seeded).hit_rate
+    rate["oracle"] = policy_sim.replay_belady(trace.waves, slots, trace.num_keys, heat).hit_rate
+    out = {f"{name}_hit_rate": r for name, r in rate.items()}
+    out["seeded"] = len(heat)
+    out["earlier_accesses"] = earlier.num_accesses
+    out["oracle_minus_ram_tier_points"] = 100 * (rate["oracle"] - rate["ram_tier"])
+    return out
+
+
+def one_case(trace, ram_share: float, args, num_layers: int, earlier=None) -> tuple[dict, dict]:
     slots = max(1, round(ram_share * trace.num_keys))
     results = {}
     for name, make in TABLES.items():
@@ -171,6 +198,8 @@ def one_case(trace, ram_share: float, args, num_layers: int) -> tuple[dict, dict
             },
         }
     )
+    if earlier is not None:
+        figures["warm"] = warm_figures(trace, earlier, slots)
     if args.burst:
         figures["burst"] = burst_figures(
             trace, slots, args.burst, args.seed[0], num_layers, args.burst_tokens
@@ -219,8 +248,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "mid-trace and report the hit rates after it (0: none)")  # fmt: skip
     ap.add_argument("--burst-tokens", type=int, default=16,
                     help="the decode tokens after the burst whose hit rate is reported")  # fmt: skip
+    ap.add_argument("--warm", action="store_true",
+                    help="synthetic: also measure a warm start from an earlier run's heat list")  # fmt: skip
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if args.warm and args.trace:
+        ap.error("--warm needs the synthetic trace (it draws the earlier run's streams)")
     for share in args.ram_share:
         if not 0 < share <= 1:
             ap.error(f"--ram-share {share} must be in (0, 1]")
@@ -234,22 +267,27 @@ def main(argv=None) -> None:
     cases = []  # (case fields, trace)
     if args.trace:
         trace = policy_sim.read_trace(args.trace)
-        cases += [({"trace": args.trace, "ram_share": r}, trace) for r in args.ram_share]
+        cases += [({"trace": args.trace, "ram_share": r}, trace, None) for r in args.ram_share]
         num_layers = trace.num_keys // trace.num_experts
     else:
         num_layers = args.layers
         for streams, seed in itertools.product(args.streams, args.seed):
-            picks = synthetic_picks(args, streams, seed)
+            # with --warm, streams [streams, 2 * streams) are the earlier run (the first
+            # `streams` are drawn exactly as without it)
+            picks = synthetic_picks(args, 2 * streams if args.warm else streams, seed)
             for vram in args.vram_share:
-                trace = synthetic_trace(args, picks, vram)
+                trace = synthetic_trace(args, picks, vram, slice(0, streams))
+                earlier = None
+                if args.warm:
+                    earlier = synthetic_trace(args, picks, vram, slice(streams, 2 * streams))
                 if args.write_trace and not cases:
                     policy_sim.write_trace(args.write_trace, trace)
                 for r in args.ram_share:
                     case = {"streams": streams, "seed": seed, "vram_share": vram, "ram_share": r}
-                    cases.append((case, trace))
+                    cases.append((case, trace, earlier))
     out = []
-    for case, trace in cases:
-        figures, ratios = one_case(trace, case["ram_share"], args, num_layers)
+    for case, trace, *earlier in cases:
+        figures, ratios = one_case(trace, case["ram_share"], args, num_layers, *earlier)
         out.append({"case": case, "figures": figures, "ratios": ratios})
         if not args.json:
             print(f"{case}: {trace.num_accesses} accesses in {len(trace.waves)} waves, "
@@ -257,6 +295,11 @@ def main(argv=None) -> None:
             for name in ("ram_tier", "wave_clock", "clock", "oracle"):
                 print(f"  {name:10} {figures['hits'][name]:9d} hits  "
                       f"{100 * figures[f'{name}_hit_rate']:6.2f} %")  # fmt: skip
+            if "warm" in figures:
+                warm = figures["warm"]
+                print("  warm start: " + "  ".join(
+                    f"{name} {100 * warm[f'{name}_hit_rate']:6.2f} %"
+                    for name in ("ram_tier", "wave_clock", "oracle")))  # fmt: skip
     if len(out) == 1:
         figures, ratios = out[0]["figures"], out[0]["ratios"]
     else:
@@ -266,6 +309,10 @@ def main(argv=None) -> None:
             "max_oracle_minus_ram_tier_points": worst["figures"]["oracle_minus_ram_tier_points"],
             "worst_case": worst["case"],
         }
+        if args.warm:
+            figures["max_oracle_minus_ram_tier_points_warm"] = max(
+                c["figures"]["warm"]["oracle_minus_ram_tier_points"] for c in out
+            )
         ratios = {
             "ram_tier_vs_oracle_min": min(c["ratios"]["ram_tier_vs_oracle"] for c in out),
             "ram_tier_vs_wave_clock_min": min(c["ratios"]["ram_tier_vs_wave_clock"] for c in out),
@@ -282,6 +329,8 @@ def main(argv=None) -> None:
         "host": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
         "python": platform.python_version(),
     }
+    if args.warm:
+        config["warm"] = "the heat list of an earlier run of as many streams, same model"
     if not args.trace:
         config["synthetic"] = {
             k: getattr(args, k) for k in ("layers", "experts", "top_k", "hidden", "tokens")

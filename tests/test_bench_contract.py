@@ -326,6 +326,11 @@ def test_ram_tier_policy_contract(tmp_path):
     assert cfg["ram_tier_policy"]["policy"] == "freq"
     again = run_bench("ram_tier_policy", "--trace", str(trace))
     assert again["figures"]["hits"] == f["hits"] and again["config"]["trace"] == str(trace)
+    warm = run_bench("ram_tier_policy", *synthetic, "--warm")
+    assert warm["figures"]["hits"] == f["hits"]  # the measured streams are drawn the same
+    w = warm["figures"]["warm"]
+    assert 0 < w["seeded"] <= 45 and w["earlier_accesses"] > 0
+    assert w["oracle_hit_rate"] >= max(w["ram_tier_hit_rate"], w["wave_clock_hit_rate"])
     # several cases: each under figures.cases, the worst at the top
     both = run_bench("ram_tier_policy", "--trace", str(trace), "--ram-share", "0.4,0.7")
     cases = both["figures"]["cases"]

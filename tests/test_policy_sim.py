@@ -88,6 +88,40 @@ def test_belady_has_at_least_the_hits_of_every_other_policy(trace):
         assert got.hits <= best.hits, replay.__name__
 
 
+@settings(max_examples=200, deadline=None)
+@given(traces(), st.data())
+def test_belady_from_a_warm_start_has_at_least_the_hits_of_the_seeded_tables(trace, data):
+    waves, num_slots, num_keys = trace
+    waves = waves_of(*waves)
+    initial = data.draw(st.lists(st.integers(0, num_keys - 1), unique=True, max_size=num_slots))
+    best = replay_belady(waves, num_slots, num_keys, initial)
+    for make in (policy_sim.tier_table, policy_sim._clock.Clock):
+        table = make(num_slots, num_keys)
+        table.seed(np.array(initial, dtype=np.int32))
+        assert policy_sim.replay_waves(waves, table).hits <= best.hits
+
+
+def test_belady_from_a_warm_start_counts_the_seeded_keys_first_uses_as_hits():
+    # 2 slots holding 1 and 2: 1 and 2 hit, 3 evicts 1 (not used again), 2 hits
+    waves = waves_of([1], [2], [3], [2])
+    assert replay_belady(waves, 2, 4, [1, 2]) == PolicyResult(3, 4)
+    assert replay_belady(waves, 2, 4) == PolicyResult(1, 4)
+    with pytest.raises(ValueError, match=r"^initial keys must be distinct keys in \[0, 4\)$"):
+        replay_belady(waves, 2, 4, [1, 1])
+    with pytest.raises(ValueError, match=r"^3 initial keys do not fit in 2 slots$"):
+        replay_belady(waves, 2, 4, [0, 1, 2])
+
+
+def test_the_heat_order_puts_the_most_accessed_keys_first():
+    from glm53.tiers.ram_tier import heat_order
+
+    table = policy_sim.tier_table(3, 10)
+    for wave in ([4, 7, 9], [7], [7, 9], [9], [9]):
+        table.batch(np.array(wave, dtype=np.int32))
+    assert [table.freq_of(k) for k in (9, 7, 4)] == [4, 3, 1]
+    assert heat_order(table) == [9, 7, 4]
+
+
 def skewed_waves(rng, count, num_keys, width):
     """Waves of `width` distinct keys drawn with a Zipf-like skew (weight 1 / rank)."""
     weights = 1.0 / np.arange(1, num_keys + 1)

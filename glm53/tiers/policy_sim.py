@@ -16,7 +16,8 @@ number of slots and count hits (a key of a wave already resident):
   protection of the wave's other keys.
 - `replay_belady`: Belady's MIN over the waves laid end to end: a miss is admitted, evicting
   the resident key whose next use is farthest (never used again counts as farthest). No
-  demand-paging policy has more hits on the same sequence, so it bounds both others.
+  demand-paging policy has more hits on the same sequence, so it bounds the others. Given the
+  keys a warm start placed (`initial`), it starts from them, as the others do after `seed`.
 
 Trace files (`write_trace`/`read_trace`) are .npz: `keys` (int32, the waves end to end),
 `wave_ends` (int64, the end of each wave in `keys`) and `num_keys`, `num_experts` (scalars).
@@ -78,7 +79,8 @@ def replay_wave_clock(waves, num_slots: int, num_keys: int) -> PolicyResult:
 
 
 def replay_waves(waves, clock: _clock.Clock) -> PolicyResult:
-    """Replay the waves through a table as RamTier.make_resident drives it."""
+    """Replay the waves through a table as RamTier.make_resident drives it (from whatever it
+    holds: a fresh table, or one seeded by a warm start)."""
     hits = hits_per_wave(waves, clock)
     return PolicyResult(int(hits.sum()), sum(len(w) for w in waves))
 
@@ -97,10 +99,17 @@ def replay_clock(waves, num_slots: int, num_keys: int) -> PolicyResult:
     return PolicyResult(hits, accesses)
 
 
-def replay_belady(waves, num_slots: int, num_keys: int) -> PolicyResult:
+def replay_belady(waves, num_slots: int, num_keys: int, initial=()) -> PolicyResult:
     waves = _checked(waves, num_keys)
     if num_slots < 1:
         raise ValueError(f"num_slots {num_slots} must be at least 1")
+    initial = np.asarray(initial, dtype=np.int64).reshape(-1)
+    if len(np.unique(initial)) != len(initial) or (
+        len(initial) and (initial.min() < 0 or initial.max() >= num_keys)
+    ):
+        raise ValueError(f"initial keys must be distinct keys in [0, {num_keys})")
+    if len(initial) > num_slots:
+        raise ValueError(f"{len(initial)} initial keys do not fit in {num_slots} slots")
     seq = np.concatenate(waves).tolist() if waves else []
     never = len(seq)  # farther than any real next use
     next_use = [never] * len(seq)
@@ -108,8 +117,10 @@ def replay_belady(waves, num_slots: int, num_keys: int) -> PolicyResult:
     for i in range(len(seq) - 1, -1, -1):
         next_use[i] = seen.get(seq[i], never)
         seen[seq[i]] = i
-    resident: dict[int, int] = {}  # key -> its next use
-    farthest: list[tuple[int, int]] = []  # (-next use, key), stale entries skipped on pop
+    # key -> its next use; the warm start's keys are next used at their first use
+    resident: dict[int, int] = {k: seen.get(k, never) for k in initial.tolist()}
+    farthest = [(-use, k) for k, use in resident.items()]  # (-next use, key), stale skipped
+    heapq.heapify(farthest)
     hits = 0
     for i, key in enumerate(seq):
         if key in resident:

@@ -42,6 +42,18 @@ def tier_table(num_slots: int, num_keys: int) -> _clock.Clock:
     return _clock.Clock(num_slots, num_keys, **POLICY)
 
 
+def heat_order(clock: _clock.Clock) -> list[int]:
+    """A table's resident keys hottest first: by access count, highest first (policy "freq"),
+    ties in the reverse of CLOCK's eviction order from its hand (vram_cache.clock_heat_order)."""
+    from glm53.tiers.vram_cache import clock_heat_order
+
+    slots = range(clock.n_slots)
+    keys = [clock.key_of(s) for s in slots]
+    refs = [clock.ref_bit(s) if keys[s] >= 0 else 0 for s in slots]
+    counts = clock.freq_counts() if clock.policy == "freq" else None
+    return clock_heat_order(keys, refs, clock.hand, counts)
+
+
 class TierError(RuntimeError, Glm53Error):
     """The RAM tier cannot serve a request; the message names the setting and the fix."""
 
@@ -211,16 +223,9 @@ class RamTier:
             ) from None
 
     def heat_list(self) -> list[int]:
-        """The resident keys hottest first: by access count, highest first, ties in the reverse
-        of CLOCK's eviction order from its hand (vram_cache.clock_heat_order), leaving out
-        experts whose reads timed out."""
-        from glm53.tiers.vram_cache import clock_heat_order
-
-        slots = range(self.num_slots)
-        keys = [self.clock.key_of(s) for s in slots]
-        refs = [self.clock.ref_bit(s) if keys[s] >= 0 else 0 for s in slots]
-        order = clock_heat_order(keys, refs, self.clock.hand, self.clock.freq_counts())
-        return [k for k in order if k not in self._stuck_keys]
+        """The resident keys hottest first (heat_order: by access count, ties in the reverse of
+        CLOCK's eviction order), leaving out experts whose reads timed out."""
+        return [k for k in heat_order(self.clock) if k not in self._stuck_keys]
 
     def seed(self, keys, batch: int = 64) -> dict:
         """Warm start an empty tier from a heat list (hottest first): as many keys as there are
