@@ -313,6 +313,15 @@ def main(argv=None) -> None:
             figures["max_oracle_minus_ram_tier_points_warm"] = max(
                 c["figures"]["warm"]["oracle_minus_ram_tier_points"] for c in out
             )
+        if not args.trace:  # the worst case at each VRAM share (the 24 GB card's first)
+            figures["max_oracle_minus_ram_tier_points_by_vram_share"] = {
+                f"{vram:.4f}": max(
+                    c["figures"]["oracle_minus_ram_tier_points"]
+                    for c in out
+                    if c["case"]["vram_share"] == vram
+                )
+                for vram in args.vram_share
+            }
         ratios = {
             "ram_tier_vs_oracle_min": min(c["ratios"]["ram_tier_vs_oracle"] for c in out),
             "ram_tier_vs_wave_clock_min": min(c["ratios"]["ram_tier_vs_wave_clock"] for c in out),

@@ -338,6 +338,7 @@ def test_ram_tier_policy_contract(tmp_path):
     assert cases[1]["figures"]["hits"] == f["hits"]
     worst = max(c["figures"]["oracle_minus_ram_tier_points"] for c in cases)
     assert both["figures"]["max_oracle_minus_ram_tier_points"] == worst
+    assert "max_oracle_minus_ram_tier_points_by_vram_share" not in both["figures"]  # a file
     assert both["ratios"]["ram_tier_vs_oracle_min"] == min(
         c["ratios"]["ram_tier_vs_oracle"] for c in cases
     )
