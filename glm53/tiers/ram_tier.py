@@ -9,9 +9,10 @@ arrays. Owned by the engine thread (the CLOCK table has one owner, pyx/clock.h).
 The tier sees the VRAM cache's misses: recency is weak there (the VRAM cache keeps the recent
 picks) and frequency strong (the routers' skew is stationary), so a miss evicts the hand's
 victim only if it was picked more often; else it goes on probation, where keys seen once (a
-long prompt's prefill) evict one another instead of the frequent ones. Plain CLOCK at 40 % of
-the experts in RAM: 58.8-64.5 % of the misses hit, this policy 65.1-73.9 %, Belady's offline
-optimum 75.0-84.1 % (bench/ram_tier_policy.py, docs/cpu-engine.md has the table).
+long prompt's prefill) evict one another instead of the frequent ones. Below a 24 GB card's
+VRAM cache, with 40 % of the experts in RAM, plain CLOCK hits 58.8-64.6 % of the misses, this
+policy 65.4-74.2 %, Belady's offline optimum 75.0-84.1 % (bench/ram_tier_policy.py;
+docs/cpu-engine.md has the table, and the case where plain CLOCK does better).
 """
 
 from __future__ import annotations
