@@ -5,7 +5,11 @@ import numpy as np
 import numpy.typing as npt
 
 COUNTER_NAMES: tuple[str, ...]
+FREQ_COUNTER_NAMES: tuple[str, ...]
+POLICIES: tuple[str, ...]
 MAX_SIZE: int
+MAX_COUNT: int
+FREQ_WINDOW_PER_SLOT: int
 
 class ClockBatch(NamedTuple):
     keys: npt.NDArray[np.int32]
@@ -17,7 +21,16 @@ class ClockBatch(NamedTuple):
 class Clock:
     n_slots: int
     n_keys: int
-    def __init__(self, n_slots: int, n_keys: int) -> None: ...
+    policy: str
+    def __init__(
+        self,
+        n_slots: int,
+        n_keys: int,
+        *,
+        policy: str = "clock",
+        max_count: int = 3,
+        freq_window: int | None = None,
+    ) -> None: ...
     def lookup(self, key: int) -> int: ...
     def admit(self, key: int) -> tuple[int, int]: ...
     def remove(self, key: int) -> int: ...
@@ -29,6 +42,10 @@ class Clock:
     def slot_of(self, key: int) -> int: ...
     def key_of(self, slot: int) -> int: ...
     def ref_bit(self, slot: int) -> int: ...
+    def freq_of(self, key: int) -> int: ...
+    def freq_counts(self) -> npt.NDArray[np.uint32]: ...
+    def on_probation(self, slot: int) -> bool: ...
+    def freq_info(self) -> dict[str, int]: ...
     def batch_into(
         self,
         picks: npt.NDArray[np.int32],

@@ -1,6 +1,7 @@
-"""CLOCK table of expert slots: a thin door onto pyx/clock.c (the policy is in pyx/clock.h)."""
+"""CLOCK table of expert slots, plain or with frequency admission (policy="freq", the RAM tier's):
+a thin door onto pyx/clock.c (both policies are in pyx/clock.h)."""
 
-from libc.stdint cimport int32_t, uintptr_t
+from libc.stdint cimport int32_t, int64_t, uint32_t, uintptr_t
 
 from clock cimport *
 
@@ -16,7 +17,11 @@ sections [hits | admitted misses | misses not admitted]; slots is -1 for a miss 
 evicted is the key an admission displaced, else -1."""
 
 COUNTER_NAMES = ("hits", "misses", "admits", "evictions", "pinned_skips", "no_victim")
+FREQ_COUNTER_NAMES = ("rejected", "probation_hits", "agings")  # policy="freq" only
+POLICIES = ("clock", "freq")
 MAX_SIZE = 1 << 28
+MAX_COUNT = G53_CLOCK_MAX_COUNT
+FREQ_WINDOW_PER_SLOT = 32  # policy="freq": the counts age every 32 accesses per slot by default
 cdef int32_t NO_LIMIT = 2147483647
 
 
@@ -85,6 +90,12 @@ cdef _error_type(int rc):
 cdef class Clock:
     """CLOCK (second chance) table: n_slots slots holding integer keys in [0, n_keys).
 
+    policy="clock" (the default) is plain CLOCK. policy="freq" adds a count of accesses per key
+    (halved every freq_window accesses; default FREQ_WINDOW_PER_SLOT * n_slots, at least n_keys;
+    0: never), a reference count in [0, max_count] per slot, and admission by frequency: a miss
+    that is not more frequent than the hand's victim goes on probation and evicts the newest
+    probation member instead (pyx/clock.h has the policy exactly).
+
     Not thread-safe: one thread (the tier controller) owns a table. `handle` gives C code the
     table for nogil calls through pyx/clock.pxd; keep this object alive meanwhile.
     """
@@ -92,17 +103,40 @@ cdef class Clock:
     cdef g53_clock *_c
     cdef readonly int32_t n_slots
     cdef readonly int32_t n_keys
+    cdef readonly str policy
 
-    def __cinit__(self, long long n_slots, long long n_keys):
+    def __cinit__(self, long long n_slots, long long n_keys, *, str policy="clock",
+                  max_count=3, freq_window=None):
         if not 1 <= n_slots <= MAX_SIZE:
             raise ValueError(f"Clock: n_slots must be in [1, 2**28], got {n_slots}")
         if not 1 <= n_keys <= MAX_SIZE:
             raise ValueError(f"Clock: n_keys must be in [1, 2**28], got {n_keys}")
-        rc = g53_clock_create(<int32_t>n_slots, <int32_t>n_keys, &self._c)
+        if policy not in POLICIES:
+            raise ValueError(f"Clock: policy must be one of {', '.join(POLICIES)}, got "
+                             f"{policy!r}")
+        cdef g53_clock_freq_config cfg
+        if policy == "clock":
+            rc = g53_clock_create(<int32_t>n_slots, <int32_t>n_keys, &self._c)
+        else:
+            count = _as_int("__init__", "max_count", max_count)
+            if not 1 <= count <= MAX_COUNT:
+                raise ValueError(f"Clock: max_count must be in [1, {MAX_COUNT}], got "
+                                 f"{max_count}")
+            if freq_window is None:
+                window = max(FREQ_WINDOW_PER_SLOT * n_slots, n_keys)
+            else:
+                window = _as_int("__init__", "freq_window", freq_window)
+                if not 0 <= window < (1 << 62):
+                    raise ValueError(f"Clock: freq_window must be >= 0 (0: the counts never "
+                                     f"age), got {freq_window}")
+            cfg.max_count = <int32_t>count
+            cfg.freq_window = <int64_t>window
+            rc = g53_clock_create_freq(<int32_t>n_slots, <int32_t>n_keys, &cfg, &self._c)
         if rc:
             raise _error_type(rc)(f"Clock({n_slots}, {n_keys}): {g53_clock_strerror(rc).decode()}")
         self.n_slots = <int32_t>n_slots
         self.n_keys = <int32_t>n_keys
+        self.policy = policy
 
     def __dealloc__(self):
         g53_clock_destroy(self._c)
@@ -223,9 +257,50 @@ cdef class Clock:
         return k
 
     def ref_bit(self, slot):
+        """The slot's reference bit (policy="freq": its reference count, 0..max_count)."""
         cdef int32_t r
         g53_clock_ref_bit(self._c, self._slot("ref_bit", slot), &r)
         return r
+
+    # --- frequency mode -------------------------------------------------------------------
+
+    cdef _need_freq(self, str call):
+        if self.policy != "freq":
+            raise RuntimeError(f"Clock.{call}: this table is plain CLOCK; make it with "
+                               f"Clock(n_slots, n_keys, policy='freq')")
+
+    def freq_of(self, key):
+        """policy="freq": the key's access count (resident or not; no counter changes)."""
+        self._need_freq("freq_of")
+        cdef uint32_t f
+        g53_clock_freq_of(self._c, self._key("freq_of", key), &f)
+        return f
+
+    def freq_counts(self):
+        """policy="freq": every key's access count, uint32 [n_keys] (a copy)."""
+        self._need_freq("freq_counts")
+        out = np.empty(self.n_keys, np.uint32)
+        cdef uint32_t[::1] o = out
+        rc = g53_clock_freq_copy(self._c, &o[0], self.n_keys)
+        if rc:
+            raise self._fail(rc, "freq_counts", -1, -1)
+        return out
+
+    def on_probation(self, slot):
+        """policy="freq": whether the slot's key is on probation (lost its admission contest
+        and has not been hit since)."""
+        self._need_freq("on_probation")
+        cdef int32_t r
+        g53_clock_on_probation(self._c, self._slot("on_probation", slot), &r)
+        return bool(r)
+
+    def freq_info(self):
+        """policy="freq": {max_count, n_probation, freq_window, freq_events}."""
+        self._need_freq("freq_info")
+        cdef g53_clock_freq_info i
+        g53_clock_freq_info_get(self._c, &i)
+        return {"max_count": i.max_count, "n_probation": i.n_probation,
+                "freq_window": i.freq_window, "freq_events": i.freq_events}
 
     # --- batch ----------------------------------------------------------------------------
 
@@ -425,17 +500,25 @@ cdef class Clock:
         return self._info().n_used
 
     def counters(self):
-        """{hits, misses, admits, evictions, pinned_skips, no_victim}; see pyx/clock.h."""
+        """{hits, misses, admits, evictions, pinned_skips, no_victim}, and with policy="freq"
+        also {rejected, probation_hits, agings}; see pyx/clock.h."""
         cdef g53_clock_counters c
+        cdef g53_clock_freq_info f
         g53_clock_counters_get(self._c, &c)
-        return {"hits": c.hits, "misses": c.misses, "admits": c.admits,
-                "evictions": c.evictions, "pinned_skips": c.pinned_skips,
-                "no_victim": c.no_victim}
+        out = {"hits": c.hits, "misses": c.misses, "admits": c.admits,
+               "evictions": c.evictions, "pinned_skips": c.pinned_skips,
+               "no_victim": c.no_victim}
+        if self.policy == "freq":
+            g53_clock_freq_info_get(self._c, &f)
+            out.update(rejected=f.counters.rejected, probation_hits=f.counters.probation_hits,
+                       agings=f.counters.agings)
+        return out
 
     def reset_counters(self):
         g53_clock_counters_reset(self._c)
 
     def __repr__(self):
         cdef g53_clock_info i = self._info()
+        policy = "" if self.policy == "clock" else f", policy={self.policy!r}"
         return (f"Clock(n_slots={i.n_slots}, n_keys={i.n_keys}, n_active={i.n_active}, "
-                f"n_used={i.n_used}, n_pinned={i.n_pinned}, hand={i.hand})")
+                f"n_used={i.n_used}, n_pinned={i.n_pinned}, hand={i.hand}{policy})")

@@ -1,4 +1,4 @@
-// CLOCK table; the policy and the contract are in clock.h.
+// CLOCK table, plain or with frequency admission; the policies and the contract are in clock.h.
 #include "clock.h"
 
 #include <stdint.h>
@@ -23,6 +23,18 @@ struct g53_clock {
     uint32_t *slot_stamp;  // [n_slots]
     int32_t *miss_keys;    // [n_keys]
     g53_clock_counters n;
+    // Frequency mode (g53_clock_create_freq); plain CLOCK has freq == NULL and max_count 1.
+    uint8_t max_count;     // a hit raises a slot's count up to this; the hand lowers it
+    uint32_t *freq;        // [n_keys] accesses per key, halved every freq_window accesses
+    int64_t freq_window, freq_events;
+    // Probation: slots whose key lost its admission contest, a list oldest -> newest
+    // (prob_prev/prob_next, -1 ends; in_prob marks members). prob_cursor is the newest
+    // member placed before the current batch: the next probation victim is looked for
+    // from there towards the oldest, so a batch never takes back a slot it just filled.
+    int32_t *prob_prev, *prob_next;
+    uint8_t *in_prob;
+    int32_t prob_head, prob_tail, n_prob, prob_cursor;
+    g53_clock_freq_counters fn;
 };
 
 const char *g53_clock_strerror(int code) {
@@ -43,6 +55,7 @@ const char *g53_clock_strerror(int code) {
     case G53_CLOCK_E_DUPLICATE: return "key listed twice";
     case G53_CLOCK_E_OUT_SMALL: return "output array too short";
     case G53_CLOCK_E_PIN_OVERFLOW: return "pin count overflow";
+    case G53_CLOCK_E_NOT_FREQ: return "not a frequency table (made by g53_clock_create)";
     default: return "unknown g53_clock error code";
     }
 }
@@ -95,6 +108,10 @@ void g53_clock_destroy(g53_clock *c) {
     free(c->key_stamp);
     free(c->slot_stamp);
     free(c->miss_keys);
+    free(c->freq);
+    free(c->prob_prev);
+    free(c->prob_next);
+    free(c->in_prob);
     free(c);
 }
 
@@ -109,12 +126,19 @@ static void reset_slots(g53_clock *c) {
     for (int32_t s = c->n_active - 1; s >= 0; s--) free_set(c, s);
     c->n_used = 0;
     c->hand = 0;
+    if (c->in_prob) memset(c->in_prob, 0, (size_t)c->n_slots);
+    c->prob_head = c->prob_tail = c->prob_cursor = -1;
+    c->n_prob = 0;
 }
 
-int g53_clock_create(int32_t n_slots, int32_t n_keys, g53_clock **out) {
+static int create(int32_t n_slots, int32_t n_keys, const g53_clock_freq_config *cfg,
+                  g53_clock **out) {
     if (!out) return G53_CLOCK_E_ARG;
     *out = NULL;
     if (n_slots < 1 || n_keys < 1 || n_slots > G53_CLOCK_MAX_SIZE || n_keys > G53_CLOCK_MAX_SIZE)
+        return G53_CLOCK_E_ARG;
+    if (cfg && (cfg->max_count < 1 || cfg->max_count > G53_CLOCK_MAX_COUNT ||
+                cfg->freq_window < 0))
         return G53_CLOCK_E_ARG;
     g53_clock *c = calloc(1, sizeof(*c));
     if (!c) return G53_CLOCK_E_NOMEM;
@@ -122,6 +146,7 @@ int g53_clock_create(int32_t n_slots, int32_t n_keys, g53_clock **out) {
     c->n_slots = n_slots;
     c->n_keys = n_keys;
     c->n_active = n_slots;
+    c->max_count = 1;
     c->slot_of = malloc(sizeof(int32_t) * nk);
     c->key_of = malloc(sizeof(int32_t) * ns);
     c->pins = calloc(ns, sizeof(int32_t));
@@ -130,14 +155,75 @@ int g53_clock_create(int32_t n_slots, int32_t n_keys, g53_clock **out) {
     c->key_stamp = calloc(nk, sizeof(uint32_t));
     c->slot_stamp = calloc(ns, sizeof(uint32_t));
     c->miss_keys = malloc(sizeof(int32_t) * nk);
-    if (!c->slot_of || !c->key_of || !c->pins || !c->ref || !c->free_bits || !c->key_stamp ||
-        !c->slot_stamp || !c->miss_keys) {
+    int ok = c->slot_of && c->key_of && c->pins && c->ref && c->free_bits && c->key_stamp &&
+             c->slot_stamp && c->miss_keys;
+    if (ok && cfg) {
+        c->max_count = (uint8_t)cfg->max_count;
+        c->freq_window = cfg->freq_window;
+        c->freq = calloc(nk, sizeof(uint32_t));
+        c->prob_prev = malloc(sizeof(int32_t) * ns);
+        c->prob_next = malloc(sizeof(int32_t) * ns);
+        c->in_prob = calloc(ns, 1);
+        ok = c->freq && c->prob_prev && c->prob_next && c->in_prob;
+    }
+    if (!ok) {
         g53_clock_destroy(c);
         return G53_CLOCK_E_NOMEM;
     }
     reset_slots(c);
     *out = c;
     return G53_CLOCK_OK;
+}
+
+int g53_clock_create(int32_t n_slots, int32_t n_keys, g53_clock **out) {
+    return create(n_slots, n_keys, NULL, out);
+}
+
+int g53_clock_create_freq(int32_t n_slots, int32_t n_keys, const g53_clock_freq_config *cfg,
+                          g53_clock **out) {
+    if (!cfg) return G53_CLOCK_E_ARG;
+    return create(n_slots, n_keys, cfg, out);
+}
+
+// --- frequency mode: counts and probation ------------------------------------------------
+
+// One access of key: its count rises (saturating); every freq_window accesses all counts
+// halve (aging), so the counts follow a skew that drifts. A no-op on a plain table.
+static inline void count_access(g53_clock *c, int32_t key) {
+    if (!c->freq) return;
+    if (c->freq[key] != UINT32_MAX) c->freq[key]++;
+    c->freq_events++;
+    if (c->freq_window > 0 && c->freq_events >= c->freq_window) {
+        for (int32_t k = 0; k < c->n_keys; k++) c->freq[k] >>= 1;
+        c->freq_events >>= 1;
+        c->fn.agings++;
+    }
+}
+
+static inline void prob_unlink(g53_clock *c, int32_t s) {
+    if (!c->in_prob || !c->in_prob[s]) return;
+    int32_t p = c->prob_prev[s], n = c->prob_next[s];
+    if (p >= 0) c->prob_next[p] = n; else c->prob_head = n;
+    if (n >= 0) c->prob_prev[n] = p; else c->prob_tail = p;
+    if (c->prob_cursor == s) c->prob_cursor = p;
+    c->in_prob[s] = 0;
+    c->n_prob--;
+}
+
+static inline void prob_push(g53_clock *c, int32_t s) {  // as the newest member
+    c->prob_prev[s] = c->prob_tail;
+    c->prob_next[s] = -1;
+    if (c->prob_tail >= 0) c->prob_next[c->prob_tail] = s; else c->prob_head = s;
+    c->prob_tail = s;
+    c->in_prob[s] = 1;
+    c->n_prob++;
+}
+
+// The newest probation slot placed before this batch that is not pinned, or -1.
+static inline int32_t prob_victim(g53_clock *c) {
+    int32_t s = c->prob_cursor;
+    while (s >= 0 && c->pins[s] > 0) s = c->prob_prev[s];
+    return s;
 }
 
 // --- the hand ---------------------------------------------------------------------------
@@ -156,7 +242,7 @@ static inline int32_t find_victim(g53_clock *c, int protect) {
         }
         if (protect && c->slot_stamp[s] == c->epoch) continue;
         if (c->ref[s]) {
-            c->ref[s] = 0;
+            c->ref[s]--;  // plain CLOCK: the bit cleared (second chance)
             continue;
         }
         c->hand = hand;
@@ -174,6 +260,7 @@ static inline int32_t place(g53_clock *c, int32_t key, int32_t s) {
     } else {
         c->n_used++;
     }
+    prob_unlink(c, s);
     c->key_of[s] = key;
     c->slot_of[key] = s;
     c->ref[s] = 0;
@@ -181,14 +268,37 @@ static inline int32_t place(g53_clock *c, int32_t key, int32_t s) {
     return old;
 }
 
+static inline void mark_hit(g53_clock *c, int32_t s) {
+    if (c->ref[s] < c->max_count) c->ref[s]++;
+    if (c->in_prob && c->in_prob[s]) {  // hit on probation: an ordinary slot from now on
+        prob_unlink(c, s);
+        c->fn.probation_hits++;
+    }
+}
+
+// Frequency mode, a miss of key with no free slot and a victim v found by the hand: the key
+// takes v's slot if it was accessed more often than v's key; else it goes on probation, in
+// the slot of the newest probation member not placed by this batch (v keeps its slot), or in
+// v's slot when there is none, and the hand goes back to v. Returns the slot.
+static inline int32_t contest(g53_clock *c, int32_t key, int32_t v, int *on_probation) {
+    *on_probation = 0;
+    if (c->freq[key] > c->freq[c->key_of[v]]) return v;
+    c->fn.rejected++;
+    *on_probation = 1;
+    c->hand = v;  // the hand rests on v: the next miss is weighed against it first
+    int32_t p = prob_victim(c);
+    return p >= 0 ? p : v;
+}
+
 // --- single-key calls -------------------------------------------------------------------
 
 int g53_clock_lookup(g53_clock *c, int32_t key, int32_t *slot) {
     if (!c || !slot) return G53_CLOCK_E_ARG;
     if (!key_ok(c, key)) return G53_CLOCK_E_KEY_RANGE;
+    count_access(c, key);
     int32_t s = c->slot_of[key];
     if (s >= 0) {
-        c->ref[s] = 1;
+        mark_hit(c, s);
         c->n.hits++;
     } else {
         c->n.misses++;
@@ -202,14 +312,20 @@ int g53_clock_admit(g53_clock *c, int32_t key, int32_t *slot, int32_t *evicted_k
     if (!key_ok(c, key)) return G53_CLOCK_E_KEY_RANGE;
     if (c->slot_of[key] >= 0) return G53_CLOCK_E_RESIDENT;
     int32_t s;
+    int on_probation = 0;
     if (c->n_free > 0) {
         s = free_take(c);
     } else {
         if (c->n_active == 0) return G53_CLOCK_E_NO_CAPACITY;
         if (c->n_pinned == c->n_active) return G53_CLOCK_E_ALL_PINNED;
         s = find_victim(c, 0);
+        if (c->freq) {
+            c->prob_cursor = c->prob_tail;  // a single admit is a batch of one
+            s = contest(c, key, s, &on_probation);
+        }
     }
     *evicted_key = place(c, key, s);
+    if (on_probation) prob_push(c, s);
     *slot = s;
     return G53_CLOCK_OK;
 }
@@ -220,6 +336,7 @@ int g53_clock_remove(g53_clock *c, int32_t key, int32_t *slot) {
     int32_t s = c->slot_of[key];
     if (s >= 0) {
         if (c->pins[s] > 0) return G53_CLOCK_E_PINNED;
+        prob_unlink(c, s);
         c->slot_of[key] = -1;
         c->key_of[s] = -1;
         c->ref[s] = 0;
@@ -322,14 +439,20 @@ int g53_clock_batch(g53_clock *c, const int32_t *picks, int32_t n_picks, int32_t
         }
     }
 
-    // Pass 2: mark hits; they are protected for the rest of this batch.
+    // Pass 2: count every distinct pick (frequency mode), mark hits; hits are protected for
+    // the rest of this batch.
+    if (c->freq) {
+        for (int32_t i = 0; i < n_hits; i++) count_access(c, out_keys[i]);
+        for (int32_t i = 0; i < n_miss; i++) count_access(c, c->miss_keys[i]);
+    }
     int32_t n_protected = 0;  // unpinned enabled slots stamped by this batch
     for (int32_t i = 0; i < n_hits; i++) {
         int32_t s = out_slots[i];
-        c->ref[s] = 1;
+        mark_hit(c, s);
         c->slot_stamp[s] = epoch;
         n_protected += c->pins[s] == 0;
     }
+    c->prob_cursor = c->prob_tail;  // probation members placed before this batch
 
     // Pass 3: admit misses in first-seen order until the limit or the victims run out.
     int32_t n_admitted = 0, want = n_miss < admit_limit ? n_miss : admit_limit;
@@ -344,8 +467,11 @@ int g53_clock_batch(g53_clock *c, const int32_t *picks, int32_t n_picks, int32_t
             break;
         }
         int32_t key = c->miss_keys[n_admitted], o = n_hits + n_admitted;
+        int on_probation = 0;
+        if (c->freq && c->key_of[s] >= 0) s = contest(c, key, s, &on_probation);
         out_keys[o] = key;
         out_evicted[o] = place(c, key, s);
+        if (on_probation) prob_push(c, s);
         out_slots[o] = s;
         c->slot_stamp[s] = epoch;
         n_protected++;
@@ -381,6 +507,7 @@ int g53_clock_shrink(g53_clock *c, int32_t k, int32_t *evicted_keys, int32_t cap
     int32_t n = 0;
     for (int32_t s = lo; s < c->n_active; s++) {
         int32_t key = c->key_of[s];
+        prob_unlink(c, s);
         if (key >= 0) {
             evicted_keys[n++] = key;
             c->slot_of[key] = -1;
@@ -421,6 +548,7 @@ int g53_clock_seed(g53_clock *c, const int32_t *keys, int32_t n, int32_t *n_seed
         c->key_of[s] = keys[i];
         c->slot_of[keys[i]] = s;
         c->ref[s] = 0;
+        if (c->freq && c->freq[keys[i]] == 0) c->freq[keys[i]] = 1;  // a newcomer must beat it
     }
     c->n_used = m;
     c->hand = 0;
@@ -455,5 +583,43 @@ int g53_clock_counters_get(const g53_clock *c, g53_clock_counters *out) {
 int g53_clock_counters_reset(g53_clock *c) {
     if (!c) return G53_CLOCK_E_ARG;
     memset(&c->n, 0, sizeof(c->n));
+    memset(&c->fn, 0, sizeof(c->fn));
+    return G53_CLOCK_OK;
+}
+
+// --- frequency mode: peeks and counters -------------------------------------------------
+
+int g53_clock_freq_of(const g53_clock *c, int32_t key, uint32_t *count) {
+    if (!c || !count) return G53_CLOCK_E_ARG;
+    if (!c->freq) return G53_CLOCK_E_NOT_FREQ;
+    if (!key_ok(c, key)) return G53_CLOCK_E_KEY_RANGE;
+    *count = c->freq[key];
+    return G53_CLOCK_OK;
+}
+
+int g53_clock_freq_copy(const g53_clock *c, uint32_t *out, int32_t cap) {
+    if (!c || cap < 0 || (cap > 0 && !out)) return G53_CLOCK_E_ARG;
+    if (!c->freq) return G53_CLOCK_E_NOT_FREQ;
+    if (cap < c->n_keys) return G53_CLOCK_E_OUT_SMALL;
+    memcpy(out, c->freq, sizeof(uint32_t) * (size_t)c->n_keys);
+    return G53_CLOCK_OK;
+}
+
+int g53_clock_on_probation(const g53_clock *c, int32_t slot, int32_t *on_probation) {
+    if (!c || !on_probation) return G53_CLOCK_E_ARG;
+    if (!c->freq) return G53_CLOCK_E_NOT_FREQ;
+    if (!slot_ok(c, slot)) return G53_CLOCK_E_SLOT_RANGE;
+    *on_probation = c->in_prob[slot];
+    return G53_CLOCK_OK;
+}
+
+int g53_clock_freq_info_get(const g53_clock *c, g53_clock_freq_info *out) {
+    if (!c || !out) return G53_CLOCK_E_ARG;
+    if (!c->freq) return G53_CLOCK_E_NOT_FREQ;
+    out->max_count = c->max_count;
+    out->n_probation = c->n_prob;
+    out->freq_window = c->freq_window;
+    out->freq_events = c->freq_events;
+    out->counters = c->fn;
     return G53_CLOCK_OK;
 }

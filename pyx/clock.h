@@ -18,10 +18,35 @@
 //   the rest of that batch (skipped by the hand, not counted as pinned skips). If no victim
 //   is left, admission stops for the batch (no_victim += 1); that is not an error.
 //
+//
+// Frequency mode (g53_clock_create_freq; the RAM tier's policy, glm53/tiers/policy_sim.py
+// measures it): the same table, hand, pins and batch contract, plus
+// - a count per key (resident or not) of its accesses: each lookup, and each distinct pick of
+//   a batch, hit or miss, adds one (saturating). Every freq_window accesses all counts halve
+//   (0: never), so the counts follow a skew that drifts.
+// - a slot's reference bit is a count in [0, max_count]: a hit raises it by one, the hand
+//   lowers it by one and takes the first unpinned (and unprotected) slot at 0. max_count 1 is
+//   plain CLOCK's bit.
+// - admission by frequency: a miss that finds a free slot takes it. Else the hand picks a
+//   victim v as above; the missed key takes v's slot only if its count is higher than v's
+//   key's. If not, it goes on probation: it takes the slot of the newest probation member
+//   placed before this batch (or call) that is not pinned, evicting that member, and v stays;
+//   with no such member it takes v's slot. Either way it joins probation as the newest, and
+//   the hand goes back to v, so the next miss is weighed against the same victim (hit rate
+//   +0.3 point, bench/ram_tier_policy.py, against moving on past a victim that won). A
+//   probation member that is hit leaves probation. So keys seen once (a long prompt's
+//   prefill, a burst) evict one another and not the frequent keys: one batch can displace at
+//   most its own misses' worth of them, where plain CLOCK is flushed by a long burst.
+// - seed sets the count of each seeded key to at least 1, so a key seen once does not beat it.
+// Every peek above (ref_bit: the count) and every error code hold in both modes.
+//
 // Errors: every function returns 0 or a negative G53_CLOCK_E_* code. On an error the table
 // is unchanged (counters included).
 // Threading: none inside. One thread owns a table; calls need no GIL and do no I/O.
-// Memory: create allocates about 12 * n_keys + 13 * n_slots bytes; destroy frees it.
+// Memory: create allocates about 12 * n_keys + 13 * n_slots bytes (frequency mode: another
+// 4 * n_keys + 9 * n_slots); destroy frees it. Cost: a batch is O(picks) plus the hand's
+// steps, which the hits' count raises pay for; frequency mode adds O(1) per pick and an aging
+// pass of O(n_keys) every freq_window accesses (amortized O(1) when freq_window >= n_keys).
 #ifndef G53_CLOCK_H
 #define G53_CLOCK_H
 
@@ -48,7 +73,10 @@ enum {
     G53_CLOCK_E_DUPLICATE = -13,    // seed list names a key twice
     G53_CLOCK_E_OUT_SMALL = -14,    // output array too short
     G53_CLOCK_E_PIN_OVERFLOW = -15, // pin count would pass INT32_MAX
+    G53_CLOCK_E_NOT_FREQ = -16,     // a frequency-mode call on a plain CLOCK table
 };
+
+#define G53_CLOCK_MAX_COUNT 15  // the largest max_count of a frequency table
 
 typedef struct g53_clock g53_clock;  // opaque
 
@@ -71,6 +99,25 @@ typedef struct {
 } g53_clock_info;
 
 typedef struct {
+    int32_t max_count;    // in [1, G53_CLOCK_MAX_COUNT]
+    int64_t freq_window;  // accesses between agings (halving every count); 0: never
+} g53_clock_freq_config;
+
+typedef struct {
+    uint64_t rejected;        // misses that lost the admission contest (went on probation)
+    uint64_t probation_hits;  // probation members hit (they leave probation)
+    uint64_t agings;          // times every count was halved
+} g53_clock_freq_counters;
+
+typedef struct {
+    int32_t max_count;
+    int32_t n_probation;  // slots on probation now
+    int64_t freq_window;
+    int64_t freq_events;  // accesses counted since the last aging (halved at each)
+    g53_clock_freq_counters counters;
+} g53_clock_freq_info;
+
+typedef struct {
     int32_t n_unique;    // distinct picks, = n_hits + n_admitted + misses not admitted
     int32_t n_hits;
     int32_t n_admitted;
@@ -80,6 +127,9 @@ const char *g53_clock_strerror(int code);
 
 // 1 <= n_slots, 1 <= n_keys, both <= 1 << 28. All slots start enabled and empty.
 int g53_clock_create(int32_t n_slots, int32_t n_keys, g53_clock **out);
+// The same, in frequency mode (cfg is copied; G53_CLOCK_E_ARG if a field is out of range).
+int g53_clock_create_freq(int32_t n_slots, int32_t n_keys, const g53_clock_freq_config *cfg,
+                          g53_clock **out);
 void g53_clock_destroy(g53_clock *c);  // NULL is fine
 
 // *slot = the key's slot (reference bit set; hits += 1), or -1 (misses += 1).
@@ -126,6 +176,13 @@ int g53_clock_seed(g53_clock *c, const int32_t *keys, int32_t n, int32_t *n_seed
 int g53_clock_clear(g53_clock *c);
 
 int g53_clock_info_get(const g53_clock *c, g53_clock_info *out);
+
+// Frequency mode only (G53_CLOCK_E_NOT_FREQ on a plain table). freq_copy: out[cap], cap >=
+// n_keys, gets every key's count. counters_reset also zeroes the frequency counters.
+int g53_clock_freq_of(const g53_clock *c, int32_t key, uint32_t *count);
+int g53_clock_freq_copy(const g53_clock *c, uint32_t *out, int32_t cap);
+int g53_clock_on_probation(const g53_clock *c, int32_t slot, int32_t *on_probation);
+int g53_clock_freq_info_get(const g53_clock *c, g53_clock_freq_info *out);
 int g53_clock_counters_get(const g53_clock *c, g53_clock_counters *out);
 int g53_clock_counters_reset(g53_clock *c);
 

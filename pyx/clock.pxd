@@ -2,7 +2,7 @@
 #     from clock cimport g53_clock, g53_clock_batch
 #     cdef g53_clock *table = <g53_clock *><uintptr_t>clock_obj.handle
 # Keep a reference to the glm53._clock.Clock object for as long as the pointer is used.
-from libc.stdint cimport int32_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 
 
 cdef extern from "clock.h" nogil:
@@ -23,6 +23,8 @@ cdef extern from "clock.h" nogil:
         G53_CLOCK_E_DUPLICATE
         G53_CLOCK_E_OUT_SMALL
         G53_CLOCK_E_PIN_OVERFLOW
+        G53_CLOCK_E_NOT_FREQ
+        G53_CLOCK_MAX_COUNT
 
     ctypedef struct g53_clock:
         pass
@@ -43,6 +45,22 @@ cdef extern from "clock.h" nogil:
         int32_t n_pinned
         int32_t hand
 
+    ctypedef struct g53_clock_freq_config:
+        int32_t max_count
+        int64_t freq_window
+
+    ctypedef struct g53_clock_freq_counters:
+        uint64_t rejected
+        uint64_t probation_hits
+        uint64_t agings
+
+    ctypedef struct g53_clock_freq_info:
+        int32_t max_count
+        int32_t n_probation
+        int64_t freq_window
+        int64_t freq_events
+        g53_clock_freq_counters counters
+
     ctypedef struct g53_clock_batch_result:
         int32_t n_unique
         int32_t n_hits
@@ -50,6 +68,8 @@ cdef extern from "clock.h" nogil:
 
     const char *g53_clock_strerror(int code)
     int g53_clock_create(int32_t n_slots, int32_t n_keys, g53_clock **out)
+    int g53_clock_create_freq(int32_t n_slots, int32_t n_keys, const g53_clock_freq_config *cfg,
+                              g53_clock **out)
     void g53_clock_destroy(g53_clock *c)
 
     int g53_clock_lookup(g53_clock *c, int32_t key, int32_t *slot)
@@ -78,3 +98,8 @@ cdef extern from "clock.h" nogil:
     int g53_clock_info_get(const g53_clock *c, g53_clock_info *out)
     int g53_clock_counters_get(const g53_clock *c, g53_clock_counters *out)
     int g53_clock_counters_reset(g53_clock *c)
+
+    int g53_clock_freq_of(const g53_clock *c, int32_t key, uint32_t *count)
+    int g53_clock_freq_copy(const g53_clock *c, uint32_t *out, int32_t cap)
+    int g53_clock_on_probation(const g53_clock *c, int32_t slot, int32_t *on_probation)
+    int g53_clock_freq_info_get(const g53_clock *c, g53_clock_freq_info *out)

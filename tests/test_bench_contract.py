@@ -386,16 +386,42 @@ def test_ram_tier_policy_contract(tmp_path):
     synthetic = ("--layers", "2", "--experts", "32", "--top-k", "4", "--hidden", "64",
                  "--tokens", "24", "--vram-share", "0.1")  # fmt: skip
     trace = tmp_path / "trace.npz"
-    r = run_bench("ram_tier_policy", *synthetic, "--write-trace", str(trace))
+    r = run_bench("ram_tier_policy", *synthetic, "--write-trace", str(trace), "--burst", "1")
     f, ratios, cfg = r["figures"], r["ratios"], r["config"]
     assert (cfg["num_keys"], cfg["ram_slots"]) == (64, 45)
-    assert f["hits"]["oracle"] >= max(f["hits"]["ram_tier"], f["hits"]["clock"])
-    assert f["ram_tier_hit_rate"] == f["hits"]["ram_tier"] / f["accesses"]
-    assert f["oracle_hit_rate"] == f["hits"]["oracle"] / f["accesses"]
+    assert f["hits"]["oracle"] >= max(f["hits"][p] for p in ("ram_tier", "wave_clock", "clock"))
+    for p in ("ram_tier", "wave_clock", "clock", "oracle"):
+        assert f[f"{p}_hit_rate"] == f["hits"][p] / f["accesses"]
     assert ratios["ram_tier_vs_oracle"] == f["ram_tier_hit_rate"] / f["oracle_hit_rate"]
+    assert ratios["ram_tier_vs_wave_clock"] == f["ram_tier_hit_rate"] / f["wave_clock_hit_rate"]
+    assert f["oracle_minus_ram_tier_points"] == 100 * (
+        f["oracle_hit_rate"] - f["ram_tier_hit_rate"]
+    )
     assert f["waves"] == 24 * 2 and f["widest_wave"] <= 4
+    assert set(f["us_per_wave"]) == set(f["c_ns_per_wave"]) == {"ram_tier", "wave_clock"}
+    burst = f["burst"]
+    assert (burst["burst_waves"], burst["burst_keys"], burst["at_wave"]) == (2, 64, 24)
+    for p in ("ram_tier", "wave_clock"):
+        assert 0 <= burst[p]["kept_share"] <= 1
+    assert cfg["ram_tier_policy"]["policy"] == "freq"
     again = run_bench("ram_tier_policy", "--trace", str(trace))
     assert again["figures"]["hits"] == f["hits"] and again["config"]["trace"] == str(trace)
+    warm = run_bench("ram_tier_policy", *synthetic, "--warm")
+    assert warm["figures"]["hits"] == f["hits"]  # the measured streams are drawn the same
+    w = warm["figures"]["warm"]
+    assert 0 < w["seeded"] <= 45 and w["earlier_accesses"] > 0
+    assert w["oracle_hit_rate"] >= max(w["ram_tier_hit_rate"], w["wave_clock_hit_rate"])
+    # several cases: each under figures.cases, the worst at the top
+    both = run_bench("ram_tier_policy", "--trace", str(trace), "--ram-share", "0.4,0.7")
+    cases = both["figures"]["cases"]
+    assert [c["case"]["ram_share"] for c in cases] == [0.4, 0.7]
+    assert cases[1]["figures"]["hits"] == f["hits"]
+    worst = max(c["figures"]["oracle_minus_ram_tier_points"] for c in cases)
+    assert both["figures"]["max_oracle_minus_ram_tier_points"] == worst
+    assert "max_oracle_minus_ram_tier_points_by_vram_share" not in both["figures"]  # a file
+    assert both["ratios"]["ram_tier_vs_oracle_min"] == min(
+        c["ratios"]["ram_tier_vs_oracle"] for c in cases
+    )
 
 
 def test_prefix_cache_contract(tmp_path):
