@@ -24,9 +24,32 @@ def test_exact_mode_maps_every_setting(tmp_path):
     assert (e.context_length, e.num_slots) == (4096, 2)
 
 
-def test_nvme_mode_is_refused_by_the_gpu_engine(tmp_path):
-    with pytest.raises(ConfigurationError, match="exact mode only"):
-        create(settings("--mode", "nvme"), tmp_path)
+def test_nvme_mode_is_refused_until_its_gpu_tests_ran_and_maps_store_and_lane_settings(tmp_path):
+    """nvme (nvme-exact + the lane over the RAM tier) has never run on a GPU: only with
+    --allow-unrun-modes; then nvme-exact's settings and fast mode's lane settings reach it."""
+    with pytest.raises(ConfigurationError, match="not yet run on a GPU.*--allow-unrun-modes"):
+        create(settings("--mode", "nvme", "--store", str(tmp_path)), tmp_path)
+    with pytest.raises(ConfigurationError, match="--mode nvme .*pass --store DIR"):
+        create(settings("--mode", "nvme", "--allow-unrun-modes"), tmp_path)
+    e = create(
+        settings("--mode", "nvme", "--allow-unrun-modes", "--store", str(tmp_path),
+                 "--ram-cap", "8G", "--read-timeout", "5", "--cpus", "0", "--cpu-threads", "1",
+                 "--ct-precision", "exact", "--ct-b", "0.2"),
+        tmp_path,
+    )  # fmt: skip
+    assert (e.mode, e.store, e.ram_cap, e.read_timeout_s) == ("nvme", str(tmp_path), 8 << 30, 5.0)
+    assert (e.lane_cpus, e.lane_threads, e.lane_precision, e.ct_b) == ("0", 1, "exact", 0.2)
+    assert e.fast is None and "nvme mode: not yet run on a GPU" in e.description
+    auto = create(settings("--mode", "nvme", "--allow-unrun-modes", "--store", "/x"), tmp_path)
+    assert auto.lane_precision == "fast"  # auto beside the GPU, as fast mode
+    for argv, match in (
+        (["--gpus", "0,1"], "nvme mode runs on one GPU"),
+        (["--cpus", "100000"], "outside this process's affinity mask"),
+        (["--chunk-size", "300"], "multiple of 256"),
+    ):
+        with pytest.raises(ConfigurationError, match=match):
+            create(settings("--mode", "nvme", "--allow-unrun-modes", "--store", "/x", *argv),
+                   tmp_path)  # fmt: skip
 
 
 def test_fast_mode_is_refused_until_its_gpu_tests_ran_unless_asked_for(tmp_path):

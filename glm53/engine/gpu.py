@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 from glm53 import exl3
+from glm53.engine import gpu_tiers
 from glm53.engine.base import EngineError, FinishReason, JobOutput
 from glm53.exl3 import PAGE
 from glm53.units import GIB
@@ -37,7 +38,7 @@ class GpuEngine:
     name = "gpu"
     is_model = True
     drives_jobs = True  # the scheduler submits requests (glm53.engine.base.JobEngine)
-    verify_tiers = None  # exact mode has no tier check; nvme-exact sets one (_start_nvme)
+    verify_tiers = None  # exact mode has no tier check; the nvme modes set one (gpu_tiers)
 
     def __init__(
         self,
@@ -69,14 +70,13 @@ class GpuEngine:
         prefill: str = "chunk",
         cache_dir: str | None = None,
     ):
-        # nvme-exact (the RAM tier over --store as the experts' home) and fast (exact mode's
-        # tiers + the CPU lane, glm53.tiers.fast_lane) are accepted here; serve runs them only
-        # with --allow-unrun-modes until their GPU tests have passed (create)
-        if mode not in ("exact", "stock", "zerocopy", "nvme-exact", "fast"):
+        # nvme-exact (the RAM tier over --store as the experts' home), fast (exact mode's tiers
+        # + the CPU lane) and nvme (nvme-exact + the lane over the RAM tier) are accepted here
+        # (glm53.engine.gpu_tiers); serve runs the unrun ones only with --allow-unrun-modes
+        if mode not in ("exact", "stock", "zerocopy", "nvme-exact", "fast", "nvme"):
             raise ValueError(
-                f"mode {mode!r}: the GPU engine runs 'exact', 'fast' and 'nvme-exact' (and the "
-                "reference modes 'stock' and 'zerocopy'); 'nvme' (nvme-exact with the CPU lane) "
-                "is not wired in yet"
+                f"mode {mode!r}: the GPU engine runs 'exact', 'fast', 'nvme-exact' and 'nvme' "
+                "(and the reference modes 'stock' and 'zerocopy')"
             )
         if chunk_size % PAGE:
             raise ValueError(
@@ -101,7 +101,7 @@ class GpuEngine:
         self.warmup = warmup
         self.store, self.ram_cap, self.read_timeout_s = store, ram_cap, read_timeout_s
         self.tier_check = None  # nvme-exact: the latest glm53.tiers.check.TierCheck
-        # fast: the lane's CPUs (--cpus, --cpu-threads), its precision, --ct-b; the FastLane
+        # fast, nvme: the lane's CPUs (--cpus, --cpu-threads), its precision, --ct-b; FastLane
         self.lane_cpus, self.lane_threads = lane_cpus, lane_threads
         self.lane_precision, self.ct_b = lane_precision, ct_b
         self.fast = None
@@ -115,8 +115,8 @@ class GpuEngine:
         self.description = f"GPU engine (exllamav3 1.6.5 Generator, mode {mode}) on {model_dir}"
         if self.gpus:
             self.description += f", layers split over GPUs {','.join(map(str, self.gpus))}"
-        if mode == "fast":
-            self.description += " (fast mode: not yet run on a GPU)"
+        if mode in gpu_tiers.LANE_MODES:
+            self.description += f" ({mode} mode: not yet run on a GPU)"
         if prefill == "layer-major":
             self.description += ", layer-major prefill (not yet run on a GPU)"
         self.generation_defaults: dict[str, float] = {}
@@ -146,7 +146,7 @@ class GpuEngine:
         self.generation_defaults = read_generation_defaults(self.model_dir)
         self.loaded = exl3.load(
             self.model_dir,
-            "exact" if self.mode == "fast" else self.mode,  # fast: exact's tiers + the lane
+            gpu_tiers.LOAD_MODE.get(self.mode, self.mode),  # fast, nvme: + the lane
             device=self.device,
             cache_tokens=self.cache_tokens,
             max_batch=self.num_slots,
@@ -184,9 +184,11 @@ class GpuEngine:
             self._start_layer_major()
         self.heat_file = self.heat_file or exl3.heat_path(self.model_dir, self.cache_dir)
         if self.mode == "fast":
-            self._start_fast()
+            gpu_tiers.start_lane(self)
         if self.loaded.nvme is not None:
-            self._start_nvme()
+            gpu_tiers.start_nvme(self)
+            if self.mode == "nvme":  # the lane over the warm RAM tier
+                gpu_tiers.start_lane(self)
         elif self.loaded.ec is not None and os.path.isfile(self.heat_file):
             with open(self.heat_file) as f:
                 self.loaded.ec.seed(json.load(f)["keys"])
@@ -198,44 +200,6 @@ class GpuEngine:
             self.loaded, self.generator, self.chunk_size, text_config,
             int(self.ec_reserve_gb * GIB), self.device,
         )  # fmt: skip
-
-    def _start_fast(self) -> None:
-        """fast (not yet run on a GPU): the CPU lane over the pinned home, the hooks, the router
-        (glm53.exl3.fast, glm53.tiers.fast_lane)."""
-        from glm53.tiers.cpu_lane import CpuLane, device_pci_address, lane_layout
-
-        layout = lane_layout(self.lane_cpus, self.lane_threads, device_pci_address(self.device))
-        cpu = CpuLane(layout, precision=self.lane_precision)
-        self.fast = exl3.start_fast(self.loaded, self.model_dir, cpu, ct_b=self.ct_b)
-        log.info("fast mode (not yet run on a GPU): %s", cpu.describe())
-
-    def _start_nvme(self) -> None:
-        """nvme-exact: warm start (the RAM tier's heat list, then the VRAM cache's among the keys
-        now in RAM), then the tier check; a bad count refuses to serve. /admin/verify repeats
-        the check (verify_tiers, an attribute in this mode only: exact mode has no tier check)."""
-        from glm53.engine.base import EngineUnavailable
-        from glm53.tiers.heat import heat_path, read_heat
-
-        nvme = self.loaded.nvme
-        self.ram_heat_file = heat_path(self.model_dir, "ram", self.store, cache_dir=self.cache_dir)
-        vram = []
-        if os.path.isfile(self.heat_file):
-            with open(self.heat_file) as f:
-                vram = json.load(f)["keys"]
-        warm = nvme.warm_start(read_heat(self.ram_heat_file, nvme.tier.num_keys), vram)
-        log.info("nvme-exact warm start: %s", warm)
-        self.verify_tiers = self._verify_nvme
-        result = self.verify_tiers(64)
-        (log.info if result.is_ok else log.error)("tier check at start: %s", result.summary())
-        if not result.is_ok:  # closed without writing heat lists of tiers that failed
-            self.generator.close()
-            self.generator = None
-            self.loaded.close()
-            self.loaded = None
-            raise EngineUnavailable(
-                f"the tier check at start failed, so glm53 does not serve: {result.summary()}; "
-                f"check the store with `glm53 store verify --store {self.store}` and repack it"
-            )
 
     def _verify_nvme(self, num_samples: int):
         with self.loaded.nvme.lock:
@@ -353,12 +317,11 @@ class GpuEngine:
         try:
             if self.layer_major is not None:
                 self.layer_major.step()  # one module of a layer-major pass, then the decode
+            failed = {}
             if nvme is None:
                 results = self.generator.iterate()
-            else:  # the tiers' owner; a read fault names its layer and expert
-                with nvme.lock:
-                    results = self.generator.iterate()
-                    nvme.check_table_bad()
+            else:  # the tiers' owner; a decode read fault fails only the jobs that needed it
+                results, failed = gpu_tiers.iterate_nvme(self, self.generator, nvme)
         except Exception as exc:
             raise EngineError(f"exllamav3 Generator.iterate failed: {exc}") from exc
         if self.fast is not None:  # the router's budgets for the next decode step
@@ -409,6 +372,7 @@ class GpuEngine:
                 self._jobs.pop(key, None)
                 reason = r.get("eos_reason")
                 out.finish = FinishReason.STOP if reason == "stop_token" else FinishReason.LENGTH
+        gpu_tiers.fail_jobs(self, outs, failed)
         self._stats["iterations"] += 1
         self._stats["decode_tokens"] += sum(len(o.token_ids) for o in outs.values())
         self._stats["iterate_s"] += time.perf_counter() - t0

@@ -8,9 +8,9 @@ from __future__ import annotations
 from glm53.engine.gpu import GpuEngine
 from glm53.exl3 import PAGE
 
-# The tier modes this build's GPU engine serves (glm53 doctor recommends only these): fast is
-# wired in but has not yet run on a GPU (only with --allow-unrun-modes); nvme needs the CPU lane
-# and the store wired in together, which has not landed.
+# The tier modes this build's GPU engine serves (glm53 doctor recommends only these): fast,
+# nvme-exact and nvme are wired in; those that have not run on a GPU only with
+# --allow-unrun-modes.
 SERVED_MODES = ("exact",)
 
 
@@ -20,6 +20,8 @@ UNRUN_MODES = {
     "nvme-exact": "the GPU engine's nvme-exact (the RAM tier over --store as the experts' home)",
     "fast": "the GPU engine's fast mode (exact mode's tiers + the CPU lane taking the coldest "
     "decode misses, docs/fast-mode.md)",
+    "nvme": "the GPU engine's nvme mode (nvme-exact + the CPU lane over the RAM tier, "
+    "docs/fast-mode.md)",
 }
 
 
@@ -112,12 +114,13 @@ def create(settings, checkpoint_dir) -> GpuEngine:
         return _create_nvme_exact(settings, checkpoint_dir)
     if mode == "fast":
         return _create_fast(settings, checkpoint_dir)
+    if mode == "nvme":
+        return _create_nvme(settings, checkpoint_dir)
     if mode not in SERVED_MODES:
         raise ConfigurationError(
-            f"--mode {settings.mode}: this build's GPU engine serves exact mode only (VRAM cache + "
-            "pinned RAM, bit-identical to stock exllamav3); nvme mode needs the CPU lane and the "
-            "store wired into the GPU engine together, which has not landed. Use --mode exact "
-            "(or --mode nvme-exact / fast with --allow-unrun-modes, not yet run on a GPU)."
+            f"--mode {settings.mode}: this build's GPU engine serves exact mode (VRAM cache + "
+            "pinned RAM, bit-identical to stock exllamav3); use --mode exact (or --mode "
+            "nvme-exact / fast / nvme with --allow-unrun-modes)."
         )
     if settings.store:
         raise ConfigurationError(
@@ -182,5 +185,44 @@ def _create_nvme_exact(settings, checkpoint_dir) -> GpuEngine:
         store=settings.store,
         ram_cap=settings.ram_cap,
         read_timeout_s=settings.read_timeout,
+        **_common(settings),
+    )
+
+
+# --- nvme mode (nvme-exact + the CPU lane over the RAM tier), kept in one function ------------
+
+
+def _create_nvme(settings, checkpoint_dir) -> GpuEngine:
+    """nvme under --allow-unrun-modes (it has not run on a GPU): nvme-exact's settings (--store,
+    --ram-cap, the read timeout; no prefill staging) plus the lane's as fast mode takes them
+    (--cpus, --cpu-threads, --ct-precision: auto is fast here, --ct-b). The lane's CPUs are
+    resolved now, so a bad --cpus is refused before anything loads."""
+    from glm53.config import ConfigurationError
+    from glm53.tiers.cpu_lane import LaneConfigError, lane_layout, lane_precision
+
+    if not settings.allow_unrun_modes:  # whatever the mode table says: nvme never ran
+        raise _unrun(f"--mode nvme: {UNRUN_MODES['nvme']}", "Use --mode exact.")
+    if not settings.store:
+        raise ConfigurationError(
+            "--mode nvme reads the routed experts from a packed store: pass --store DIR "
+            "(`glm53 store pack`)"
+        )
+    _refuse_split(settings, "nvme mode")
+    _refuse_chunk(settings)
+    try:
+        lane_layout(settings.cpus, settings.cpu_threads)
+        precision = lane_precision(settings.ct_precision, "gpu", "nvme")
+    except LaneConfigError as exc:
+        raise ConfigurationError(str(exc)) from None
+    return GpuEngine(
+        str(checkpoint_dir),
+        "nvme",
+        store=settings.store,
+        ram_cap=settings.ram_cap,
+        read_timeout_s=settings.read_timeout,
+        lane_cpus=settings.cpus,
+        lane_threads=settings.cpu_threads,
+        lane_precision=precision,
+        ct_b=settings.ct_b,
         **_common(settings),
     )

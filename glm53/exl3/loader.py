@@ -240,6 +240,9 @@ def load(
         rows = max(max_chunk, max_batch)
         loaded.nvme = _start_nvme(loaded, nvme_src, ram_cap, read_timeout_s, rows)
         hooks.attach_nvme(moe, loaded.nvme)
+        # prefill and scoring forwards carry NO_LANE: a read fault there fails its one request
+        # (raised); in a decode forward it fails only the rows that needed it (read_faults)
+        hooks.mark_prefill_exact(loaded.model)
     return _measured(loaded, dev)
 
 
