@@ -83,7 +83,7 @@ def fault_message(record: FaultRecord, store: str | None) -> str:
     """The error a failed job gets: which record, why, and how to check the store."""
     where = f" --store {store}" if store else ""
     return (
-        f"reading MoE layer {record.layer} expert {record.expert} from the expert store failed, "
+        f"reading layer {record.layer} expert {record.expert} from the expert store failed, "
         f"and this request's tokens needed it ({record.reason}); the other requests go on. "
         f"Check the store with `glm53 store verify{where}` and repack it if it reports damage"
     )
