@@ -223,3 +223,34 @@ def test_the_engine_fails_only_the_request_whose_row_picked_the_faulted_expert(g
     assert home.row_keys is None and home.take_faults() == []
     third = {o.key: o.token_ids for o in engine.iterate()}  # the others go on
     assert third == {"a": [11], "c": [14]}
+
+
+class MockReapingGenerator(MockDecodeGenerator):
+    """As MockDecodeGenerator, but its step is a prefill that raised for job `reaped`: exllamav3
+    reaps that job (reap_failed_job) and its error result names the Job, with no identifier."""
+
+    def __init__(self, home, picks, reaped):
+        super().__init__(home, picks)
+        self.reaped = reaped
+
+    def iterate(self):
+        job = next(j for j in self.active_jobs if j.identifier == self.reaped)
+        self.active_jobs.remove(job)
+        fault = ReadFault("a read error for layer 3 expert 5: EIO", 3, 5).picked_by([4], 9)
+        return [{"job": job, "serial": 1, "stage": "error", "eos": True, "error": fault}]
+
+
+def test_a_prefill_fault_fails_the_job_exllamav3_reaped_and_nothing_else(glue, demo):
+    from glm53.engine.base import FinishReason
+    from glm53.engine.gpu import GpuEngine
+
+    home, ec, lib = glue
+    engine = GpuEngine(str(demo), "nvme-exact", store="/srv/store")
+    gen = MockReapingGenerator(home, {"a": [1, 2], "b": [3, 4]}, reaped="b")
+    engine.loaded = types.SimpleNamespace(nvme=home, ec=ec)
+    engine.generator, engine.tokenizer = gen, types.SimpleNamespace(vocab_size=100)
+    engine._jobs = {j.identifier: j for j in gen.active_jobs}
+    (out,) = engine.iterate()
+    assert (out.key, out.finish) == ("b", FinishReason.ERROR)
+    assert "layer 3 expert 5" in out.error and "picked by row 4" in out.error
+    assert set(engine._jobs) == {"a"} and engine.has_work()

@@ -333,7 +333,7 @@ class GpuEngine:
         outs: dict[Any, JobOutput] = {o.key: o for o in self._scored}
         self._scored = []
         for r in results:
-            key = r.get("identifier")
+            key = exl3.result_key(r)  # a reaped job's error result names the Job only
             if key not in self._jobs:
                 continue
             stage = r["stage"]

@@ -53,7 +53,7 @@ The interface the engine calls (everything else here is this package's own):
 - the version: EXLLAMAV3_VERSION, installed_version, version_problem, check_version;
 - loading: load (-> Loaded), heat_path;
 - generation: make_generator, make_job, request_sampler (exllamav3_sampler, device_logprob_sampler
-  or host_sampler), decode_row_keys (the nvme modes' read-fault isolation);
+  or host_sampler), result_key, decode_row_keys (the nvme modes' read-fault isolation);
 - prefix reuse: PAGE, standard_region, align_prefix_reuse, generator_settings;
 - layer-major prefill: LayerMajorPrefill; fast mode and nvme mode (start_fast on an nvme-exact
   load): start_fast, stop_fast, NO_LANE.
@@ -73,6 +73,7 @@ from glm53.exl3.generator import (
     make_generator,
     make_job,
     request_sampler,
+    result_key,
 )
 from glm53.exl3.hooks import NO_LANE
 from glm53.exl3.layer_major import LayerMajorPrefill
@@ -107,6 +108,7 @@ __all__ = [
     "make_generator",
     "make_job",
     "request_sampler",
+    "result_key",
     "standard_region",
     "start_fast",
     "stop_fast",

@@ -126,3 +126,12 @@ def decode_row_keys(generator) -> list:
         if job.is_prefill_done():
             keys += [job.identifier] * len(job.sequences)
     return keys
+
+
+def result_key(result: dict):
+    """The key (Job identifier) of one of Generator.iterate's results. exllamav3 1.6.5 leaves
+    `identifier` out of the error result of a job it reaped (reap_failed_job: a job whose
+    prefill raised, e.g. an nvme read fault) and names the job there instead."""
+    if "identifier" in result:
+        return result["identifier"]
+    return getattr(result.get("job"), "identifier", None)
