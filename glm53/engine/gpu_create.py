@@ -118,9 +118,9 @@ def create(settings, checkpoint_dir) -> GpuEngine:
         return _create_nvme(settings, checkpoint_dir)
     if mode not in SERVED_MODES:
         raise ConfigurationError(
-            f"--mode {settings.mode}: this build's GPU engine serves exact mode (VRAM cache + "
+            f"--mode {settings.mode}: this build's GPU engine serves exact mode only (VRAM cache + "
             "pinned RAM, bit-identical to stock exllamav3); use --mode exact (or --mode "
-            "nvme-exact / fast / nvme with --allow-unrun-modes)."
+            "nvme-exact / fast / nvme with --allow-unrun-modes, not yet run on a GPU)."
         )
     if settings.store:
         raise ConfigurationError(
