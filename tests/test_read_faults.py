@@ -252,5 +252,6 @@ def test_a_prefill_fault_fails_the_job_exllamav3_reaped_and_nothing_else(glue, d
     engine._jobs = {j.identifier: j for j in gen.active_jobs}
     (out,) = engine.iterate()
     assert (out.key, out.finish) == ("b", FinishReason.ERROR)
-    assert "layer 3 expert 5" in out.error and "picked by row 4" in out.error
+    assert "reading layer 3 expert 5 from the expert store failed" in out.error
+    assert "picked by row 4" in out.error and "glm53 store verify --store /srv/store" in out.error
     assert set(engine._jobs) == {"a"} and engine.has_work()

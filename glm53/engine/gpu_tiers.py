@@ -68,8 +68,11 @@ def start_nvme(engine) -> None:
 def iterate_nvme(engine, generator, nvme) -> tuple[list, dict]:
     """One Generator iteration under the tiers' lock, with decode read faults isolated: the
     routing hook reads each decode row's job key (exl3.decode_row_keys) when a read fails.
-    Returns (exllamav3's results, key -> error for each job a read fault fails)."""
-    from glm53.tiers.read_faults import jobs_to_fail
+    A job exllamav3 reaped for a read fault in its prefill gets the same error text (layer,
+    expert, cause, the store check). Returns (exllamav3's results, key -> error for each job a
+    decode read fault fails)."""
+    from glm53.tiers.ram_tier import ReadFault
+    from glm53.tiers.read_faults import fault_message, fault_record, jobs_to_fail
 
     with nvme.lock:
         nvme.row_keys = lambda: exl3.decode_row_keys(generator)
@@ -79,6 +82,9 @@ def iterate_nvme(engine, generator, nvme) -> tuple[list, dict]:
         finally:
             nvme.row_keys = None
             faults = nvme.take_faults()
+    for r in results:
+        if r.get("stage") == "error" and isinstance(r.get("error"), ReadFault):
+            r["error"] = fault_message(fault_record(r["error"], None), engine.store)
     return results, jobs_to_fail(faults, engine.store)
 
 
