@@ -6,9 +6,14 @@ zero-copy from pinned RAM (the floor); glm53 exact with a VRAM expert cache of -
 the experts (default 11.4 %, the 24 GB RTX 3090's 1,376 / 12,096), with its admission
 filter (exact) and without (exact_clock: plain CLOCK); stock exllamav3's own offload at the
 same VRAM budget, without and with its pinned arena; glm53 fast (exact's tiers + the CPU lane
-and its router, `--modes ...,fast` only: not yet run on a GPU), and on the same load a sweep of
+and its router, `--modes ...,fast` only), and on the same load a sweep of
 fixed shares of the misses on the lane (--fixed-splits, default 0, 10, 20, 30, 40 %) to compare
-the router against (ratios.fast_router_vs_best_fixed_split). Decode tok/s at concurrency 1, 2, 4
+the router against (ratios.fast_router_vs_best_fixed_split); exact_layer_major (exact's load
+with layer-major prefill, issue 28, `--modes ...,exact_layer_major` only: not yet run on a GPU)
+and stock_offload_stream (stock's offload with EXL3_MOE_STREAM_T pinned, --stream-t), with a
+32k prefill row (--long-prefill) for them and for stock and exact, against the one-pass stream
+bound (ratios.prefill8k_chunk2048_vs_stream_once, prefill32k_vs_stream_once) and exact's
+chunk-major 8k of the same run (prefill8k_chunk2048_vs_before). Decode tok/s at concurrency 1, 2, 4
 (512-token prompts, 128 greedy tokens), prefill tok/s at 512 and 8k (8k at 2,048-token
 chunks and as one chunk), hit rate per MoE layer, and the roofline of exact mode at its
 measured hit rate.
@@ -67,25 +72,33 @@ H200_FP16_TFLOPS = 989.0
 
 
 def decode_run(
-    loaded, vocab, batch, prompt_len=512, n_new=128, seed=0, step=None, store_bytes=None
-):
+    loaded, vocab, batch, prompt_len=512, n_new=128, seed=0, step=None, store_bytes=None,
+    layer_major=None,
+):  # fmt: skip
     """`step`: called after each Generator iteration (fast mode's FastLane.step, as the
     engine calls it). `store_bytes`: the store's bytes read so far (nvme rows); the result
-    then has the bytes read per token decoded once every stream is decoding."""
+    then has the bytes read per token decoded once every stream is decoding. `layer_major`:
+    a function of the Generator that returns the LayerMajorPrefill driving it (the
+    exact_layer_major row; its prompts here are shorter than a chunk, so they keep the
+    Generator's path, with the hooks in place as in the engine)."""
     from exllamav3 import ArgmaxSampler, Generator, Job
 
     gen = Generator(
         model=loaded.model, cache=loaded.cache, tokenizer=loaded.tokenizer, max_batch_size=4
     )
+    lm = layer_major(gen) if layer_major is not None else None
     g = torch.Generator().manual_seed(seed)
     for i in range(batch):
         ids = torch.randint(0, vocab, (1, prompt_len), generator=g)
-        gen.enqueue(Job(input_ids=ids, max_new_tokens=n_new, sampler=ArgmaxSampler(),
-                        stop_conditions=[], identifier=i))  # fmt: skip
+        job = Job(input_ids=ids, max_new_tokens=n_new, sampler=ArgmaxSampler(),
+                  stop_conditions=[], identifier=i)  # fmt: skip
+        gen.enqueue(job)
+        if lm is not None:
+            lm.watch(job)
     first, last, count = {}, {}, {}
     bytes0, window_tokens = None, 0
     while gen.num_remaining_jobs():
-        results = gen.iterate()
+        results = lm_iterate(gen, lm)
         if step is not None:
             step()
         for r in results:
@@ -111,25 +124,58 @@ def decode_run(
     return out
 
 
-def prefill_run(loaded, vocab, n_tokens, seed=1, chunk=2048):
+def lm_iterate(gen, lm) -> list:
+    """One Generator iteration as the GPU engine runs it (GpuEngine.iterate): with a
+    layer-major pass active, its next module first, then the Generator's own iteration."""
+    if lm is None:
+        return gen.iterate()
+    lm.step()
+    results = gen.iterate()
+    lm.after_iterate(any("token_ids" in r for r in results))
+    return results
+
+
+def prefill_run(loaded, vocab, n_tokens, seed=1, chunk=2048, layer_major=None, stats=None):
+    """Prefill tok/s of one `n_tokens` prompt at `chunk`-token chunks, to its first token.
+    `layer_major` as in decode_run: a prompt longer than one chunk then runs layer-major;
+    `stats` (a dict) receives the LayerMajorPrefill's stats after the prompt."""
     from exllamav3 import ArgmaxSampler, Generator, Job
 
     gen = Generator(
         model=loaded.model, cache=loaded.cache, tokenizer=loaded.tokenizer, max_batch_size=4,
         max_chunk_size=chunk,
     )  # fmt: skip
+    lm = layer_major(gen) if layer_major is not None else None
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (1, n_tokens), generator=g)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    gen.enqueue(Job(input_ids=ids, max_new_tokens=1, sampler=ArgmaxSampler(), stop_conditions=[]))
+    job = Job(input_ids=ids, max_new_tokens=1, sampler=ArgmaxSampler(), stop_conditions=[])
+    gen.enqueue(job)
+    if lm is not None:
+        lm.watch(job)
     while gen.num_remaining_jobs():
-        gen.iterate()
+        lm_iterate(gen, lm)
     torch.cuda.synchronize()
-    return n_tokens / (time.perf_counter() - t0)
+    tok_s = n_tokens / (time.perf_counter() - t0)
+    if lm is not None and stats is not None:
+        stats.update(lm.stats())
+    return tok_s
 
 
+# (name, prompt tokens, chunk tokens); PREFILL_LONG only for the LONG_PREFILL_MODES rows, whose
+# cache then holds PREFILL_CACHE_TOKENS (issue 28's 32k row, the checkpoint's context allowing)
 PREFILL = (("p512", 512, 2048), ("p8192", 8192, 2048), ("p8192_c8192", 8192, 8192))
+PREFILL_LONG = (("p32768", 32768, 2048),)
+LONG_PREFILL_MODES = ("stock", "exact", "exact_layer_major", "stock_offload_stream")
+PREFILL_CACHE_TOKENS = 32768 + 2048
+
+
+def prefill_shapes(long: bool, context: int | None) -> tuple:
+    """The prefill rows a mode measures: PREFILL, and PREFILL_LONG when `long` and the
+    checkpoint's context (max_position_embeddings) holds the prompt and its first token."""
+    extra = tuple(p for p in PREFILL_LONG if long and (context is None or p[1] < context))
+    return PREFILL + extra
 
 
 def store_bytes_counter(loaded):
@@ -139,16 +185,19 @@ def store_bytes_counter(loaded):
     return lambda: loaded.nvme.home.counters["bytes_read"]
 
 
-def measure(loaded, vocab, quick=False, step=None):
+def measure(loaded, vocab, quick=False, step=None, layer_major=None, shapes=PREFILL):
+    """A row's decode and prefill figures; `layer_major` as in decode_run, `shapes` the
+    prefill rows (prefill_shapes)."""
     out = {"decode": {}, "prefill": {}}
+    lm = {"layer_major": layer_major}
     store_bytes = store_bytes_counter(loaded)
-    decode_run(loaded, vocab, 1, prompt_len=64, n_new=16, step=step)  # warm-up (Triton JIT)
+    decode_run(loaded, vocab, 1, prompt_len=64, n_new=16, step=step, **lm)  # warm-up (Triton JIT)
     if loaded.ec is not None:
         st0 = loaded.ec.state()
     for b in (1, 2, 4):
         n_new = 32 if quick else 128
         out["decode"][f"c{b}"] = decode_run(
-            loaded, vocab, b, n_new=n_new, step=step, store_bytes=store_bytes
+            loaded, vocab, b, n_new=n_new, step=step, store_bytes=store_bytes, **lm
         )
     if loaded.ec is not None:
         st1 = loaded.ec.state()
@@ -157,13 +206,16 @@ def measure(loaded, vocab, quick=False, step=None):
         out["cache"] = st1
     # 8k at exllamav3's default 2,048-token chunks and as one 8,192-token chunk (fewer passes
     # over the experts: exact mode stages every uncached expert once per chunk and layer)
-    for name, n, chunk in PREFILL:
+    for name, n, chunk in shapes:
         # warm at the same length: a first 8k prompt takes other kernel paths (Triton JIT for
         # new shapes, reconstruct-and-hgemm above 1,024 rows) whose one-time cost is not prefill
         try:
-            prefill_run(loaded, vocab, n, seed=2, chunk=chunk)
+            prefill_run(loaded, vocab, n, seed=2, chunk=chunk, **lm)
             bytes0 = store_bytes() if store_bytes is not None else None
-            out["prefill"][name] = prefill_run(loaded, vocab, n, chunk=chunk)
+            stats = {}
+            out["prefill"][name] = prefill_run(loaded, vocab, n, chunk=chunk, stats=stats, **lm)
+            if layer_major is not None:  # its passes, staging skips and pauses, per shape
+                out.setdefault("layer_major", {})[name] = stats
             if bytes0 is not None:
                 per_token = (store_bytes() - bytes0) / n
                 out.setdefault("prefill_store_bytes_per_token", {})[name] = per_token
@@ -175,15 +227,20 @@ def measure(loaded, vocab, quick=False, step=None):
 
 # exact_clock: exact mode with the admission filter off (plain CLOCK), for comparison;
 # nvme_exact_ramNN: nvme-exact (exact's VRAM cache over the RAM tier capped at NN % of the
-# experts, filled from --store); measured only when --store is given (not yet run on a GPU)
-# fast: exact's tiers + the CPU lane (glm53.exl3.fast, glm53.tiers.fast_lane); measured only when --modes names it
-# (not yet run on a GPU)
+# experts, filled from --store); measured only when --store is given
+# fast: exact's tiers + the CPU lane (glm53.exl3.fast, glm53.tiers.fast_lane); measured only
+# when --modes names it
+# exact_layer_major: exact's load with layer-major prefill (glm53.exl3.layer_major, not
+# yet run on a GPU); stock_offload_stream: stock_offload_arena (the faster stock offload) with
+# EXL3_MOE_STREAM_T pinned (--stream-t: in prefill, an expert that many tokens of a chunk pick
+# is streamed to the GPU; unset, as in the other offload rows, exllamav3 scales it from 8)
 # nvme_ramNN: nvme mode, nvme_exact_ramNN + the same lane over the RAM tier (glm53.tiers.nvme_lane);
 # measured only when --modes names it and --store is given (not yet run on a GPU)
 ALL_MODES = ("stock", "zerocopy", "exact", "exact_clock", "stock_offload", "stock_offload_arena",
-             "nvme_exact_ram70", "nvme_exact_ram40", "nvme_ram70", "nvme_ram40",
-             "fast")  # fmt: skip
-ON_REQUEST = ("fast", "nvme_ram70", "nvme_ram40")  # rows left out of the default --modes
+             "nvme_exact_ram70", "nvme_exact_ram40", "nvme_ram70", "nvme_ram40", "fast",
+             "exact_layer_major", "stock_offload_stream")  # fmt: skip
+ON_REQUEST = ("fast", "exact_layer_major", "stock_offload_stream", "nvme_ram70",
+              "nvme_ram40")  # not in the default --modes  # fmt: skip
 NVME_RAM_SHARE = {"nvme_exact_ram70": 0.7, "nvme_exact_ram40": 0.4, "nvme_ram70": 0.7,
                   "nvme_ram40": 0.4}  # fmt: skip
 LANE_ROWS = ("fast", "nvme_ram70", "nvme_ram40")  # rows with the CPU lane on their load
@@ -219,6 +276,30 @@ def exact_kwargs(args, mode: str, n_experts: int, n_moe: int) -> dict:
 
 
 CACHE_TOKENS, MAX_BATCH, MAX_CHUNK = 16384, 4, 2048
+EC_RESERVE_GB = 1.0  # glm53.exl3.load's default reserve, which layer-major's room keeps too
+
+
+def layer_major_driver(args, loaded):
+    """exact_layer_major: a function of a Generator that returns the LayerMajorPrefill driving
+    it, built as GpuEngine._start_layer_major builds it, at the Generator's chunk size."""
+    from glm53.exl3 import LayerMajorPrefill
+
+    with open(os.path.join(args.model, "config.json"), encoding="utf-8") as f:
+        text_config = json.load(f)["text_config"]
+    reserve = int(EC_RESERVE_GB * 2**30)
+    return lambda gen: LayerMajorPrefill(
+        loaded, gen, gen.max_chunk_size, text_config, reserve, "cuda:0"
+    )
+
+
+def row_prefill(args, mode: str) -> tuple[tuple, int]:
+    """A row's prefill shapes and its cache's tokens: the 32k shape (and the cache to hold it)
+    for the LONG_PREFILL_MODES rows when --long-prefill is on."""
+    with open(os.path.join(args.model, "config.json"), encoding="utf-8") as f:
+        context = json.load(f)["text_config"].get("max_position_embeddings")
+    shapes = prefill_shapes(args.long_prefill and mode in LONG_PREFILL_MODES, context)
+    longest = max(n for _, n, _ in shapes)
+    return shapes, PREFILL_CACHE_TOKENS if longest > CACHE_TOKENS - MAX_CHUNK else CACHE_TOKENS
 
 
 def measure_mode(args, mode) -> dict:
@@ -228,6 +309,7 @@ def measure_mode(args, mode) -> dict:
 
     from glm53.exl3 import loader as exl3_load
     from glm53.exl3.loader import moe_geometry
+    from glm53.exl3.options import LoadOptions
 
     geo = moe_geometry(Config.from_directory(args.model).stc)
     info = {
@@ -237,10 +319,12 @@ def measure_mode(args, mode) -> dict:
         "device": torch.cuda.get_device_name(),
         "geometry": msgspec.to_builtins(geometry_of(args.model)),
     }
+    shapes, cache_tokens = row_prefill(args, mode)
+    info["cache_tokens"] = cache_tokens
     plan = None
     if args.vram_budget is not None:
         plan = exl3_load.vram_plan_for(
-            args.model, geo, args.vram_budget, CACHE_TOKENS, MAX_BATCH, MAX_CHUNK
+            args.model, geo, args.vram_budget, cache_tokens, MAX_BATCH, MAX_CHUNK
         )
         info["vram_plan"] = msgspec.to_builtins(plan)
     if mode.startswith("stock_offload"):
@@ -250,12 +334,17 @@ def measure_mode(args, mode) -> dict:
         cmd = [sys.executable, os.path.join(os.path.dirname(__file__), "exl3_offload.py"),
                "--model", args.model, "--split", str(split), "--json",
                "--timeout", str(args.offload_timeout)]  # fmt: skip
-        cmd += ["--pinned-arena"] if mode.endswith("arena") else []
+        cmd += ["--pinned-arena"] if mode.endswith(("arena", "stream")) else []
         cmd += ["--quick"] if args.quick else []
+        cmd += ["--stream-t", str(args.stream_t)] if mode.endswith("stream") else []
+        cmd += ["--cache-tokens", str(cache_tokens)] + (
+            ["--long-prefill"] if len(shapes) > len(PREFILL) else []
+        )
         p = subprocess.run(cmd, capture_output=True, text=True)
         lines = p.stdout.strip().splitlines()
         res = json.loads(lines[-1])["figures"] if lines else {"error": p.stderr[-2000:]}
         info["split"] = split
+        info["stream_t"] = args.stream_t if mode.endswith("stream") else None
         return {"mode": mode, "info": info, "row": res}
     kw, load_mode = {}, mode.split("_")[0]
     if mode == "fast":  # exact's load; the lane goes on top of it below
@@ -272,10 +361,10 @@ def measure_mode(args, mode) -> dict:
     dev = torch.device("cuda:0")  # glm53.exl3.loader.load's default device
     with torch.inference_mode():
         t0 = time.perf_counter()
-        loaded = exl3_load.load(
-            args.model, load_mode, cache_tokens=CACHE_TOKENS, max_batch=MAX_BATCH,
+        loaded = exl3_load.load(args.model, LoadOptions(
+            mode=load_mode, cache_tokens=cache_tokens, max_batch=MAX_BATCH,
             max_chunk=MAX_CHUNK, **kw,
-        )  # fmt: skip
+        ))  # fmt: skip
         fast = start_fast_row(args, loaded) if mode in LANE_ROWS else None
         load_s = time.perf_counter() - t0
         resident = (loaded.resident_bytes, loaded.load_peak_bytes)
@@ -283,7 +372,8 @@ def measure_mode(args, mode) -> dict:
             held = exl3_load.held_vram_bytes(loaded.vram_before, exl3_load.vram_use(dev))
             resident = held if held is not None else (None, None)
         step = fast.step if fast is not None else None
-        row = measure(loaded, loaded.config.vocab_size, args.quick, step)
+        lm = layer_major_driver(args, loaded) if mode == "exact_layer_major" else None
+        row = measure(loaded, loaded.config.vocab_size, args.quick, step, lm, shapes)
         row["load_s"] = load_s
         if fast is not None:
             from glm53.exl3 import stop_fast
@@ -487,13 +577,15 @@ def combine(results: list[dict], args) -> dict:
         if zc_gbps:
             roof = 1 / (1 / c1("stock") + (1 - hit) * picks_per_token * rec / (zc_gbps * 1e9))
     ex = c1("exact")
-    stream_bound = chunk_bound = None
+    stream_bound = chunk_bound = stream_bound_32k = None
     if zc_gbps:
         touched = n_moe * info["experts"] * rec  # an 8k prompt touches every routed expert
         # the issue's bound: every touched expert streamed once at the measured bandwidth
         stream_bound = 8192 / (touched / (zc_gbps * 1e9))
         # what chunked prefill (2,048-token chunks) must stream when nothing stays resident
         chunk_bound = 8192 / (-(-8192 // 2048) * touched / (zc_gbps * 1e9))
+        # issue 28's "stream once" at 32k: every expert, once per layer per prompt
+        stream_bound_32k = 32768 / (touched / (zc_gbps * 1e9))
 
     def best8k(m):  # the faster of the two chunk sizes (rows without the 8k chunk: 2k only)
         if m not in rows:
@@ -509,6 +601,9 @@ def combine(results: list[dict], args) -> dict:
 
     def ratio(a, b):
         return a / b if a and b else None
+
+    def prefill(m, name):  # a row's prefill tok/s at one shape; None without the row or shape
+        return rows[m]["prefill"].get(name) if m in rows else None
 
     figures = {
         "decode_c1_tok_s": {m: c1(m) for m in rows},
@@ -533,6 +628,13 @@ def combine(results: list[dict], args) -> dict:
         "roofline_tok_s": roof,
         "prefill8k_stream_bound_tok_s": stream_bound,
         "prefill8k_per_chunk_stream_bound_tok_s": chunk_bound,
+        # issue 28: 32k at 2,048-token chunks (the --long-prefill rows), its one-pass bound,
+        # and the layer-major row's pass counters per prompt length
+        "prefill_32768_tok_s": {m: rows[m]["prefill"].get("p32768") for m in rows},
+        "prefill32k_stream_bound_tok_s": stream_bound_32k,
+        "layer_major": rows["exact_layer_major"].get("layer_major")
+        if "exact_layer_major" in rows
+        else None,
     }
     offload = [c1(m) for m in ("stock_offload", "stock_offload_arena") if c1(m)]
     predicted = vs_predicted = {}
@@ -601,7 +703,22 @@ def combine(results: list[dict], args) -> dict:
         "prefill8k_chunk2048_vs_target_ref": ratio(
             rows["exact"]["prefill"]["p8192"] if "exact" in rows else None, prefill_ref
         ),
-    }
+        # issue 28: layer-major prefill against the one-pass bound, and against exact's
+        # chunk-major 8k at 2,048-token chunks measured in the same run ("before")
+        "prefill8k_chunk2048_vs_stream_once": ratio(prefill("exact_layer_major", "p8192"),
+                                                    stream_bound),
+        "prefill32k_vs_stream_once": ratio(prefill("exact_layer_major", "p32768"),
+                                           stream_bound_32k),
+        "prefill8k_chunk2048_vs_before": ratio(prefill("exact_layer_major", "p8192"),
+                                               prefill("exact", "p8192")),
+        "prefill8k_chunk2048_vs_stock_stream": ratio(prefill("exact_layer_major", "p8192"),
+                                                     prefill("stock_offload_stream", "p8192")),
+        "prefill32k_vs_stock_stream": ratio(prefill("exact_layer_major", "p32768"),
+                                            prefill("stock_offload_stream", "p32768")),
+        "prefill32k_vs_stock_vram": ratio(prefill("exact_layer_major", "p32768"),
+                                          prefill("stock", "p32768")),
+        "layer_major_decode_c1_vs_exact": ratio(c1("exact_layer_major"), ex),
+    }  # fmt: skip
     config = {
         "model": args.model,
         "geometry": info["geometry"],
@@ -621,6 +738,13 @@ def combine(results: list[dict], args) -> dict:
         "prefill": "8k prompts at 2,048-token chunks (exllamav3's default) and as one 8,192-token "
         "chunk; each length warmed once first; target ref = min(stock at its faster chunk, "
         "stream bound)",
+        "long_prefill": "32k at 2,048-token chunks for the stock, exact, exact_layer_major and "
+        "stock_offload_stream rows (--long-prefill); stream once = every routed expert crossing "
+        "the link once per layer per prompt at zero_copy_gbps",
+        "stream_t": next(
+            (r["info"].get("stream_t") for r in results if r["mode"] == "stock_offload_stream"),
+            None,
+        ),  # fmt: skip
         "device": info["device"],
         "stock_offload": f"moe_cpu_split={info.get('split')} with EXL3_MOE_CPU_PIN=0 and a sysfs "
         "exl3_moe_cpu_core_order in parent and worker (stock segfaults without that workaround)",
@@ -705,6 +829,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "the lane, in percent (default 0,10,20,30,40; '' for none)")  # fmt: skip
     ap.add_argument("--offload-timeout", type=int, default=600,
                     help="seconds for each stock-offload subprocess")  # fmt: skip
+    ap.add_argument("--stream-t", type=int, default=8,
+                    help="EXL3_MOE_STREAM_T of the stock_offload_stream row: an expert that this "
+                    "many tokens of a prefill chunk pick is streamed to the GPU (default 8)")  # fmt: skip
+    ap.add_argument("--long-prefill", action=argparse.BooleanOptionalAction, default=None,
+                    help="the 32k prefill row (2,048-token chunks) for the stock, exact, "
+                    "exact_layer_major and stock_offload_stream rows, whose cache then holds "
+                    f"{PREFILL_CACHE_TOKENS} tokens (default: on when --modes names "
+                    "exact_layer_major)")  # fmt: skip
     args = ap.parse_args(argv)
     if args.combine is not None:
         if not any(f.startswith("row-") for f in os.listdir(args.combine)):
@@ -723,6 +855,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             ap.error(f"--modes: unknown {bad}; choose from {', '.join(ALL_MODES)}")
         if not args.store and any(m in NVME_RAM_SHARE for m in args.modes.split(",")):
             ap.error("--modes: the nvme_exact rows need --store DIR (a store of --model)")
+        if args.long_prefill is None:
+            args.long_prefill = "exact_layer_major" in args.modes.split(",")
     return args
 
 

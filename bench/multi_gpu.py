@@ -48,13 +48,14 @@ def row(args, gpus, slots) -> dict:
     """Load exact mode on `gpus` (None: one GPU) with `slots` expert slots in all, measure,
     unload."""
     from glm53.exl3 import loader as exl3_load
+    from glm53.exl3.options import LoadOptions
 
     with torch.inference_mode():
         t0 = time.perf_counter()
-        loaded = exl3_load.load(
-            args.model, "exact", cache_tokens=CACHE_TOKENS, max_batch=MAX_BATCH,
+        loaded = exl3_load.load(args.model, LoadOptions(
+            mode="exact", cache_tokens=CACHE_TOKENS, max_batch=MAX_BATCH,
             max_chunk=MAX_CHUNK, ec_max_slots=slots, gpus=gpus,
-        )  # fmt: skip
+        ))  # fmt: skip
         out = {"load_s": time.perf_counter() - t0, "decode": {}, "prefill": {}}
         vocab = loaded.config.vocab_size
         decode_run(loaded, vocab, 1, prompt_len=64, n_new=16)  # warm-up (JIT, graphs)

@@ -42,6 +42,7 @@ def main() -> int:
 
     from glm53.exl3 import loader as exl3_load
     from glm53.exl3.loaded import moe_geometry
+    from glm53.exl3.options import LoadOptions
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=os.environ.get("GLM53_TEST_SLICE"))
@@ -62,7 +63,10 @@ def main() -> int:
         try:
             with torch.inference_mode():
                 loaded = exl3_load.load(
-                    args.model, "exact", cache_tokens=16384, max_batch=4, ec_max_slots=slots, **kw
+                    args.model,
+                    LoadOptions(
+                        mode="exact", cache_tokens=16384, max_batch=4, ec_max_slots=slots, **kw
+                    ),
                 )
                 st = loaded.stager
                 row["stage_slots"] = st.buf_slots if st else 0

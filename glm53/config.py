@@ -4,7 +4,8 @@ Each field of `Settings` is a setting. Its CLI flag (`--field-name`, plus any al
 environment twin (`GLM53_FIELD_NAME`, or the seed's spelling where one exists) are derived from
 the field, and its description, group and aliases live in the field's `Meta`. A value comes from
 the flag if given, else from the environment, else from the default; `resolve` records which.
-This is the only module that reads the environment. It imports nothing from glm53.
+This is the only module that reads the environment. It imports only glm53.errors and glm53.modes
+(the tier modes and the table of which engine serves which).
 
 To add a setting: add one annotated field below. The CLI, the environment, /server_info and
 docs/reference.md (`reference_markdown()`) pick it up from there.
@@ -13,6 +14,7 @@ docs/reference.md (`reference_markdown()`) pick it up from there.
 from __future__ import annotations
 
 import argparse
+import enum
 import os
 import re
 import typing
@@ -24,6 +26,7 @@ import msgspec
 from msgspec import Meta
 
 from glm53.errors import Glm53Error
+from glm53.modes import Mode
 
 
 class ConfigurationError(ValueError, Glm53Error):
@@ -38,7 +41,6 @@ def _s(
     )
 
 
-Mode = Literal["auto", "exact", "fast", "nvme", "nvme-exact"]
 NonNegInt = Annotated[int, Meta(ge=0)]
 NonNegFloat = Annotated[float, Meta(ge=0)]
 PosFloat = Annotated[float, Meta(gt=0)]
@@ -133,7 +135,8 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
             "Prefill order for prompts longer than one chunk: chunk (each chunk through every "
             "layer, exllamav3's Generator) or layer-major (every chunk through a layer before "
             "the next: each touched expert crosses PCIe once per layer per prompt, same output). "
-            "GPU engine, exact mode; layer-major has not yet run on a GPU (--allow-unrun-modes).",
+            "GPU engine, exact mode; layer-major has not yet run on a GPU, so it needs "
+            "--allow-unrun-modes.",
             group="scheduling",
         ),
     ] = "chunk"
@@ -249,7 +252,8 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
             "order, e.g. 0,1: each holds a contiguous range of layers and an expert cache of its "
             "own over its MoE layers, all reading misses from the one pinned RAM home. A GPU "
             "listed twice (0,0) runs the split with both halves on that GPU. Default: GPU 0 "
-            "alone. Not yet run on a GPU (docs/multi-gpu.md).",
+            "alone. Two or more entries have not yet run on a GPU, so they need "
+            "--allow-unrun-modes (docs/multi-gpu.md).",
             group="tiers",
             kind="int_list",
         ),
@@ -306,10 +310,10 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     allow_unrun_modes: Annotated[
         bool,
         _s(
-            "GPU engine: also run the paths whose device side has been written but not yet run "
-            "on a GPU: --mode nvme-exact, --mode fast and --gpus with two or more entries; for "
-            "their GPU tests (tests/gpu/test_nvme_exact_gpu.py, tests/gpu/test_fast_mode_gpu.py, "
-            "tests/gpu/test_multi_gpu.py). Without it the GPU engine refuses them.",
+            "GPU engine: also run the two paths that have never run on a GPU: the layer split "
+            "over two or more GPUs (--gpus 0,1) and --prefill layer-major; for their GPU tests "
+            "(tests/gpu/test_multi_gpu.py, tests/gpu/test_layer_major_gpu.py). Without it the "
+            "GPU engine refuses them. Every --mode the GPU engine serves runs without it.",
             group="tiers",
         ),
     ] = False
@@ -492,9 +496,11 @@ def add_arguments(parser: argparse.ArgumentParser, names: list[str] | None = Non
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
             kwargs["metavar"] = info.name.upper()
-            choices = typing.get_args(_base_type(info.type))
-            if typing.get_origin(_base_type(info.type)) is Literal:
-                kwargs["choices"] = choices
+            base = _base_type(info.type)
+            if typing.get_origin(base) is Literal:
+                kwargs["choices"] = typing.get_args(base)
+            elif isinstance(base, type) and issubclass(base, enum.StrEnum):
+                kwargs["choices"] = tuple(m.value for m in base)
         group.add_argument(*info.flags, **kwargs)
 
 
@@ -586,7 +592,9 @@ def describe(settings: Settings, sources: Mapping[str, Source]) -> list[str]:
     lines = []
     for name, item in effective(settings, sources).items():
         if item["source"] != "default":
-            lines.append(f"{name}={item['value']!r} (from {item['source']} {item[item['source']]})")
+            value = item["value"]
+            value = value.value if isinstance(value, enum.Enum) else value
+            lines.append(f"{name}={value!r} (from {item['source']} {item[item['source']]})")
     return lines
 
 

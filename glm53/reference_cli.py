@@ -138,7 +138,7 @@ def _stock_logits(model_dir: str):
 
     from glm53 import exl3
 
-    loaded = exl3.load(model_dir, "stock", cache_tokens=8192, max_batch=1)
+    loaded = exl3.load(model_dir, exl3.LoadOptions(mode="stock", cache_tokens=8192, max_batch=1))
 
     @torch.inference_mode()
     def logits(ids: list[int]):

@@ -85,7 +85,11 @@ def load_app(settings_json: bytes):
     # GIL (5 ms by default); 0.5 ms bounds what that wait adds to every token.
     sys.setswitchinterval(0.0005)
     return App(
-        settings, sources, on_load_failed=_stop_worker_after_failed_load, on_drained=_stop_worker
+        settings,
+        sources,
+        on_load_failed=_stop_worker_after_failed_load,
+        on_drained=_stop_worker,
+        freeze_heap=True,  # this process serves until it exits
     )
 
 

@@ -138,7 +138,7 @@ def refused_before_binding(*args):
     [
         ("--engine", "gpu"),
         ("--engine", "gpu", "--demo"),
-        ("--engine", "gpu", "--mode", "fast", "--allow-unrun-modes"),
+        ("--engine", "gpu", "--mode", "fast"),
         ("--engine", "gpu", "--gpus", "0,1"),
     ],
 )

@@ -211,3 +211,11 @@ def test_requests_within_the_limits_are_answered(limited):
         "/v1/chat/completions", json={**_schema_request(schema), "max_tokens": 2}
     )
     assert response.status_code == 200, response.text
+
+
+def test_the_loaded_heap_is_left_out_of_later_collections(server):
+    """The objects alive after the load (modules, engine, tokenizer) are frozen (gc.freeze): a
+    full collection set off by a large request walks only what came after, not the whole heap
+    (which held the GIL for about 200 ms on a 2-vCPU VM)."""
+    stats = httpx.get(server.url + "/stats").json()
+    assert stats["frozen_objects"] > 10_000  # the scripted engine's load alone leaves ~190,000

@@ -105,14 +105,17 @@ def test_gpu_slice_refuses_unknown_modes_a_missing_model_and_a_bad_split(capsys)
     )
 
 
-def _mock_row(c1, c2, c4, c4_agg, p512, p8k, p8k_c8k, **extra):
+def _mock_row(c1, c2, c4, c4_agg, p512, p8k, p8k_c8k, p32768=None, **extra):
+    prefill = {"p512": p512, "p8192": p8k, "p8192_c8192": p8k_c8k}
+    if p32768 is not None:  # the --long-prefill rows
+        prefill["p32768"] = p32768
     return {
         "decode": {
             "c1": {"per_stream_tok_s": c1, "aggregate_tok_s": c1},
             "c2": {"per_stream_tok_s": c2, "aggregate_tok_s": 2 * c2},
             "c4": {"per_stream_tok_s": c4, "aggregate_tok_s": c4_agg},
         },
-        "prefill": {"p512": p512, "p8192": p8k, "p8192_c8192": p8k_c8k},
+        "prefill": prefill,
         **extra,
     }
 
@@ -300,6 +303,83 @@ def test_gpu_slice_fast_row_gives_issue_16s_and_26s_ratios(tmp_path):
                                                       "lane_picks": 1200}  # fmt: skip
     assert ratios["fast_router_vs_best_fixed_split"] == 52.0 / 54.0
     assert "fast" not in figures["predicted"]  # the cost model has no fast row here
+
+
+def test_gpu_slice_layer_major_rows_give_issue_28s_ratios(tmp_path):
+    """MOCK rows (made-up figures; layer-major prefill has not run on a GPU): issue 28's JSON
+    contract. Layer-major 8k at 2,048-token chunks and 32k against the one-pass stream bound
+    (every expert of every MoE layer once, at the zero-copy rate measured between the stock
+    and zerocopy rows), and 8k against exact's chunk-major figure of the same run."""
+    gs = _gpu_slice()
+    default = gs.parse_args(["--model", "/x"])
+    assert "exact_layer_major" not in default.modes.split(",") and default.long_prefill is False
+    args = gs.parse_args(["--model", "/x", "--modes", "stock,exact,exact_layer_major"])
+    assert args.long_prefill is True and args.stream_t == 8
+    assert gs.parse_args(["--model", "/x", "--modes", "exact_layer_major",
+                          "--no-long-prefill"]).long_prefill is False  # fmt: skip
+    assert [n for _, n, _ in gs.prefill_shapes(True, 65536)] == [512, 8192, 8192, 32768]
+    assert [n for _, n, _ in gs.prefill_shapes(True, 32768)] == [512, 8192, 8192]  # no room
+    assert [n for _, n, _ in gs.prefill_shapes(False, None)] == [512, 8192, 8192]
+    from glm53.doctor.geometry import Geometry
+
+    geo = Geometry("slice", 8, 8, 288, 8, 9_437_184, 1_000_000_000, 3)
+    info = {"moe_layers": 8, "experts": 288, "record_bytes": 9_437_184, "device": "MOCK",
+            "geometry": {f: getattr(geo, f) for f in geo.__struct_fields__}}  # fmt: skip
+    passes = {"p8192": {"passes": 1, "staging_skips": 21}, "p32768": {"passes": 1}}
+    rows = {
+        "stock": _mock_row(200.0, 150.0, 100.0, 400.0, 9000.0, 20000.0, 24000.0, p32768=19000.0),
+        "zerocopy": _mock_row(25.0, 20.0, 15.0, 60.0, 500.0, 900.0, 1000.0),
+        "exact": _mock_row(130.0, 90.0, 60.0, 240.0, 5000.0, 4500.0, 11000.0, p32768=4400.0,
+                           decode_hit_rate=0.43, cache={"layer_hit_rate": [0.43] * 8}, slots=262),
+        "exact_layer_major": _mock_row(129.0, 90.0, 60.0, 238.0, 5000.0, 11250.0, 11000.0,
+                                       p32768=16000.0, decode_hit_rate=0.43, slots=262,
+                                       cache={"layer_hit_rate": [0.43] * 8}, layer_major=passes),
+        "stock_offload_stream": _mock_row(16.0, 12.0, 8.0, 32.0, 400.0, 2500.0, 4000.0,
+                                          p32768=2600.0),
+    }  # fmt: skip
+    for mode, row in rows.items():
+        stream_t = 8 if mode == "stock_offload_stream" else None
+        r = {"mode": mode, "info": dict(info, split=255, stream_t=stream_t), "row": row}
+        (tmp_path / f"row-{mode}.json").write_text(json.dumps(r))
+    r = run_bench("gpu_slice", "--combine", str(tmp_path))
+    ratios, figures = r["ratios"], r["figures"]
+    # zero-copy rate: 8 picks x 8 layers x 9,437,184 B a token over (1/25 - 1/200) s
+    gbps = 64 * 9_437_184 / (1 / 25 - 1 / 200) / 1e9
+    assert figures["zero_copy_gbps"] == pytest.approx(gbps)
+    every_expert_s = 8 * 288 * 9_437_184 / (gbps * 1e9)  # one pass over the routed experts
+    assert figures["prefill8k_stream_bound_tok_s"] == pytest.approx(8192 / every_expert_s)
+    assert figures["prefill32k_stream_bound_tok_s"] == pytest.approx(32768 / every_expert_s)
+    assert figures["prefill_32768_tok_s"] == {"stock": 19000.0, "zerocopy": None, "exact": 4400.0,
+                                              "exact_layer_major": 16000.0,
+                                              "stock_offload_stream": 2600.0}  # fmt: skip
+    assert ratios["prefill8k_chunk2048_vs_stream_once"] == pytest.approx(
+        11250.0 * every_expert_s / 8192
+    )
+    assert ratios["prefill32k_vs_stream_once"] == pytest.approx(16000.0 * every_expert_s / 32768)
+    assert ratios["prefill8k_chunk2048_vs_before"] == 11250.0 / 4500.0
+    assert ratios["prefill8k_chunk2048_vs_stock_stream"] == 11250.0 / 2500.0
+    assert ratios["prefill32k_vs_stock_stream"] == 16000.0 / 2600.0
+    assert ratios["prefill32k_vs_stock_vram"] == 16000.0 / 19000.0
+    assert ratios["layer_major_decode_c1_vs_exact"] == 129.0 / 130.0
+    assert figures["layer_major"] == passes
+    assert r["config"]["stream_t"] == 8
+
+
+def test_gpu_slice_without_layer_major_rows_leaves_issue_28s_ratios_null(tmp_path):
+    from glm53.doctor.geometry import Geometry
+
+    geo = Geometry("slice", 8, 8, 288, 8, 9_437_184, 1_000_000_000, 3)
+    info = {"moe_layers": 8, "experts": 288, "record_bytes": 9_437_184, "device": "MOCK",
+            "geometry": {f: getattr(geo, f) for f in geo.__struct_fields__}}  # fmt: skip
+    row = _mock_row(130.0, 90.0, 60.0, 240.0, 5000.0, 4500.0, 11000.0, decode_hit_rate=0.43,
+                    cache={"layer_hit_rate": [0.43] * 8}, slots=262)  # fmt: skip
+    (tmp_path / "row-exact.json").write_text(
+        json.dumps({"mode": "exact", "info": info, "row": row})
+    )
+    ratios = run_bench("gpu_slice", "--combine", str(tmp_path))["ratios"]
+    for name in ("prefill8k_chunk2048_vs_stream_once", "prefill32k_vs_stream_once",
+                 "prefill8k_chunk2048_vs_before"):  # fmt: skip
+        assert ratios[name] is None, name
 
 
 def test_ram_tier_policy_contract(tmp_path):

@@ -7,6 +7,7 @@ import pytest
 from glm53.config import ConfigurationError, add_arguments, resolve
 from glm53.engine.gpu import GpuEngine
 from glm53.engine.gpu_create import create
+from glm53.engine.gpu_options import EngineOptions
 
 
 def settings(*argv):
@@ -20,13 +21,22 @@ def test_exact_mode_maps_every_setting(tmp_path):
                  "--ec-stage-gb", "1.5", "--context", "4096", "--max-batch", "2")  # fmt: skip
     e = create(s, tmp_path)
     assert isinstance(e, GpuEngine)
-    assert (e.mode, e.ec_max_slots, e.ec_reserve_gb, e.ec_stage_gb) == ("exact", 100, 2.0, 1.5)
+    o = e.options
+    assert (e.mode, o.ec_max_slots, o.ec_reserve_gb, o.ec_stage_gb) == ("exact", 100, 2.0, 1.5)
     assert (e.context_length, e.num_slots) == (4096, 2)
+    # what exllamav3's load takes, built once with the engine's options
+    assert (o.load.mode, o.load.max_chunk, o.load.max_batch, o.load.ec_max_slots) == (
+        "exact",
+        2048,
+        2,
+        100,
+    )
 
 
 def test_nvme_mode_is_refused_until_its_gpu_tests_ran_and_maps_store_and_lane_settings(tmp_path):
     """nvme (nvme-exact + the lane over the RAM tier) has never run on a GPU: only with
-    --allow-unrun-modes; then nvme-exact's settings and fast mode's lane settings reach it."""
+    --allow-unrun-modes; then nvme-exact's settings and fast mode's lane settings reach it, and
+    its load is nvme-exact's (glm53.modes' table)."""
     with pytest.raises(ConfigurationError, match="not yet run on a GPU.*--allow-unrun-modes"):
         create(settings("--mode", "nvme", "--store", str(tmp_path)), tmp_path)
     with pytest.raises(ConfigurationError, match="--mode nvme .*pass --store DIR"):
@@ -37,11 +47,13 @@ def test_nvme_mode_is_refused_until_its_gpu_tests_ran_and_maps_store_and_lane_se
                  "--ct-precision", "exact", "--ct-b", "0.2"),
         tmp_path,
     )  # fmt: skip
-    assert (e.mode, e.store, e.ram_cap, e.read_timeout_s) == ("nvme", str(tmp_path), 8 << 30, 5.0)
-    assert (e.lane_cpus, e.lane_threads, e.lane_precision, e.ct_b) == ("0", 1, "exact", 0.2)
+    o = e.options
+    assert (e.mode, o.store, o.ram_cap, o.read_timeout_s) == ("nvme", str(tmp_path), 8 << 30, 5.0)
+    assert (o.lane_cpus, o.lane_threads, o.lane_precision, o.ct_b) == ("0", 1, "exact", 0.2)
+    assert o.load.mode == "nvme-exact"
     assert e.fast is None and "nvme mode: not yet run on a GPU" in e.description
     auto = create(settings("--mode", "nvme", "--allow-unrun-modes", "--store", "/x"), tmp_path)
-    assert auto.lane_precision == "fast"  # auto beside the GPU, as fast mode
+    assert auto.options.lane_precision == "fast"  # auto beside the GPU, as fast mode
     for argv, match in (
         (["--gpus", "0,1"], "nvme mode runs on one GPU"),
         (["--cpus", "100000"], "outside this process's affinity mask"),
@@ -52,25 +64,27 @@ def test_nvme_mode_is_refused_until_its_gpu_tests_ran_and_maps_store_and_lane_se
                    tmp_path)  # fmt: skip
 
 
-def test_fast_mode_is_refused_until_its_gpu_tests_ran_unless_asked_for(tmp_path):
-    with pytest.raises(ConfigurationError, match="not yet run on a GPU.*--allow-unrun-modes"):
-        create(settings("--mode", "fast"), tmp_path)
-    e = create(settings("--mode", "fast", "--allow-unrun-modes"), tmp_path)
+def test_fast_mode_has_run_on_a_gpu_and_is_served_without_the_flag(tmp_path):
+    """fast passed its GPU tests on the H200 (2026-12-02): served without --allow-unrun-modes."""
+    e = create(settings("--mode", "fast"), tmp_path)
     assert isinstance(e, GpuEngine) and e.mode == "fast" and e.fast is None  # nothing loaded
-    assert "not yet run on a GPU" in e.description
+    assert "not yet run" not in e.description
     # exact mode's tiers, and the lane at auto precision: fast beside the GPU (lane_precision)
-    assert (e.lane_cpus, e.lane_threads, e.lane_precision, e.ct_b) == (None, None, "fast", None)
+    o = e.options
+    assert (o.lane_cpus, o.lane_threads, o.lane_precision, o.ct_b) == (None, None, "fast", None)
+    assert o.load.mode == "exact"
 
 
 def test_fast_mode_maps_the_lane_and_tier_settings(tmp_path):
     e = create(
-        settings("--mode", "fast", "--allow-unrun-modes", "--cpus", "0", "--cpu-threads", "1",
+        settings("--mode", "fast", "--cpus", "0", "--cpu-threads", "1",
                  "--ct-precision", "exact", "--ct-b", "0.2", "--ec-max-slots", "64",
                  "--ec-stage-gb", "0.5", "--context", "4096", "--max-batch", "4"),
         tmp_path,
     )  # fmt: skip
-    assert (e.lane_cpus, e.lane_threads, e.lane_precision, e.ct_b) == ("0", 1, "exact", 0.2)
-    assert (e.ec_max_slots, e.ec_stage_gb, e.context_length, e.num_slots) == (64, 0.5, 4096, 4)
+    o = e.options
+    assert (o.lane_cpus, o.lane_threads, o.lane_precision, o.ct_b) == ("0", 1, "exact", 0.2)
+    assert (o.ec_max_slots, o.ec_stage_gb, e.context_length, e.num_slots) == (64, 0.5, 4096, 4)
 
 
 @pytest.mark.parametrize(
@@ -85,7 +99,7 @@ def test_fast_mode_maps_the_lane_and_tier_settings(tmp_path):
 )
 def test_fast_mode_refuses_what_it_cannot_run_before_loading(tmp_path, argv, match):
     with pytest.raises(ConfigurationError, match=match):
-        create(settings("--mode", "fast", "--allow-unrun-modes", *argv), tmp_path)
+        create(settings("--mode", "fast", *argv), tmp_path)
 
 
 def test_ct_b_reaches_only_fast_mode_and_is_refused_elsewhere(tmp_path):
@@ -94,33 +108,31 @@ def test_ct_b_reaches_only_fast_mode_and_is_refused_elsewhere(tmp_path):
 
     (tmp_path / "config.json").write_text("{}")
     model = ["--model", str(tmp_path)]
-    e = create_engine(
-        settings("--engine", "gpu", *model, "--mode", "fast", "--allow-unrun-modes",
-                 "--ct-b", "0.15")
-    )  # fmt: skip
-    assert e.mode == "fast" and e.ct_b == 0.15
+    e = create_engine(settings("--engine", "gpu", *model, "--mode", "fast", "--ct-b", "0.15"))
+    assert e.mode == "fast" and e.options.ct_b == 0.15
     for argv in (["--engine", "gpu", *model, "--mode", "exact"], ["--engine", "cpu"]):
         with pytest.raises(ConfigurationError, match="--ct-b 0.2: it pins .* would ignore it"):
             create_engine(settings(*argv, "--ct-b", "0.2"))
 
 
-def test_nvme_exact_is_refused_until_its_gpu_tests_ran_unless_asked_for(tmp_path):
-    with pytest.raises(ConfigurationError, match="not yet run on a GPU.*--allow-unrun-modes"):
-        create(settings("--mode", "nvme-exact", "--store", str(tmp_path)), tmp_path)
+def test_nvme_exact_has_run_on_a_gpu_and_is_served_without_the_flag(tmp_path):
+    """nvme-exact passed its GPU tests on the H200 (2026-12-02, 6 of 6): no flag needed."""
     with pytest.raises(ConfigurationError, match="pass --store DIR"):
-        create(settings("--mode", "nvme-exact", "--allow-unrun-modes"), tmp_path)
+        create(settings("--mode", "nvme-exact"), tmp_path)
     e = create(
-        settings("--mode", "nvme-exact", "--allow-unrun-modes", "--store", str(tmp_path),
+        settings("--mode", "nvme-exact", "--store", str(tmp_path),
                  "--ram-cap", "8G", "--read-timeout", "5", "--ec-max-slots", "50"),
         tmp_path,
     )  # fmt: skip
-    assert (e.mode, e.store, e.ram_cap, e.read_timeout_s) == (
+    o = e.options
+    assert (e.mode, o.store, o.ram_cap, o.read_timeout_s) == (
         "nvme-exact",
         str(tmp_path),
         8 << 30,
         5.0,
     )
-    assert e.ec_max_slots == 50
+    assert o.ec_max_slots == 50
+    assert (o.load.mode, o.load.store, o.load.ram_cap) == ("nvme-exact", str(tmp_path), 8 << 30)
     with pytest.raises(ConfigurationError, match="nvme-exact runs on one GPU"):
         create(
             settings("--mode", "nvme-exact", "--allow-unrun-modes", "--store", str(tmp_path),
@@ -234,11 +246,9 @@ def test_vram_budget_is_a_size_flag_with_an_environment_twin():
 
 
 def test_load_takes_an_optional_vram_budget_that_defaults_to_none():
-    import inspect
+    from glm53.exl3.options import LoadOptions
 
-    from glm53.exl3.loader import load
-
-    assert inspect.signature(load).parameters["vram_budget"].default is None
+    assert LoadOptions().vram_budget is None
 
 
 def test_the_standard_region_ends_where_a_cold_prefill_first_cuts_short():
@@ -262,13 +272,13 @@ def test_chunk_size_must_be_whole_pages(tmp_path):
     with pytest.raises(ConfigurationError, match="--chunk-size 1000: .* multiple of 256.* 768"):
         create(settings("--chunk-size", "1000"), tmp_path)
     with pytest.raises(ValueError, match="multiple of 256"):
-        GpuEngine(str(tmp_path), "exact", chunk_size=1000)
+        GpuEngine(str(tmp_path), EngineOptions(mode="exact", chunk_size=1000))
 
 
 def test_the_gpu_engine_takes_the_vram_budget(tmp_path):
     e = create(settings("--vram-budget", "24G"), tmp_path)
-    assert e.vram_budget == 24 << 30
-    assert create(settings(), tmp_path).vram_budget is None
+    assert e.options.vram_budget == e.options.load.vram_budget == 24 << 30
+    assert create(settings(), tmp_path).options.vram_budget is None
 
 
 def test_a_split_over_gpus_is_refused_until_its_gpu_tests_have_run(tmp_path):
@@ -288,6 +298,7 @@ def test_prefill_is_chunk_major_unless_asked_for(tmp_path):
 
 
 def test_layer_major_prefill_is_refused_until_its_gpu_tests_ran_unless_asked_for(tmp_path):
+    """layer-major's GPU tests have never run: it still needs --allow-unrun-modes."""
     with pytest.raises(ConfigurationError, match="--prefill layer-major .*not yet run on a GPU"):
         create(settings("--mode", "exact", "--prefill", "layer-major"), tmp_path)
     e = create(
@@ -319,9 +330,9 @@ def test_layer_major_prefill_is_refused_off_the_gpu_engine():
 
 def test_the_engine_takes_layer_major_only_in_exact_mode(tmp_path):
     with pytest.raises(ValueError, match="layer-major in exact mode"):
-        GpuEngine(str(tmp_path), "stock", prefill="layer-major")
+        GpuEngine(str(tmp_path), EngineOptions(mode="stock", prefill="layer-major"))
     with pytest.raises(ValueError, match="chunk, or layer-major"):
-        GpuEngine(str(tmp_path), "exact", prefill="layers")
+        GpuEngine(str(tmp_path), EngineOptions(mode="exact", prefill="layers"))
 
 
 # --- the load's VRAM accounting (exl3_load.held_vram_bytes) -------------------------------------
@@ -352,7 +363,7 @@ def test_resident_bytes_are_unknown_when_tensors_freed_during_the_load_made_them
 
 @pytest.mark.parametrize(
     "argv",
-    [["--mode", "exact"], ["--mode", "nvme-exact", "--store", "/x", "--allow-unrun-modes"]],
+    [["--mode", "exact"], ["--mode", "nvme-exact", "--store", "/x"]],
 )
 def test_the_gpu_engine_keeps_its_heat_lists_under_cache_dir(tmp_path, argv):
     """--cache-dir reaches the GPU engine, which names its heat lists under it (the CPU engine

@@ -338,7 +338,7 @@ def test_the_home_refuses_a_source_that_is_not_a_store(demo):
 
 def serve_nvme_exact(model, store, tmp_path, *extra) -> Server:
     args = ["--model", str(model), "--engine", "gpu", "--mode", "nvme-exact"]
-    args += ["--allow-unrun-modes", "--store", str(store), *extra]
+    args += ["--store", str(store), *extra]
     return Server(args, log_path=tmp_path / "server.log")
 
 

@@ -19,10 +19,18 @@ PACKAGE = ROOT / "glm53"
 # "glm53" is the package's face alone; "glm53._*" the native modules and the generated _buildinfo.
 # Where entries overlap the longest decides.
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
-    # imports nothing above: the package face, native modules, settings, units, sd_notify
+    # imports nothing above: the package face, native modules, settings, modes, units, sd_notify
     (
         "ground",
-        ("glm53", "glm53._*", "glm53.config", "glm53.errors", "glm53.units", "glm53.notify"),
+        (
+            "glm53",
+            "glm53._*",
+            "glm53.config",
+            "glm53.errors",
+            "glm53.modes",
+            "glm53.units",
+            "glm53.notify",
+        ),
     ),
     # checkpoint reading and the reference-panel format: plain data, no tiers or engines
     ("models", ("glm53.models", "glm53.reference")),

@@ -200,9 +200,10 @@ class MockDecodeGenerator:
 def test_the_engine_fails_only_the_request_whose_row_picked_the_faulted_expert(glue, demo):
     from glm53.engine.base import FinishReason
     from glm53.engine.gpu import GpuEngine
+    from glm53.engine.gpu_options import EngineOptions
 
     home, ec, lib = glue
-    engine = GpuEngine(str(demo), "nvme-exact", store="/srv/store")
+    engine = GpuEngine(str(demo), EngineOptions(mode="nvme-exact", store="/srv/store"))
     gen = MockDecodeGenerator(home, {"a": [10, 11], "b": [12, 13], "c": [11, 14]})
     engine.loaded = types.SimpleNamespace(nvme=home, ec=ec)
     engine.generator, engine.tokenizer = gen, types.SimpleNamespace(vocab_size=100)
@@ -243,9 +244,10 @@ class MockReapingGenerator(MockDecodeGenerator):
 def test_a_prefill_fault_fails_the_job_exllamav3_reaped_and_nothing_else(glue, demo):
     from glm53.engine.base import FinishReason
     from glm53.engine.gpu import GpuEngine
+    from glm53.engine.gpu_options import EngineOptions
 
     home, ec, lib = glue
-    engine = GpuEngine(str(demo), "nvme-exact", store="/srv/store")
+    engine = GpuEngine(str(demo), EngineOptions(mode="nvme-exact", store="/srv/store"))
     gen = MockReapingGenerator(home, {"a": [1, 2], "b": [3, 4]}, reaped="b")
     engine.loaded = types.SimpleNamespace(nvme=home, ec=ec)
     engine.generator, engine.tokenizer = gen, types.SimpleNamespace(vocab_size=100)

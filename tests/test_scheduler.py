@@ -26,6 +26,7 @@ class TableEngine:
     is_model = False
     drives_jobs = False
     verify_tiers = None
+    fast = None
     generation_defaults: dict = {}
 
     def __init__(self, checkpoint, *, num_slots=4, context_length=4096, fail_steps=()):

@@ -35,6 +35,7 @@ class MockJobEngine:
     is_model = False
     drives_jobs = True
     verify_tiers = None
+    fast = None
     generation_defaults: dict = {}
 
     def __init__(self, checkpoint, *, num_slots=2, context_length=4096):

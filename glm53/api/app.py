@@ -4,6 +4,7 @@ is ready), routing, authentication, body limits, and OpenAI-shaped errors for ev
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
 import logging
 import signal
@@ -19,6 +20,7 @@ from glm53.config import ConfigurationError, Settings, Source
 from glm53.engine import checkpoint_dir, create_engine
 from glm53.engine.base import Engine, EngineUnavailable
 from glm53.engine.scheduler import Scheduler
+from glm53.tiers.thread_pins import pin_server_threads
 
 log = logging.getLogger("glm53.server")
 
@@ -74,8 +76,25 @@ def _bearer_ok(headers: list[tuple[bytes, bytes]], api_key: str) -> bool:
     return False
 
 
+def freeze_heap() -> int:
+    """Collect once, then move every object alive now (modules, the engine, the tokenizer) into
+    the collector's permanent generation; the number moved.
+
+    A full collection walks every tracked object in the process while holding the GIL: with the
+    engine loaded, a large request's allocations set one off that held it 194-246 ms on the
+    2-vCPU VM (bench/health_under_load.py, gc.callbacks), and /health waited as long. What is
+    loaded lives as long as the process, so leaving it out of later collections costs at most
+    a cycle among those objects that is dropped before the process ends and never collected;
+    reference counting still frees whatever is dropped without a cycle."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 class App:
-    """glm53's ASGI app. `on_load_failed` runs after a failed model load (serve exits there)."""
+    """glm53's ASGI app. `on_load_failed` runs after a failed model load (serve exits there).
+    `freeze_heap`: freeze the loaded heap (freeze_heap) once the engine is up; serve's worker
+    process does, a test that runs the app inside pytest's process does not."""
 
     def __init__(
         self,
@@ -85,11 +104,13 @@ class App:
         engine_factory: Callable[[Settings], Engine] = create_engine,
         on_load_failed: Callable[[BaseException], None] | None = None,
         on_drained: Callable[[], None] | None = None,
+        freeze_heap: bool = False,
     ):
         self.state = ServerState(settings, sources)
         self._engine_factory = engine_factory
         self._on_load_failed = on_load_failed
         self._on_drained = on_drained
+        self._freeze_heap = freeze_heap
         self._load_task: asyncio.Task | None = None
         self._drain_task: asyncio.Task | None = None
         self._num_open = 0  # POST requests being answered (what a drain waits for)
@@ -140,6 +161,8 @@ class App:
             )
             state.scheduler = scheduler
             await scheduler.start()
+            # fast mode: the engine thread and this one on the cores the CPU lane leaves
+            state.thread_pins = pin_server_threads(state.engine)
         except Exception as exc:  # noqa: BLE001 - reported in /health and by the exit status
             state.status, state.load_error = ServerStatus.FAILED, f"{type(exc).__name__}: {exc}"
             expected = isinstance(exc, EngineUnavailable | ConfigurationError)
@@ -151,6 +174,11 @@ class App:
                 self._on_load_failed(exc)
             return
         state.load_seconds = round(time.monotonic() - start, 3)
+        for pin in state.thread_pins.values():
+            log.info("the %s thread (%d) runs on cpus %s, which the CPU lane leaves (--cpus "
+                     "turns this off)", pin.role, pin.native_id, list(pin.cpus))  # fmt: skip
+        if self._freeze_heap:
+            state.frozen_objects = freeze_heap()
         if state.status != ServerStatus.LOADING:  # a SIGTERM came during the load: stay out
             log.info("loaded in %.1f s, but the server is %s", state.load_seconds, state.status)
             return

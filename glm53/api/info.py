@@ -77,6 +77,8 @@ async def stats(state: ServerState, body: bytes, receive: Receive, send: Send) -
         **state.metrics.summary(),
         "queue": scheduler,
         "engine": _engine_stats(state),
+        "frozen_objects": state.frozen_objects,
+        "thread_pins": {role: msgspec.to_builtins(pin) for role, pin in state.thread_pins.items()},
     }
     await send_bytes(send, 200, _encoder.encode(payload))
     return 200

@@ -12,6 +12,7 @@ from glm53.api.offload import Offload
 from glm53.config import Settings, Source
 from glm53.engine.base import Engine
 from glm53.engine.scheduler import Scheduler
+from glm53.tiers.thread_pins import ThreadPin
 
 
 class ServerStatus(enum.StrEnum):
@@ -38,6 +39,8 @@ class ServerState:
     load_error: str | None = None
     started_at: float = field(default_factory=time.time)
     load_seconds: float | None = None
+    frozen_objects: int = 0  # objects the load left out of later collections (app.freeze_heap)
+    thread_pins: dict[str, ThreadPin] = field(default_factory=dict)  # fast mode: role -> pin
     checkpoint: str | None = None
 
     def ready_scheduler(self) -> Scheduler:

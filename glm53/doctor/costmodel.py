@@ -25,11 +25,11 @@ DDR4, 4x NVMe RAID0) scale with this host's figures where a physical reason says
 from __future__ import annotations
 
 import math
-from enum import StrEnum
 
 import msgspec
 
 from glm53.doctor.geometry import GLM53_FLASH, Geometry
+from glm53.modes import TierMode
 from glm53.units import GIB
 
 # --- model geometry (glm53-architecture.md §2, exllamav3.md §3.2, seed-project.md §2.1, §4.1)
@@ -107,11 +107,8 @@ NVME_MIN_CAP_BYTES = 15 * GIB
 NVME_SMALL_BELOW_BYTES = 24 * GIB
 
 
-class Mode(StrEnum):
-    EXACT = "exact"
-    FAST = "fast"
-    NVME = "nvme"
-    NVME_EXACT = "nvme-exact"
+# the tier modes (glm53.modes, where they are defined once; auto is not a plan)
+Mode = TierMode
 
 
 LANE_MODES = {Mode.FAST, Mode.NVME}

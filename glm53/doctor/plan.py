@@ -37,8 +37,10 @@ from glm53.doctor.host import Gpu, HostProbe
 from glm53.doctor.multi_gpu import MultiGpuOutlook, outlook
 from glm53.doctor.prefill import PrefillOutlook, prefill_outlook
 from glm53.doctor.sweep import SweepResult, read_sweep
-from glm53.engine.gpu_create import SERVED_MODES
+from glm53.modes import recommended
 
+# the modes glm53 doctor recommends (glm53.modes' table; exact only, still)
+SERVED_MODES = recommended("gpu")
 NOT_SERVED = "this build's GPU engine does not serve it yet"
 
 EB = expert_trellis_bytes(3)

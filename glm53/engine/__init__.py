@@ -16,6 +16,7 @@ from pathlib import Path
 from glm53.config import ConfigurationError, Settings, cache_dir
 from glm53.engine.base import Engine, EngineError, EngineUnavailable, StreamWork, Tokenizer
 from glm53.exl3.version import installed_version, version_problem
+from glm53.modes import Mode, lane_runs_beside_gpu
 
 __all__ = [
     "Engine",
@@ -118,15 +119,15 @@ def refuse_unbuilt(settings: Settings) -> None:
 
 
 def refuse_ct_b(settings: Settings, kind: str) -> None:
-    """--ct-b pins fast mode's router (the GPU engine's --mode fast); anywhere else nothing
-    reads it, so a value is refused rather than ignored."""
-    if settings.ct_b is None or (kind == "gpu" and settings.mode == "fast"):
+    """--ct-b pins fast mode's router (the GPU engine's lane modes, glm53.modes); anywhere else
+    nothing reads it, so a value is refused rather than ignored."""
+    if settings.ct_b is None or lane_runs_beside_gpu(kind, settings.mode):
         return
     raise ConfigurationError(
         f"--ct-b {settings.ct_b}: it pins the CPU lane's ms per expert for fast mode's router, "
         f"which only the GPU engine's --mode fast has; the {kind} engine in mode "
         f"{settings.mode} would ignore it. Leave --ct-b (GLM53_CT_B) out, or serve "
-        "--engine gpu --mode fast --allow-unrun-modes (not yet run on a GPU)"
+        "--engine gpu --mode fast"
     )
 
 
@@ -174,7 +175,7 @@ def _refuse_nvme_exact_store(settings: Settings) -> None:
     """nvme-exact's store, checked as its load checks it (glm53.tiers.gpu_home.open_home_source:
     a store of another checkpoint, a --ram-cap below one layer's picks) and closed again: these
     are mistakes in the settings, refused with their own fix whatever the host (torch-free)."""
-    if settings.mode != "nvme-exact" or not settings.store or uses_demo(settings):
+    if settings.mode != Mode.NVME_EXACT or not settings.store or uses_demo(settings):
         return
     from glm53.store.errors import StoreError
     from glm53.tiers.gpu_home import open_home_source

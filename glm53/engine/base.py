@@ -25,8 +25,9 @@ prefixes on their own (the GPU engine, inside exllamav3's Generator) leave it ou
 Optional capabilities are declared members that every engine sets, never probed with getattr:
 `drives_jobs` (False: a step engine; True: a job engine), `verify_tiers` (None: the engine keeps
 no expert tiers to check, so /admin/verify answers 409), `save_heat()` (returns None: no heat
-list to write, so /admin/save_heat answers 409) and, for step engines, `stream_usage(slot)`
-(None: the engine does not count tiers per stream).
+list to write, so /admin/save_heat answers 409), `fast` (None: no fast-mode lane, so the server
+pins no thread; glm53.tiers.thread_pins) and, for step engines, `stream_usage(slot)` (None: the
+engine does not count tiers per stream).
 """
 
 from __future__ import annotations
@@ -192,6 +193,9 @@ class Engine(Protocol):
     # their source and return the glm53.tiers.check.TierCheck (called from a worker thread, by
     # /admin/verify; the engine locks its tiers). None: the engine keeps no tiers to check.
     verify_tiers: Callable[[int], Any] | None
+    # the GPU engine's glm53.tiers.fast_lane.FastLane in fast mode, built on the engine thread
+    # during `load`; None for every other engine and mode
+    fast: Any | None
     tokenizer: Tokenizer
     context_length: int
     num_slots: int
@@ -261,6 +265,7 @@ class JobEngine(Protocol):
     is_model: bool
     drives_jobs: bool  # True: a job engine
     verify_tiers: Callable[[int], Any] | None  # as for Engine
+    fast: Any | None  # as for Engine
     tokenizer: Tokenizer
     context_length: int
     num_slots: int

@@ -50,6 +50,7 @@ class CpuEngine:
     name = "cpu"
     is_model = True
     drives_jobs = False  # a step engine: the scheduler plans its steps and samples
+    fast = None  # no fast-mode lane: the CPU lane shares the host with torch, nothing is pinned
 
     def __init__(
         self,

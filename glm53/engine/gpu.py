@@ -28,6 +28,7 @@ from typing import Any
 from glm53 import exl3
 from glm53.engine import gpu_tiers
 from glm53.engine.base import EngineError, FinishReason, JobOutput
+from glm53.engine.gpu_options import EngineOptions
 from glm53.exl3 import PAGE
 from glm53.units import GIB
 
@@ -40,84 +41,27 @@ class GpuEngine:
     drives_jobs = True  # the scheduler submits requests (glm53.engine.base.JobEngine)
     verify_tiers = None  # exact mode has no tier check; the nvme modes set one (gpu_tiers)
 
-    def __init__(
-        self,
-        model_dir: str,
-        mode: str = "exact",
-        context: int = 8192,
-        max_batch: int = 4,
-        chunk_size: int = 2048,
-        ec_max_slots: int | None = None,
-        ec_reserve_gb: float = 1.0,
-        ec_stage_gb: float | None = None,
-        ec_freq_window: int | None = None,
-        prefix_cache: bool = True,
-        recurrent_cache_gb: float = 4.0,
-        cache_tokens: int | None = None,
-        vram_budget: int | None = None,
-        device: str = "cuda:0",
-        allow_unsupported: bool = False,
-        heat_file: str | None = None,
-        warmup: bool = False,
-        gpus: tuple[int, ...] | None = None,
-        store: str | None = None,
-        ram_cap: int | None = None,
-        read_timeout_s: float | None = 30.0,
-        lane_cpus: str | None = None,
-        lane_threads: int | None = None,
-        lane_precision: str = "fast",
-        ct_b: float | None = None,
-        prefill: str = "chunk",
-        cache_dir: str | None = None,
-    ):
-        # nvme-exact (the RAM tier over --store as the experts' home), fast (exact mode's tiers
-        # + the CPU lane) and nvme (nvme-exact + the lane over the RAM tier) are accepted here
-        # (glm53.engine.gpu_tiers); serve runs the unrun ones only with --allow-unrun-modes
-        if mode not in ("exact", "stock", "zerocopy", "nvme-exact", "fast", "nvme"):
-            raise ValueError(
-                f"mode {mode!r}: the GPU engine runs 'exact', 'fast', 'nvme-exact' and 'nvme' "
-                "(and the reference modes 'stock' and 'zerocopy')"
-            )
-        if chunk_size % PAGE:
-            raise ValueError(
-                f"--chunk-size {chunk_size}: the GPU engine needs a multiple of {PAGE} "
-                "(exllamav3's page size)"
-            )
-        if prefill not in ("chunk", "layer-major") or (prefill != "chunk" and mode != "exact"):
-            raise ValueError(f"prefill {prefill!r}: chunk, or layer-major in exact mode")
-        self.prefill = prefill  # layer-major: glm53.exl3.layer_major (not yet run on a GPU)
+    def __init__(self, model_dir: str, options: EngineOptions | None = None):
+        """`options` (glm53.engine.gpu_options.EngineOptions) were checked when they were built;
+        None: every default (exact mode)."""
+        o = self.options = options if options is not None else EngineOptions()
+        self.model_dir, self.mode, self.device, self.gpus = model_dir, o.mode, o.device, o.gpus
+        self.context_length, self.num_slots, self.chunk_size = o.context, o.max_batch, o.chunk_size
+        self.prefix_cache, self.recurrent_cache_gb = o.prefix_cache, o.recurrent_cache_gb
+        self.prefill = o.prefill  # layer-major: glm53.exl3.layer_major
         self.layer_major = None
-        self.model_dir, self.mode, self.device = model_dir, mode, device
-        self.context_length, self.num_slots, self.chunk_size = context, max_batch, chunk_size
-        self.ec_max_slots, self.ec_reserve_gb = ec_max_slots, ec_reserve_gb
-        self.ec_stage_gb, self.ec_freq_window = ec_stage_gb, ec_freq_window
-        self.prefix_cache, self.recurrent_cache_gb = prefix_cache, recurrent_cache_gb
-        pages = -(-context // PAGE)
-        self.cache_tokens = cache_tokens or max_batch * pages * PAGE
-        self.allow_unsupported = allow_unsupported
-        self.vram_budget = vram_budget  # bytes: plan the cache, staging and KV as on that card
-        self.heat_file = heat_file
-        self.cache_dir = cache_dir  # heat lists live here (glm53.config.cache_dir; None: default)
-        self.warmup = warmup
-        self.store, self.ram_cap, self.read_timeout_s = store, ram_cap, read_timeout_s
+        self.heat_file, self.warmup = o.heat_file, o.warmup
+        self.cache_dir = o.cache_dir  # heat lists live here (glm53.config.cache_dir; None: default)
+        self.store = o.store
         self.tier_check = None  # nvme-exact: the latest glm53.tiers.check.TierCheck
-        # fast, nvme: the lane's CPUs (--cpus, --cpu-threads), its precision, --ct-b; FastLane
-        self.lane_cpus, self.lane_threads = lane_cpus, lane_threads
-        self.lane_precision, self.ct_b = lane_precision, ct_b
-        self.fast = None
+        self.fast = None  # fast: the FastLane
         self.warmup_failed: list[str] = []  # labels of exllamav3 warm-up passes that raised
-        if gpus is not None and len(gpus) == 1:
-            device = f"cuda:{gpus[0]}"  # one entry: the one-GPU path on that GPU
-        self.device = device
-        # two or more entries: the layers split over them (glm53.exl3.split; not yet
-        # run on a GPU)
-        self.gpus = tuple(gpus) if gpus is not None and len(gpus) > 1 else None
-        self.description = f"GPU engine (exllamav3 1.6.5 Generator, mode {mode}) on {model_dir}"
-        if self.gpus:
+        self.description = f"GPU engine (exllamav3 1.6.5 Generator, mode {o.mode}) on {model_dir}"
+        if self.gpus:  # two or more entries: the layers split over them (glm53.exl3.split)
             self.description += f", layers split over GPUs {','.join(map(str, self.gpus))}"
-        if mode in gpu_tiers.LANE_MODES:
-            self.description += f" ({mode} mode: not yet run on a GPU)"
-        if prefill == "layer-major":
+        if self.mode == "nvme":
+            self.description += " (nvme mode: not yet run on a GPU)"
+        if self.prefill == "layer-major":
             self.description += ", layer-major prefill (not yet run on a GPU)"
         self.generation_defaults: dict[str, float] = {}
         self.loaded = None
@@ -144,24 +88,7 @@ class GpuEngine:
 
         self.tokenizer = CheckpointTokenizer.from_dir(self.model_dir)
         self.generation_defaults = read_generation_defaults(self.model_dir)
-        self.loaded = exl3.load(
-            self.model_dir,
-            gpu_tiers.LOAD_MODE.get(self.mode, self.mode),  # fast, nvme: + the lane
-            device=self.device,
-            cache_tokens=self.cache_tokens,
-            max_batch=self.num_slots,
-            max_chunk=self.chunk_size,
-            ec_max_slots=self.ec_max_slots,
-            ec_reserve_gb=self.ec_reserve_gb,
-            ec_stage_gb=self.ec_stage_gb,
-            ec_freq_window=self.ec_freq_window,
-            allow_unsupported=self.allow_unsupported,
-            vram_budget=self.vram_budget,
-            gpus=list(self.gpus) if self.gpus else None,
-            store=self.store,  # these three: nvme-exact only
-            ram_cap=self.ram_cap,
-            read_timeout_s=self.read_timeout_s,
-        )
+        self.loaded = exl3.load(self.model_dir, self.options.load)
         if self.warmup:
             # exllamav3 picks its GEMM kernels (the cooperative autotuner, keyed by row count up to
             # 64 rows) and its Triton KDA configs by timing them at first use, and rounding follows
@@ -198,7 +125,7 @@ class GpuEngine:
             text_config = json.load(f)["text_config"]
         self.layer_major = exl3.LayerMajorPrefill(
             self.loaded, self.generator, self.chunk_size, text_config,
-            int(self.ec_reserve_gb * GIB), self.device,
+            int(self.options.ec_reserve_gb * GIB), self.device,
         )  # fmt: skip
 
     def _verify_nvme(self, num_samples: int):

@@ -4,7 +4,8 @@ read faults isolated to the requests that needed the record (glm53.tiers.read_fa
 
 Modes: fast = exact's tiers + the lane (glm53.tiers.fast_lane); nvme-exact = the RAM tier over
 --store as the experts' home (glm53.tiers.gpu_home); nvme = nvme-exact + the same lane over the
-RAM tier (glm53.tiers.nvme_lane). fast and nvme are NOT YET RUN ON A GPU.
+RAM tier (glm53.tiers.nvme_lane), NOT YET RUN ON A GPU. Which load each mode takes is
+glm53.modes' table (EngineOptions.load).
 """
 
 from __future__ import annotations
@@ -18,20 +19,18 @@ from glm53.engine.base import FinishReason, JobOutput
 
 log = logging.getLogger("glm53.engine.gpu")
 
-# what GpuEngine hands exl3.load for each mode: the lane modes load as their base mode
-LOAD_MODE = {"fast": "exact", "nvme": "nvme-exact"}
-LANE_MODES = ("fast", "nvme")
-
 
 def start_lane(engine) -> None:
-    """fast or nvme (not yet run on a GPU): the CPU lane (over the pinned home, or in nvme mode
-    over the RAM tier), the hooks and the router (glm53.exl3.fast, glm53.tiers.fast_lane)."""
+    """fast or nvme (nvme: not yet run on a GPU): the CPU lane (over the pinned home, or in nvme
+    mode over the RAM tier), the hooks and the router (glm53.exl3.fast, glm53.tiers.fast_lane).
+    The lane's settings are engine.options' (--cpus, --cpu-threads, --ct-precision, --ct-b)."""
     from glm53.tiers.cpu_lane import CpuLane, device_pci_address, lane_layout
 
-    layout = lane_layout(engine.lane_cpus, engine.lane_threads, device_pci_address(engine.device))
-    cpu = CpuLane(layout, precision=engine.lane_precision)
-    engine.fast = exl3.start_fast(engine.loaded, engine.model_dir, cpu, ct_b=engine.ct_b)
-    log.info("%s mode (not yet run on a GPU): %s", engine.mode, cpu.describe())
+    o = engine.options
+    layout = lane_layout(o.lane_cpus, o.lane_threads, device_pci_address(engine.device))
+    cpu = CpuLane(layout, precision=o.lane_precision)
+    engine.fast = exl3.start_fast(engine.loaded, engine.model_dir, cpu, ct_b=o.ct_b)
+    log.info("%s mode: %s", engine.mode, cpu.describe())
 
 
 def start_nvme(engine) -> None:

@@ -118,7 +118,7 @@ class Scheduler:
         (glm53.engine.grammar.build_constraints: a large grammar's takes up to a second); when
         `constraints` is None, those of the requests with a grammar are built here."""
         if not self.is_ready:
-            raise RuntimeError("the scheduler is not started")
+            raise RuntimeError("internal error: the scheduler is not started")
         for request in requests:
             num_prompt = len(request.prompt_ids)
             if num_prompt == 0:

@@ -70,6 +70,7 @@ class ScriptedEngine:
     is_model = False
     drives_jobs = False  # a step engine: the scheduler plans its steps and samples
     verify_tiers = None  # no expert tiers to check
+    fast = None  # no CPU lane
 
     def __init__(
         self, checkpoint_dir: str | Path, script: Script, *, context_length: int, num_slots: int

@@ -51,7 +51,7 @@ against exllamav3 1.6.5's own source (the PyPI wheel, read with ast). The points
 
 The interface the engine calls (everything else here is this package's own):
 - the version: EXLLAMAV3_VERSION, installed_version, version_problem, check_version;
-- loading: load (-> Loaded), heat_path;
+- loading: load (LoadOptions -> Loaded), heat_path;
 - generation: make_generator, make_job, request_sampler (exllamav3_sampler, device_logprob_sampler
   or host_sampler), result_key, decode_row_keys (the nvme modes' read-fault isolation);
 - prefix reuse: PAGE, standard_region, align_prefix_reuse, generator_settings;
@@ -59,10 +59,10 @@ The interface the engine calls (everything else here is this package's own):
   load): start_fast, stop_fast, NO_LANE.
 
 Modules: version (the pin and its check), patches (the declared points and the write helpers),
-hooks (the expert homes and the class-level hooks), loader / loaded / split (loading, one GPU or a
-layer split), nvme_device (nvme-exact's device glue), fast_hooks / fast (fast mode), prefix
-(prefix reuse), generator / sampler_classes (Generator, Jobs, samplers), layer_major /
-layer_major_pass (layer-major prefill).
+hooks (the expert homes and the class-level hooks), options / loader / loaded / split (loading,
+one GPU or a layer split), nvme_device (nvme-exact's device glue), fast_hooks / fast (fast
+mode), prefix (prefix reuse), generator / sampler_classes (Generator, Jobs, samplers),
+layer_major / layer_major_pass (layer-major prefill).
 """
 
 from glm53.exl3.generator import (
@@ -79,6 +79,7 @@ from glm53.exl3.hooks import NO_LANE
 from glm53.exl3.layer_major import LayerMajorPrefill
 from glm53.exl3.loaded import Loaded
 from glm53.exl3.loader import heat_path, load
+from glm53.exl3.options import LoadMode, LoadOptions
 from glm53.exl3.prefix import PAGE, align_prefix_reuse, generator_settings, standard_region
 from glm53.exl3.version import (
     EXLLAMAV3_VERSION,
@@ -93,6 +94,8 @@ __all__ = [
     "NO_LANE",
     "PAGE",
     "LayerMajorPrefill",
+    "LoadMode",
+    "LoadOptions",
     "Loaded",
     "UnsupportedExllamaV3",
     "align_prefix_reuse",

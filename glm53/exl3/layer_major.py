@@ -77,11 +77,15 @@ class LayerMajorPrefill:
         self.geo = StreamGeometry.from_text_config(text_config)
         self.reserve, self.device = int(reserve_bytes), device
         if getattr(self.model, "loaded_tp", False):
-            raise RuntimeError("layer-major prefill runs the layer-split model, not a TP load")
+            raise RuntimeError(
+                "internal error: layer-major prefill runs the layer-split model, not a TP load"
+            )
         if generator.draft_model is not None:
-            raise RuntimeError("layer-major prefill does not drive a draft model")
+            raise RuntimeError("internal error: layer-major prefill does not drive a draft model")
         if getattr(self.model.config, "moe_cpu_hosts", None):
-            raise RuntimeError("layer-major prefill does not drive CPU-offloaded experts")
+            raise RuntimeError(
+                "internal error: layer-major prefill does not drive CPU-offloaded experts"
+            )
         self.active: LayerMajorPass | None = None
         self.counters = {"passes": 0, "passes_cancelled": 0, "layers_run": 0, "tokens": 0}
         self.last: dict | None = None
@@ -156,7 +160,8 @@ class LayerMajorPrefill:
                     stash(recorder)  # as Generator.recurrent_checkpoint does after each chunk
                     if seq.kv_position == before:
                         raise RuntimeError(
-                            f"layer-major prefill: the job's prefill made no progress at {before}"
+                            "internal error: layer-major prefill: the job's prefill made no "
+                            f"progress at {before}"
                         )
         finally:
             unshadow(model, "Model.prefill")

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from glm53.exl3.errors import Exl3Refused, UnsupportedCheckpoint
 from glm53.plan.layer_major import PassLayout, StatePlacement, layout_pass, uses_layer_major
 
 # params keys a module may leave for the next module: state that is not the streams
@@ -110,7 +111,9 @@ class LayerMajorPass:
             return out
         if tuple(out.shape) != (1, self.chunks[i].tokens, self.ctl.geo.hc_mult,
                                 self.ctl.geo.hidden_size):  # fmt: skip
-            raise RuntimeError(f"layer-major prefill: streams of shape {tuple(out.shape)}")
+            raise RuntimeError(
+                f"internal error: layer-major prefill: streams of shape {tuple(out.shape)}"
+            )
         if self.copy is None:
             self.pieces[i].copy_(out)
             return self.pieces[i]
@@ -152,15 +155,15 @@ class LayerMajorPass:
                 # result copied there, only where that changes nothing the next module sees
                 if y.shape != x.shape or y.dtype != x.dtype or not y.is_contiguous():
                     raise RuntimeError(
-                        f"layer-major prefill: {module.key} returned {tuple(y.shape)} "
-                        f"{y.dtype} for streams {tuple(x.shape)} {x.dtype}"
+                        f"internal error: layer-major prefill: {module.key} returned "
+                        f"{tuple(y.shape)} {y.dtype} for streams {tuple(x.shape)} {x.dtype}"
                     )
                 x.copy_(y)
             else:
                 x = y
             left = [k for k in DEFERRED_KEYS if k in c.params]
             if left:
-                raise RuntimeError(
+                raise Exl3Refused(
                     f"layer-major prefill: {module.key} left {left} in the chunk's params (a "
                     "residual deferred to the next module, in workspaces the next chunk reuses); "
                     "unset EXL3_HC_FOLD or serve with --prefill chunk"
@@ -225,8 +228,8 @@ class LayerMajorPass:
             missing = set(self.recurrent_keys()) - set(point.layers)
             if missing:
                 raise RuntimeError(
-                    f"layer-major prefill: the checkpoint at {point.position} lacks recurrent "
-                    f"layers {sorted(missing)[:4]}"
+                    f"internal error: layer-major prefill: the checkpoint at {point.position} "
+                    f"lacks recurrent layers {sorted(missing)[:4]}"
                 )
             target = {"position": point.position, "checkpoint_size": rs.target.checkpoint_size}
             target.update(point.layers)
@@ -285,9 +288,9 @@ def _recurrent_layers(cache) -> dict:
     out = {}
     for key, layer in cache.get_all_recurrent_layers().items():
         if not isinstance(layer, GDNLayerState):
-            raise RuntimeError(
+            raise UnsupportedCheckpoint(
                 f"layer-major prefill stashes KDA/GDN layer states only; {key} is a "
-                f"{type(layer).__name__}"
+                f"{type(layer).__name__}: serve this checkpoint with --prefill chunk"
             )
         out[id(layer.module)] = (key, layer)
     return out

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from glm53.exl3 import hooks
+from glm53.exl3.errors import UnsupportedCheckpoint
+from glm53.exl3.version import UnsupportedExllamaV3
 from glm53.plan.vram import VramPlan
 
 EMBEDDING_SUFFIX = "embed_tokens.weight"  # exllamav3's embedding module prefers host memory
@@ -44,12 +46,21 @@ def moe_geometry(stc) -> MoeGeometry:
         layers.setdefault(int(m["layer"]), set()).add(int(m["expert"]))
         proj = hooks.PROJ_INDEX[m["proj"]]
         if parts.setdefault(proj, end - beg) != end - beg:
-            raise RuntimeError(f"{key}: {end - beg} bytes, other experts have {parts[proj]}")
+            raise UnsupportedCheckpoint(
+                f"{key}: {end - beg} bytes, other experts have {parts[proj]}: glm53 serves "
+                "checkpoints whose routed experts of a layer share one size; use such a checkpoint"
+            )
     if not layers:
-        raise RuntimeError(f"{stc.directory}: no routed expert trellis found (not an EXL3 MoE?)")
+        raise UnsupportedCheckpoint(
+            f"{stc.directory}: no routed expert trellis found (not an EXL3 MoE?): point --model "
+            "at a GLM-5.3-Flash EXL3 checkpoint"
+        )
     counts = {len(v) for v in layers.values()}
     if len(counts) != 1 or len(parts) != 3:
-        raise RuntimeError(f"{stc.directory}: MoE layers disagree on their expert count {counts}")
+        raise UnsupportedCheckpoint(
+            f"{stc.directory}: MoE layers disagree on their expert count {counts}: glm53 serves "
+            "checkpoints with one expert count for every MoE layer"
+        )
     return MoeGeometry(
         sorted(layers), counts.pop(), (parts[0], parts[1], parts[2]), expert_total, other, host
     )
@@ -107,7 +118,8 @@ def check_tables_point_home(moe, home_addr, geo) -> None:
             got = multi.ptrs_trellis.cpu().numpy()
             want = home_addr[i * geo.n_experts : (i + 1) * geo.n_experts] + geo.part_off[p]
             if not np.array_equal(got, want):
-                raise RuntimeError(
+                raise UnsupportedExllamaV3(
                     f"{mod.key}: exllamav3's pointer table does not point at the pinned expert "
-                    "home; this exllamav3 build loads experts differently than 1.6.5"
+                    "home; this exllamav3 build loads experts differently than 1.6.5: install "
+                    "exllamav3==1.6.5 (`pip install 'glm53[gpu]'`)"
                 )

@@ -1,4 +1,4 @@
-"""Loading a glm5_next EXL3 checkpoint into stock exllamav3 1.6.5, three ways:
+"""Loading a glm5_next EXL3 checkpoint into stock exllamav3 1.6.5, four ways:
 
 - `stock`:      exllamav3 as shipped, every routed expert in VRAM (the ceiling, and the
                 reference that exact mode must match bit for bit);
@@ -6,8 +6,9 @@
                 kernels, no cache (the floor);
 - `exact`:      the same pinned home plus the device-side CLOCK cache in VRAM;
 - `nvme-exact`: the same cache, with the RAM tier (--ram-cap, filled from the packed --store
-                with O_DIRECT) as the experts' home (glm53.exl3.nvme_device; not yet run on
-                a GPU).
+                with O_DIRECT) as the experts' home (glm53.exl3.nvme_device).
+
+What to load is a glm53.exl3.options.LoadOptions, checked when it was built.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import logging
 import os
 
 from glm53.exl3 import hooks
+from glm53.exl3.errors import Exl3Refused
 from glm53.exl3.loaded import (
     Loaded,
     MoeGeometry,
@@ -25,6 +27,7 @@ from glm53.exl3.loaded import (
     check_tables_point_home,
     moe_geometry,
 )
+from glm53.exl3.options import LoadOptions
 from glm53.exl3.version import check_version
 from glm53.plan.vram import (
     VramInputs,
@@ -91,56 +94,34 @@ def vram_plan_for(
     )
 
 
-def load(
-    model_dir: str,
-    mode: str = "exact",
-    device: str = "cuda:0",
-    cache_tokens: int = 8192,
-    max_batch: int = 4,
-    max_chunk: int = 2048,
-    ec_slots: int | None = None,
-    ec_max_slots: int | None = None,
-    ec_reserve_gb: float = 1.0,
-    ec_stage_gb: float | None = None,
-    ec_freq_window: int | None = None,
-    stage_min_rows: int = 256,
-    stage_dma: bool | None = None,
-    allow_unsupported: bool = False,
-    vram_budget: int | None = None,
-    gpus: list[int] | None = None,
-    store: str | None = None,
-    ram_cap: int | None = None,
-    read_timeout_s: float | None = 30.0,
-) -> Loaded:
-    """Load model_dir in `mode`. vram_budget (bytes; None: the device's free VRAM) plans exact
-    mode's expert cache and staging with plan_vram, as on a card with that much free, so that
-    a small card can be emulated on a large one; the other arguments behave as without it.
-    `gpus` with two or more entries (--gpus) splits the layers over them (glm53.exl3.split; `device`
-    is then unused); None, or one entry (the caller passes it as `device`), is the one-GPU load
-    below, unchanged. nvme-exact also takes the store, --ram-cap and the read timeout (one GPU)."""
+def load(model_dir: str, options: LoadOptions | None = None) -> Loaded:
+    """Load model_dir as `options` (glm53.exl3.options.LoadOptions, checked when built; None:
+    every default) say. A vram_budget plans exact mode's expert cache and staging with
+    plan_vram, as on a card with that much free, so that a small card can be emulated on a large
+    one. Two or more `gpus` split the layers over them (glm53.exl3.split)."""
     import torch
 
-    if mode not in ("stock", "zerocopy", "exact", "nvme-exact"):
-        raise ValueError(f"unknown load mode {mode!r}: stock, zerocopy, exact or nvme-exact")
-    if gpus is not None and len(gpus) > 1:
-        if mode == "nvme-exact":
-            raise ValueError("nvme-exact runs on one GPU: --gpus names more than one")
+    o = options if options is not None else LoadOptions()
+    mode, max_chunk, max_batch = o.mode, o.max_chunk, o.max_batch
+    cache_tokens, vram_budget, ec_reserve_gb = o.cache_tokens, o.vram_budget, o.ec_reserve_gb
+    ec_stage_gb = o.ec_stage_gb
+    if o.is_split:
         from glm53.exl3.split import load_split
 
         return load_split(
-            model_dir, mode, list(gpus), cache_tokens=cache_tokens, max_batch=max_batch,
-            max_chunk=max_chunk, ec_max_slots=ec_max_slots, ec_reserve_gb=ec_reserve_gb,
-            ec_stage_gb=ec_stage_gb, ec_freq_window=ec_freq_window,
-            stage_min_rows=stage_min_rows, stage_dma=stage_dma,
-            allow_unsupported=allow_unsupported, vram_budget=vram_budget,
+            model_dir, mode, list(o.gpus), cache_tokens=cache_tokens, max_batch=max_batch,
+            max_chunk=max_chunk, ec_max_slots=o.ec_max_slots, ec_reserve_gb=ec_reserve_gb,
+            ec_stage_gb=ec_stage_gb, ec_freq_window=o.ec_freq_window,
+            stage_min_rows=o.stage_min_rows, stage_dma=o.stage_dma,
+            allow_unsupported=o.allow_unsupported, vram_budget=vram_budget,
         )  # fmt: skip
     nvme_src = None
     if mode == "nvme-exact":  # refusals (store, fingerprint, --ram-cap) before anything loads
         from glm53.tiers.gpu_home import open_home_source
 
-        nvme_src = open_home_source(model_dir, store, ram_cap, rows=max(max_chunk, max_batch))
+        nvme_src = open_home_source(model_dir, o.store, o.ram_cap, rows=o.rows)
         ec_stage_gb = 0.0  # staging copies from home on a side stream: off (gpu_home)
-    check_version(allow_unsupported)
+    check_version(o.allow_unsupported)
     hooks.install_hooks()
     from exllamav3 import Cache, Config, Model, Tokenizer
 
@@ -148,7 +129,7 @@ def load(
     geo = moe_geometry(config.stc)
     if nvme_src is not None:
         _check_store_geometry(nvme_src[0], geo)
-    dev = torch.device(device)
+    dev = torch.device(o.device)
     # a previous load's tensors held only by reference cycles would be freed while this load
     # runs and make its count negative: collect them first
     gc.collect()
@@ -157,18 +138,19 @@ def load(
     free, _ = torch.cuda.mem_get_info(dev)
     if vram_budget is not None:
         if vram_budget > free:
-            raise RuntimeError(
+            raise Exl3Refused(
                 f"--vram-budget {vram_budget / GIB:.2f} GiB is more than the "
                 f"{free / GIB:.2f} GiB free on {dev}; pass at most that"
             )
         free = vram_budget
     need = geo.other_bytes + (geo.expert_bytes_total if mode == "stock" else 0)
     if need + ec_reserve_gb * GIB > free:
-        raise RuntimeError(
+        raise Exl3Refused(
             f"not enough VRAM on {dev}: {need / GIB:.2f} GiB of weights to place "
             f"({'all experts included' if mode == 'stock' else 'routed experts stay in host RAM'})"
             f" + {ec_reserve_gb:.2f} GiB reserve > {free / GIB:.2f} GiB "
-            f"{'free' if vram_budget is None else 'budget (--vram-budget)'}"
+            f"{'free' if vram_budget is None else 'budget (--vram-budget)'}: lower "
+            "--ec-reserve-gb, free the GPU of other processes, or use a GPU with more VRAM"
         )
     plan = None
     if vram_budget is not None and mode in ("exact", "nvme-exact"):
@@ -215,30 +197,30 @@ def load(
         else:
             stage_slots, fit = plan.stage_slots, plan.cache_slots
             free = plan.cache_bytes + plan.free_bytes + plan.reserve_bytes
-        slots = ec_slots if ec_slots is not None else fit
-        if ec_max_slots is not None:
-            slots = min(slots, ec_max_slots)
+        slots = o.ec_slots if o.ec_slots is not None else fit
+        if o.ec_max_slots is not None:
+            slots = min(slots, o.ec_max_slots)
         slots = min(slots, home.geo.n_keys)
         if slots < 1 or slots > fit:
-            raise RuntimeError(
+            raise Exl3Refused(
                 f"the VRAM expert cache cannot hold {slots} slots of "
                 f"{home.geo.record_bytes / 2**20:.1f} MiB: {free / GIB:.2f} GiB free, "
-                f"{ec_reserve_gb:.2f} GiB reserved (--ec-reserve-gb) leaves room for {fit}"
+                f"{ec_reserve_gb:.2f} GiB reserved (--ec-reserve-gb) leaves room for {fit}; "
+                "lower --ec-reserve-gb, --context or --max-batch"
             )
         ec = DeviceExpertCache(
             home.geo, slots, home_addr, hooks.table_addresses(moe), dev,
-            freq_window=ec_freq_window,
+            freq_window=o.ec_freq_window,
         )  # fmt: skip
         stager = None
         if stage_slots > 0:
             from glm53.tiers.vram_cache import PrefillStager
 
-            stager = PrefillStager(ec, stage_slots, min_rows=stage_min_rows, dma=stage_dma)
+            stager = PrefillStager(ec, stage_slots, min_rows=o.stage_min_rows, dma=o.stage_dma)
         hooks.attach_cache(moe, ec, stager)
         loaded.ec, loaded.stager = ec, stager
     if nvme_src is not None:
-        rows = max(max_chunk, max_batch)
-        loaded.nvme = _start_nvme(loaded, nvme_src, ram_cap, read_timeout_s, rows)
+        loaded.nvme = _start_nvme(loaded, nvme_src, o.ram_cap, o.read_timeout_s, o.rows)
         hooks.attach_nvme(moe, loaded.nvme)
         # prefill and scoring forwards carry NO_LANE: a read fault there fails its one request
         # (raised); in a decode forward it fails only the rows that needed it (read_faults)
@@ -268,6 +250,7 @@ def _measured(loaded: Loaded, dev) -> Loaded:
 def _check_store_geometry(store, geo: MoeGeometry) -> None:
     """The store's records must be this checkpoint's experts as exllamav3 lays them out: the
     same MoE layers, experts per layer and trellis sizes (the fingerprint already matched)."""
+    from glm53.store.errors import StoreMismatchError
     from glm53.tiers.vram_cache import CacheGeometry
 
     m = store.manifest
@@ -275,7 +258,7 @@ def _check_store_geometry(store, geo: MoeGeometry) -> None:
     got = (store.moe_layers, store.num_experts, tuple(m.trellis_bytes), m.slot_bytes)
     have = (geo.moe_layers, geo.n_experts, tuple(geo.part_bytes), want.record_bytes)
     if got != have:
-        raise RuntimeError(
+        raise StoreMismatchError(
             f"the store {store.store_dir} holds MoE layers {got[0]}, {got[1]} experts, trellis "
             f"{got[2]} bytes in slots of {got[3]}; exllamav3 loads {have[0]}, {have[1]}, "
             f"{have[2]} in {have[3]}: repack the store from this checkpoint"
@@ -299,7 +282,7 @@ def _start_nvme(loaded: Loaded, nvme_src, ram_cap, read_timeout_s, rows):
         check_home_cap(cap, source.record_bytes, working_set, top_k, rows)
     limit = hooks.memlock_limit()
     if 0 <= limit < min(cap, num_records * source.record_bytes):
-        raise RuntimeError(
+        raise Exl3Refused(
             f"the locked-memory limit is {limit} bytes, but pinning the RAM tier (--ram-cap) "
             f"needs {cap}: raise it (`ulimit -l unlimited`, or LimitMEMLOCK=infinity in the "
             "systemd unit) or lower --ram-cap"

@@ -32,6 +32,7 @@ import re
 from collections.abc import Callable, Sequence
 
 from glm53.exl3 import hooks
+from glm53.exl3.errors import Exl3Refused, UnsupportedCheckpoint
 from glm53.exl3.loaded import Loaded, check_tables_point_home, moe_geometry
 from glm53.exl3.patches import assign, shadow, unshadow
 from glm53.exl3.version import check_version
@@ -164,16 +165,20 @@ def module_devices(modules, plan: SplitPlan) -> list[int]:
         if m is not None:
             layer = int(m[1])
             if not plan.parts[0].first_layer <= layer < plan.parts[-1].end_layer:
-                raise RuntimeError(
+                raise UnsupportedCheckpoint(
                     f"exllamav3 module {mod.key}: layer {layer} is outside the plan's layers "
-                    f"0-{plan.parts[-1].end_layer - 1} (num_hidden_layers of config.json)"
+                    f"0-{plan.parts[-1].end_layer - 1} (num_hidden_layers of config.json): the "
+                    "checkpoint's config.json disagrees with its tensors; fix or re-download it"
                 )
             out.append(plan.part_of_layer(layer).device)
             seen_layer = True
         else:
             out.append(plan.parts[-1].device if seen_layer else plan.parts[0].device)
     if not seen_layer:
-        raise RuntimeError("exllamav3's model has no `.layers.N` modules: cannot split it")
+        raise UnsupportedCheckpoint(
+            "exllamav3's model has no `.layers.N` modules: cannot split it over --gpus; name "
+            "one GPU"
+        )
     return out
 
 
@@ -219,17 +224,13 @@ def load_split(
     allow_unsupported: bool = False,
     vram_budget: int | None = None,
 ) -> Loaded:
-    """glm53.exl3.loader.load over `gpus` (two or more entries); vram_budget applies to each."""
+    """glm53.exl3.loader.load over `gpus` (two or more entries); vram_budget applies to each.
+    `mode` is exact or zerocopy (glm53.exl3.options.LoadOptions refuses the others)."""
     import json
     import os
 
     import torch
 
-    if mode == "stock":
-        raise ValueError(
-            "--gpus with two or more entries runs modes exact and zerocopy (routed experts in "
-            "the pinned home); stock mode places every expert in VRAM and is the one-GPU reference"
-        )
     check_version(allow_unsupported)
     hooks.install_hooks()
     from exllamav3 import Cache, Config, Model, Tokenizer
@@ -238,13 +239,13 @@ def load_split(
     free: dict[int, int] = {}
     for g in dict.fromkeys(gpus):
         if not 0 <= g < count:
-            raise RuntimeError(
+            raise Exl3Refused(
                 f"--gpus names GPU {g}, but torch sees {count} CUDA device(s) (0..{count - 1}); "
                 "check CUDA_VISIBLE_DEVICES"
             )
         have = torch.cuda.mem_get_info(torch.device("cuda", g))[0]
         if vram_budget is not None and vram_budget > have:
-            raise RuntimeError(
+            raise Exl3Refused(
                 f"--vram-budget {vram_budget / GIB:.2f} GiB is more than the {have / GIB:.2f} "
                 f"GiB free on cuda:{g}; pass at most that"
             )

@@ -75,11 +75,11 @@ def parse_cpu_list(text: str) -> list[int]:
     return cpus
 
 
-def physical_cores(allowed: set[int] | None = None) -> list[int]:
-    """One logical CPU (the lowest SMT sibling) per physical core this process may run on, in
-    CPU order."""
+def core_cpus(allowed: set[int] | None = None) -> dict[int, tuple[int, ...]]:
+    """Each physical core this process may run on: its lowest SMT sibling -> all its logical
+    CPUs in the mask, in CPU order."""
     allowed = set(os.sched_getaffinity(0)) if allowed is None else allowed
-    first_of_core: dict[tuple[str, str], int] = {}
+    of_core: dict[tuple[str, str], list[int]] = {}
     for cpu in sorted(allowed):
         topo = SYS_CPU / f"cpu{cpu}" / "topology"
         try:
@@ -89,16 +89,26 @@ def physical_cores(allowed: set[int] | None = None) -> list[int]:
             )
         except OSError:  # no sysfs topology (containers, odd kernels): every CPU is a core
             core = ("", str(cpu))
-        first_of_core.setdefault(core, cpu)
-    return sorted(first_of_core.values())
+        of_core.setdefault(core, []).append(cpu)
+    return {cpus[0]: tuple(cpus) for cpus in sorted(of_core.values())}
+
+
+def physical_cores(allowed: set[int] | None = None) -> list[int]:
+    """One logical CPU (the lowest SMT sibling) per physical core this process may run on, in
+    CPU order."""
+    return sorted(core_cpus(allowed))
 
 
 @dataclass(frozen=True, slots=True)
 class LaneLayout:
-    """The CPUs the lane's workers are pinned to (one worker each), and how they were chosen."""
+    """The CPUs the lane's workers are pinned to (one worker each), and how they were chosen.
+    `reserved`: the logical CPUs (SMT siblings included) of the cores the lane leaves to the
+    engine thread and the event loop (glm53.tiers.thread_pins); none when --cpus chose the
+    lane's CPUs, or when the lane takes every core."""
 
     cpus: tuple[int, ...]
     note: str = ""
+    reserved: tuple[int, ...] = ()
 
     @property
     def threads(self) -> int:
@@ -179,8 +189,14 @@ def lane_layout(
                 "list more CPUs or ask for fewer threads"
             )
         return LaneLayout(tuple(listed[: threads or len(listed)]), "from --cpus")
-    cores = physical_cores(allowed)
+    siblings = core_cpus(allowed)
+    cores = sorted(siblings)
     lane = cores[RESERVED_CORES:]
+
+    def left(taken) -> tuple[int, ...]:  # the reserved cores' CPUs, but for cores the lane took
+        return tuple(sorted(c for core in cores[:RESERVED_CORES] if core not in taken
+                            for c in siblings[core]))  # fmt: skip
+
     if threads is not None:
         if threads > len(cores):
             raise LaneConfigError(
@@ -189,15 +205,16 @@ def lane_layout(
             )
         pool = lane + cores[:RESERVED_CORES]  # reserved cores last
         note = "" if threads <= len(lane) else "shares the reserved cores"
-        return LaneLayout(tuple(pool[:threads]), note)
+        return LaneLayout(tuple(pool[:threads]), note, left(pool[:threads]))
     if not lane:
         note = (
             f"only {len(cores)} physical core(s): the CPU lane runs 1 thread on cpu {cores[-1]}, "
             "sharing it with the OS and the controller"
         )
         log.warning(note)
-        return LaneLayout((cores[-1],), note + where)
-    return LaneLayout(tuple(lane), f"every physical core but the first {RESERVED_CORES}{where}")
+        return LaneLayout((cores[-1],), note + where, left({cores[-1]}))
+    note = f"every physical core but the first {RESERVED_CORES}{where}"
+    return LaneLayout(tuple(lane), note, left(()))
 
 
 def _cpu_list_text(cpus: Sequence[int]) -> str:

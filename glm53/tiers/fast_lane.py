@@ -1,7 +1,7 @@
 """Fast mode's host side in the GPU engine: the CPU lane over the pinned home, the router, and
-the per-step plumbing between them. NOT YET RUN ON A GPU: `glm53 serve --mode fast` reaches this
-only with --allow-unrun-modes (glm53.engine.gpu_create.create), for its GPU tests
-(tests/gpu/test_fast_mode_gpu.py). docs/fast-mode.md has the protocol.
+the per-step plumbing between them: `glm53 serve --mode fast` (glm53.engine.gpu_create.create).
+Its device-side tests passed on an H200 (2026-12-02: 21 of 22, the one failure a fidelity bound;
+tests/gpu/test_fast_mode_gpu.py and the lane's). docs/fast-mode.md has the protocol.
 
 `glm53.exl3.fast.start_fast` builds it on an exact-mode load: a `MailboxLane` whose expert tables
 point into the pinned home's arenas (the lane reads the same bytes the GPU reads zero-copy: no
@@ -13,12 +13,13 @@ the next step (one step late: docs/fast-mode.md). `FastLane` itself needs no CUD
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 from glm53.tiers.lane_mailbox import MAX_PICKS, MailboxLane
 from glm53.tiers.lane_router import LaneRouter
 
-STATUS = "written, not yet run on a GPU (served only with --allow-unrun-modes)"
+STATUS = "served; device tests passed on an H200 (2026-12-02: 21 of 22, one fidelity bound)"
 
 
 class FastLane:
@@ -31,6 +32,9 @@ class FastLane:
                 f"the router has {router.n_layers} layers, the lane {len(lane.mailboxes)}"
             )
         self.lane, self.router, self.layers = lane, router, list(layers)
+        # the thread that built it: in the server, the engine thread (its load runs there),
+        # which glm53.tiers.thread_pins pins to the cores the lane leaves
+        self.owner_native_id = threading.get_native_id()
         self.steps = 0
         self.budgets = [int(m.load("budget")) for m in lane.mailboxes]
         self.waits_ns = [0] * len(lane.mailboxes)  # the router's wait per layer, newest step

@@ -25,7 +25,8 @@ slot copies and MoE kernels. Prefill staging (side-stream copies from home) is o
 mode for that reason; prefill reads the layer's picks zero-copy from their RAM homes.
 
 Torch-free and CUDA-free, so CI runs it with the real RamTier, store and O_DIRECT reads; the
-device side (glm53.exl3.nvme_device, cuda/ec.cu) is written and has not yet run on a GPU.
+device side (glm53.exl3.nvme_device, cuda/ec.cu) passed tests/gpu/test_nvme_exact_gpu.py on an
+H200 (2026-12-02).
 """
 
 from __future__ import annotations

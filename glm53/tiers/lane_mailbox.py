@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from glm53 import _gemv, _lane
+from glm53.errors import BuildMismatch
 from glm53.tiers.cpu_lane import SWIGLU_LIMIT, CpuLane
 
 PICK_DTYPE = np.dtype([("row", "<i4"), ("expert", "<i4"), ("weight", "<f4")])
@@ -60,7 +61,7 @@ def lane_dev_dtype(layout: Sequence[int]) -> np.dtype:
     """g53_lane_dev as a numpy dtype at the offsets the CUDA library reports (its
     `_cuda.lane_dev_layout()`: offsets, then the size)."""
     if len(layout) != len(LANE_DEV_FIELDS) + 1:
-        raise RuntimeError(
+        raise BuildMismatch(
             f"the CUDA library's g53_lane_dev has {len(layout) - 1} fields, this glm53 expects "
             f"{len(LANE_DEV_FIELDS)}: rebuild glm53 (pip install -e . or reinstall the package)"
         )

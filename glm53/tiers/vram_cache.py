@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from glm53.errors import BuildMismatch
+
 # Mirror of `struct g53_ec` (cuda/glm53_cuda.h), field order as declared there.
 EC_FIELDS: list[tuple[str, str, int]] = [
     ("n_slots", "<i4", 1), ("n_active", "<i4", 1), ("n_keys", "<i4", 1),
@@ -37,7 +39,7 @@ FREQ_WINDOW_PER_SLOT = 32  # default admission-filter window: lookups per slot b
 def ec_dtype(layout: list[int]) -> np.dtype:
     """The numpy dtype of the struct, with offsets from the compiled library."""
     if len(layout) != len(EC_FIELDS) + 1:
-        raise RuntimeError(
+        raise BuildMismatch(
             f"glm53._cuda reports {len(layout) - 1} g53_ec fields, the Python mirror has "
             f"{len(EC_FIELDS)}: rebuild glm53 (pip install .) so both come from one source"
         )
@@ -183,7 +185,9 @@ class DeviceExpertCache:
         arr = np.frombuffer(self._struct.cpu().numpy().tobytes(), dtype=self._dtype).copy()
         s = arr[0]
         if int(s["n_active"]) != self.n_slots:
-            raise RuntimeError(f"{self.n_slots - int(s['n_active'])} slots are already lent")
+            raise RuntimeError(
+                f"internal error: {self.n_slots - int(s['n_active'])} slots are already lent"
+            )
         keep = self.n_slots - n
         tail = self._t["slot_key"][keep:]
         keys = tail[tail >= 0].long()
@@ -259,7 +263,9 @@ class DeviceExpertCache:
         arr = np.frombuffer(self._struct.cpu().numpy().tobytes(), dtype=self._dtype).copy()
         s = arr[0]
         if int(s["n_used"]) != 0:
-            raise RuntimeError("seed() needs an empty cache; call it right after loading")
+            raise RuntimeError(
+                "internal error: seed() needs an empty cache; call it right after loading"
+            )
         home = self._t["home"].cpu().numpy()
         rb = self.geo.record_bytes
         for slot, key in enumerate(keys):

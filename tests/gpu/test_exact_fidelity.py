@@ -16,6 +16,7 @@ pytest.importorskip("glm53._cuda")
 from gpu_kit import generator_run  # noqa: E402
 
 from glm53.exl3 import loader as exl3_load  # noqa: E402
+from glm53.exl3.options import LoadOptions  # noqa: E402
 
 CHECKPOINTS = {k: os.environ.get(f"GLM53_TEST_{k.upper()}") for k in ("demo", "slice")}
 
@@ -31,11 +32,17 @@ def _dir(name):
 def pair(request):
     path = _dir(request.param)
     with torch.inference_mode():
-        stock = exl3_load.load(path, "stock", cache_tokens=8192, max_batch=4)
+        stock = exl3_load.load(path, LoadOptions(mode="stock", cache_tokens=8192, max_batch=4))
         share = 0.114  # the 24 GB RTX 3090's share: 1,376 of 12,096 experts
         n_keys = len(stock.geometry.moe_layers) * stock.geometry.n_experts
         exact = exl3_load.load(
-            path, "exact", cache_tokens=8192, max_batch=4, ec_max_slots=max(8, int(share * n_keys))
+            path,
+            LoadOptions(
+                mode="exact",
+                cache_tokens=8192,
+                max_batch=4,
+                ec_max_slots=max(8, int(share * n_keys)),
+            ),
         )
     yield request.param, stock, exact
     exact.close()

@@ -1,9 +1,9 @@
 """Fast mode on the GPU engine (issue #16): exact mode's tiers + the CPU lane and its router,
 wired by glm53.exl3.fast and glm53.tiers.fast_lane into GpuEngine(mode="fast").
 
-WRITTEN FOR THE NEXT GPU SESSION, NOT YET RUN: this session had no GPU time. The CI side is
-tests/test_fast_lane.py (the host glue against a mock device) and tests/test_gpu_engine_config.py
-(the gate: serve refuses --mode fast without --allow-unrun-modes).
+Run on an H200 on 2026-12-02 (with test_lane_mailbox_gpu.py and test_gemv_fast_gpu.py: 21 of 22;
+the one failure a fidelity bound, on the fast-mode issue). The CI side is tests/test_fast_lane.py
+(the host glue against a mock device) and tests/test_gpu_engine_config.py (fast is served).
 
 - A lane made to stall (its poller's stall hook) must give stock exllamav3's tokens and logits
   bit for bit (exact mode's answer, which equals stock), with every published layer counted as a
@@ -13,7 +13,7 @@ tests/test_fast_lane.py (the host glue against a mock device) and tests/test_gpu
   the same session on the same checkpoint and tokens: stock exllamav3's Generator at the other
   batch (c1's prompts admitted together, c4's each alone), teacher-forced on the reference's
   tokens, against the reference (tools/exl3_reference.py's "floor").
-- The real server (`--mode fast --allow-unrun-modes`) at c1 and c4 answers every request, and
+- The real server (`--mode fast`) at c1 and c4 answers every request, and
   /stats and /metrics show the lane's work.
 
 Needs GLM53_TEST_SLICE (a `glm53 synth --preset slice` checkpoint). The reference runs in a
@@ -39,6 +39,7 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
 from glm53.engine.gpu import GpuEngine  # noqa: E402
+from glm53.engine.gpu_options import EngineOptions  # noqa: E402
 from glm53.exl3 import align_prefix_reuse  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -103,10 +104,10 @@ def case(tmp_path_factory):
 
 
 def fast_engine(case, name, **kw):
-    e = GpuEngine(
-        case["path"], "fast", context=CONTEXT, max_batch=4, chunk_size=CHUNK,
+    e = GpuEngine(case["path"], EngineOptions(
+        mode="fast", context=CONTEXT, max_batch=4, chunk_size=CHUNK,
         ec_max_slots=case["slots"], heat_file=str(case["tmp"] / f"heat-{name}.json"), **kw,
-    )  # fmt: skip
+    ))  # fmt: skip
     e.load()
     return e
 
@@ -206,7 +207,7 @@ def server(case, working):
     working.close()  # one model and one lane at a time: the lane's threads poll on the CPUs
     tmp = case["tmp"] / "server"
     tmp.mkdir()
-    args = ["--engine", "gpu", "--mode", "fast", "--allow-unrun-modes", "--model",
+    args = ["--engine", "gpu", "--mode", "fast", "--model",
             case["path"], "--context", str(CONTEXT), "--chunk-size", str(CHUNK),
             "--max-batch", "4", "--ec-max-slots", str(case["slots"])]  # fmt: skip
     srv = Server(args, env={"XDG_CACHE_HOME": str(tmp / "cache")}, log_path=tmp / "server.log")
@@ -244,7 +245,7 @@ def test_the_server_in_fast_mode_answers_every_request_and_shows_lane_work(
         assert r.status_code == 200, r.text
         assert len(r.json()["output_ids"]) == N_NEW
     lane = httpx.get(server.url + "/stats", timeout=60).json()["engine"]["lane"]
-    assert "not yet run on a GPU" in lane["status"]
+    assert "passed on an H200" in lane["status"]
     assert lane["steps"] > 0 and lane["jobs"] > 0 and lane["published"] > 0, lane
     assert lane["layers"] and all("split" in layer for layer in lane["layers"])
     metrics = httpx.get(server.url + "/metrics", timeout=60).text

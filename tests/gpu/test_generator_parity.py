@@ -39,6 +39,7 @@ from gpu_kit import (  # noqa: E402
 from serving_kit import Server  # noqa: E402
 
 from glm53.engine.gpu import GpuEngine  # noqa: E402
+from glm53.engine.gpu_options import EngineOptions  # noqa: E402
 from glm53.exl3 import standard_region  # noqa: E402
 
 CHECKPOINTS = {"slice": "GLM53_TEST_SLICE", "resharded": "GLM53_TEST_SLICE_RESHARDED"}
@@ -103,8 +104,10 @@ def case(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(case):
-    e = GpuEngine(case["path"], "exact", context=CONTEXT, max_batch=4, chunk_size=CHUNK,
-                  ec_max_slots=expert_slots(case["path"], SHARE), heat_file=str(case["tmp"] / "heat.json"))  # fmt: skip
+    e = GpuEngine(case["path"], EngineOptions(
+        mode="exact", context=CONTEXT, max_batch=4, chunk_size=CHUNK,
+        ec_max_slots=expert_slots(case["path"], SHARE), heat_file=str(case["tmp"] / "heat.json"),
+    ))  # fmt: skip
     e.load()
     yield e
     e.close()

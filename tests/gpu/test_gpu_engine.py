@@ -13,6 +13,7 @@ pytest.importorskip("glm53._cuda")
 
 from glm53.engine.base import EngineError  # noqa: E402
 from glm53.engine.gpu import GpuEngine  # noqa: E402
+from glm53.engine.gpu_options import EngineOptions  # noqa: E402
 from glm53.engine.sampling import SamplingParams  # noqa: E402
 from glm53.engine.scheduler import GenerationRequest  # noqa: E402
 
@@ -26,8 +27,10 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     heat = tmp_path_factory.mktemp("heat") / "heat.json"
-    e = GpuEngine(DEMO, "exact", context=4096, max_batch=4, chunk_size=512,
-                  ec_max_slots=64, heat_file=str(heat))  # fmt: skip
+    e = GpuEngine(DEMO, EngineOptions(
+        mode="exact", context=4096, max_batch=4, chunk_size=512, ec_max_slots=64,
+        heat_file=str(heat),
+    ))  # fmt: skip
     e.load()
     yield e
     e.close()

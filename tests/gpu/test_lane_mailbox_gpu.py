@@ -217,13 +217,20 @@ def lane_tables(loaded):
 @pytest.fixture(scope="module")
 def exact_load():
     from glm53.exl3 import loader as exl3_load
+    from glm53.exl3.options import LoadOptions
 
     path = _checkpoint()
     # the cache at the 24 GB card's share of the routed experts, counted from config.json (a
     # stock load only to count them cost a whole model load)
     with torch.inference_mode():
         loaded = exl3_load.load(
-            path, "exact", cache_tokens=4096, max_batch=4, ec_max_slots=expert_slots(path, 0.114)
+            path,
+            LoadOptions(
+                mode="exact",
+                cache_tokens=4096,
+                max_batch=4,
+                ec_max_slots=expert_slots(path, 0.114),
+            ),
         )
     yield loaded
     loaded.close()

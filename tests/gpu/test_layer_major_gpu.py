@@ -30,6 +30,7 @@ from gpu_kit import (  # noqa: E402
 )
 
 from glm53.engine.gpu import GpuEngine  # noqa: E402
+from glm53.engine.gpu_options import EngineOptions  # noqa: E402
 from glm53.exl3 import standard_region  # noqa: E402
 
 ENV = "GLM53_TEST_SLICE"
@@ -75,9 +76,11 @@ def case(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(case):
-    e = GpuEngine(case["path"], "exact", context=CONTEXT, max_batch=2, chunk_size=CHUNK,
-                  cache_tokens=CACHE_TOKENS, ec_max_slots=expert_slots(case["path"], SHARE),
-                  heat_file=str(case["tmp"] / "heat.json"), prefill="layer-major")  # fmt: skip
+    e = GpuEngine(case["path"], EngineOptions(
+        mode="exact", context=CONTEXT, max_batch=2, chunk_size=CHUNK, cache_tokens=CACHE_TOKENS,
+        ec_max_slots=expert_slots(case["path"], SHARE),
+        heat_file=str(case["tmp"] / "heat.json"), prefill="layer-major",
+    ))  # fmt: skip
     e.load()
     assert e.layer_major is not None
     yield e

@@ -38,6 +38,7 @@ from gpu_kit import (  # noqa: E402
 from serving_kit import Server  # noqa: E402
 
 from glm53.engine.gpu import GpuEngine  # noqa: E402
+from glm53.engine.gpu_options import EngineOptions  # noqa: E402
 
 LENGTHS = (1, 257, 2049, 5000)
 CONTEXT = 8192
@@ -74,9 +75,11 @@ def case(tmp_path_factory):
 def _engine_run(case, gpus):
     """Every prompt alone through a GpuEngine on `gpus` (None: one GPU), then its stats; the
     engine is closed before returning (one model on the GPU at a time)."""
-    e = GpuEngine(case["path"], "exact", context=CONTEXT, max_batch=4, chunk_size=CHUNK,
-                  ec_max_slots=expert_slots(case["path"], SHARE),
-                  heat_file=str(case["tmp"] / f"heat-{gpus}.json"), gpus=gpus)  # fmt: skip
+    e = GpuEngine(case["path"], EngineOptions(
+        mode="exact", context=CONTEXT, max_batch=4, chunk_size=CHUNK,
+        ec_max_slots=expert_slots(case["path"], SHARE),
+        heat_file=str(case["tmp"] / f"heat-{gpus}.json"), gpus=gpus,
+    ))  # fmt: skip
     e.load()
     try:
         outs = {n: run_engine(e, [case["prompts"][n]], N_NEW)[0] for n in LENGTHS}

@@ -3,7 +3,7 @@
 at the 24 GB card's 11.4 % share, in-process and through the real server; the tier check at
 start and on demand (/admin/verify) clean, and a flipped store byte caught by it.
 
-WRITTEN, NOT YET RUN ON A GPU. Needs GLM53_TEST_SLICE (a `glm53 synth --preset slice`
+Passed 6 of 6 on an H200 (2026-12-02). Needs GLM53_TEST_SLICE (a `glm53 synth --preset slice`
 checkpoint); the store is conftest.py's `slice_store`, packed once for the session unless
 GLM53_TEST_SLICE_STORE names one already packed from it (about 22 GB); the servers serve it too,
 and the flipped bytes are flipped back before the next server starts. The reference runs in a
@@ -40,6 +40,7 @@ from serving_kit import Server  # noqa: E402
 from store_kit import flip_byte  # noqa: E402
 
 from glm53.engine.gpu import GpuEngine  # noqa: E402
+from glm53.engine.gpu_options import EngineOptions  # noqa: E402
 
 LENGTHS = (1, 9, 257, 2049, 5000)
 CONTEXT = 8192
@@ -80,11 +81,11 @@ def case(tmp_path_factory, slice_store):
 
 @pytest.mark.parametrize("share", RAM_SHARES)
 def test_in_process_nvme_exact_equals_stock_exllamav3(case, share):
-    e = GpuEngine(
-        case["path"], "nvme-exact", context=CONTEXT, max_batch=4, chunk_size=CHUNK,
+    e = GpuEngine(case["path"], EngineOptions(
+        mode="nvme-exact", context=CONTEXT, max_batch=4, chunk_size=CHUNK,
         ec_max_slots=case["slots"], heat_file=str(case["tmp"] / f"heat-{share}.json"),
         store=case["store"], ram_cap=case["cap"][share],
-    )  # fmt: skip
+    ))  # fmt: skip
     e.load()
     try:
         for n in LENGTHS:
@@ -109,7 +110,7 @@ def server(case, request):
     # them back (flip_byte is an XOR) before it returns, so each server starts on clean bytes and
     # its tier check at start would report any left behind
     store = Path(case["store"])
-    args = ["--engine", "gpu", "--mode", "nvme-exact", "--allow-unrun-modes", "--model",
+    args = ["--engine", "gpu", "--mode", "nvme-exact", "--model",
             case["path"], "--store", str(store), "--ram-cap", str(case["cap"][share]),
             "--context", str(CONTEXT), "--chunk-size", str(CHUNK), "--max-batch", "4",
             "--ec-max-slots", str(case["slots"])]  # fmt: skip
@@ -170,11 +171,11 @@ def test_a_store_read_fault_names_layer_expert_and_rows_and_the_tier_serves_on(c
     from glm53.engine.scheduler import GenerationRequest
 
     share = RAM_SHARES[0]
-    e = GpuEngine(
-        case["path"], "nvme-exact", context=CONTEXT, max_batch=4, chunk_size=CHUNK,
+    e = GpuEngine(case["path"], EngineOptions(
+        mode="nvme-exact", context=CONTEXT, max_batch=4, chunk_size=CHUNK,
         ec_max_slots=case["slots"], heat_file=str(case["tmp"] / "heat-fault.json"),
         store=case["store"], ram_cap=case["cap"][share],
-    )  # fmt: skip
+    ))  # fmt: skip
     e.load()
     try:
         store = e.loaded.nvme.tier.source
@@ -246,12 +247,12 @@ def test_a_read_fault_fails_only_the_request_that_picked_the_record(case, tmp_pa
     prompts = [case["prompts"][257], case["prompts"][9]]
 
     def engine(tag):
-        return GpuEngine(
-            case["path"], "nvme-exact", context=CONTEXT, max_batch=4, chunk_size=CHUNK,
+        return GpuEngine(case["path"], EngineOptions(
+            mode="nvme-exact", context=CONTEXT, max_batch=4, chunk_size=CHUNK,
             ec_max_slots=case["slots"], heat_file=str(tmp_path / f"heat-{tag}.json"),
             cache_dir=str(tmp_path / f"cache-{tag}"), store=case["store"],
             ram_cap=case["cap"][RAM_SHARES[0]],
-        )  # fmt: skip
+        ))  # fmt: skip
 
     def run(e, actions=None):
         """(outputs per key, the iteration index that gave request 0 its last token);

@@ -36,6 +36,7 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
 from glm53.engine.gpu import GpuEngine  # noqa: E402
+from glm53.engine.gpu_options import EngineOptions  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
@@ -103,12 +104,12 @@ def case(tmp_path_factory, slice_store):
 
 
 def nvme_engine(case, name, share, **kw):
-    e = GpuEngine(
-        case["path"], "nvme", context=CONTEXT, max_batch=4, chunk_size=CHUNK,
+    e = GpuEngine(case["path"], EngineOptions(
+        mode="nvme", context=CONTEXT, max_batch=4, chunk_size=CHUNK,
         ec_max_slots=case["slots"], heat_file=str(case["tmp"] / f"heat-{name}.json"),
         cache_dir=str(case["tmp"] / f"cache-{name}"), store=case["store"],
         ram_cap=case["cap"][share], **kw,
-    )  # fmt: skip
+    ))  # fmt: skip
     e.load()
     return e
 

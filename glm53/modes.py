@@ -1,0 +1,137 @@
+"""The tier modes (`--mode`) and the one table of which engine serves which mode, and what each
+mode needs. Every check of a mode against a set of modes reads `RULES` here; nothing else lists
+modes (glm53.config parses `--mode` into `Mode`; the engines and the doctor ask `rule`).
+
+A rule per (engine, mode):
+- `served`: the engine runs the mode; where False, `refusal` says why and what to use instead;
+- `store`: "needs" (--store required), "refuses" (--store would do nothing), or "optional";
+- `lane`: the CPU lane takes part (--cpus, --cpu-threads, --ct-precision, --ct-b);
+- `one_gpu`: the mode runs on one GPU (--gpus names at most one);
+- `load`: the GPU engine's load under it (glm53.exl3.options.LoadMode: exact or nvme-exact; the
+  lane modes add the CPU lane on top of that load);
+- `doctor`: `glm53 doctor` recommends it (exact only, still: its plans for fast and nvme-exact
+  wait on the doctor's own update, issue #25).
+
+The GPU engine maps `auto` to exact. The CPU engine runs one path for every mode (the tiers
+over the store or the shards; the mode only picks the lane's precision), and the scripted
+engine replays a script whatever the mode says: both serve every mode, as they always have.
+
+What has never run on a GPU is gated by --allow-unrun-modes, and only that: `UNRUN` names it.
+It imports nothing from glm53.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Literal
+
+
+class Mode(StrEnum):
+    """`--mode`: how the routed experts are tiered."""
+
+    AUTO = "auto"
+    EXACT = "exact"  # VRAM cache + pinned RAM, bit-identical to stock exllamav3
+    FAST = "fast"  # exact's tiers + the CPU lane taking the coldest decode misses
+    NVME = "nvme"  # NVMe store -> RAM tier -> VRAM, + the CPU lane
+    NVME_EXACT = "nvme-exact"  # NVMe store -> RAM tier -> VRAM, bit-identical
+
+
+# The tier modes themselves, without auto (a choice among them): what `glm53 doctor` plans and
+# predicts (glm53.doctor.costmodel imports it as its Mode). Made from Mode, so the names and
+# values are written once; a TierMode equals the Mode of the same value.
+TierMode = StrEnum(
+    "TierMode", [(m.name, m.value) for m in Mode if m is not Mode.AUTO], module=__name__
+)
+
+
+class ReferenceMode(StrEnum):
+    """The GPU engine's reference loads (tests and benches; never a --mode)."""
+
+    STOCK = "stock"  # exllamav3 as shipped, every expert in VRAM
+    ZEROCOPY = "zerocopy"  # experts in pinned RAM read over PCIe, no cache
+
+
+Engine = Literal["cpu", "gpu", "scripted"]
+Store = Literal["needs", "refuses", "optional"]
+
+
+@dataclass(frozen=True)
+class ModeRule:
+    served: bool
+    store: Store = "optional"
+    lane: bool = False
+    one_gpu: bool = False
+    doctor: bool = False
+    load: str = ""
+    name: str = ""  # the mode as messages name it
+    what: str = ""  # store="refuses": what the mode keeps instead of a store
+    refusal: str = ""  # served=False: why, and the fix
+
+
+_EXACT_WHAT = "keeps every routed expert in pinned RAM"
+_FAST_WHAT = "keeps every routed expert in pinned RAM, as exact mode does,"
+
+RULES: dict[tuple[Engine, Mode], ModeRule] = {
+    ("gpu", Mode.EXACT): ModeRule(
+        True, store="refuses", doctor=True, load="exact", name="exact mode", what=_EXACT_WHAT
+    ),
+    ("gpu", Mode.FAST): ModeRule(
+        True,
+        store="refuses",
+        lane=True,
+        one_gpu=True,
+        load="exact",
+        name="fast mode",
+        what=_FAST_WHAT,
+    ),  # fmt: skip
+    ("gpu", Mode.NVME_EXACT): ModeRule(
+        True, store="needs", one_gpu=True, load="nvme-exact", name="nvme-exact"
+    ),
+    ("gpu", Mode.NVME): ModeRule(  # written, not yet run on a GPU: UNRUN["nvme"]
+        True, store="needs", lane=True, one_gpu=True, load="nvme-exact", name="nvme mode"
+    ),
+    **{("cpu", m): ModeRule(True) for m in Mode if m is not Mode.AUTO},
+    **{("scripted", m): ModeRule(True) for m in Mode if m is not Mode.AUTO},
+}
+
+
+def resolved(engine: Engine, mode: Mode | str) -> Mode:
+    """The mode an engine runs for `mode`: the GPU engine runs auto as exact; the other engines
+    read auto as it is (the CPU lane's precision follows it)."""
+    mode = Mode(mode)
+    return Mode.EXACT if mode is Mode.AUTO and engine == "gpu" else mode
+
+
+def rule(engine: Engine, mode: Mode | str) -> ModeRule:
+    """The rule for `mode` (auto resolved) on `engine`."""
+    mode = resolved(engine, mode)
+    if mode is Mode.AUTO:  # the CPU and scripted engines: every mode is one path there
+        return ModeRule(True)
+    return RULES[engine, mode]
+
+
+def served(engine: Engine) -> tuple[Mode, ...]:
+    """The tier modes `engine` serves (glm53 doctor recommends only the GPU engine's)."""
+    return tuple(m for (e, m), r in RULES.items() if e == engine and r.served)
+
+
+def recommended(engine: Engine) -> tuple[Mode, ...]:
+    """The tier modes `glm53 doctor` recommends on `engine` (a subset of `served`)."""
+    return tuple(m for (e, m), r in RULES.items() if e == engine and r.served and r.doctor)
+
+
+def lane_runs_beside_gpu(engine: str, mode: Mode | str) -> bool:
+    """Whether the CPU lane runs beside the GPU: the GPU engine's lane modes (fast, nvme)."""
+    return engine == "gpu" and Mode(mode) is not Mode.AUTO and RULES["gpu", Mode(mode)].lane
+
+
+# What has never run on a GPU: served only with --allow-unrun-modes (for its GPU tests).
+# key -> what it is, for the refusal.
+UNRUN = {
+    "split": "the layer split over several GPUs (docs/multi-gpu.md)",
+    "layer-major": "--prefill layer-major (every chunk through a layer before the next, "
+    "docs/layer-major.md)",
+    "nvme": "the GPU engine's nvme mode (nvme-exact + the CPU lane over the RAM tier, "
+    "docs/fast-mode.md)",
+}

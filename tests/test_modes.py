@@ -1,0 +1,84 @@
+"""The tier modes are defined once (glm53.modes.Mode) and checked against one table
+(glm53.modes.RULES): config parses --mode into it, the GPU engine, the CPU engine, --ct-b and
+the doctor all read the table."""
+
+import argparse
+
+import pytest
+
+from glm53 import modes
+from glm53.config import ConfigurationError, add_arguments, describe, resolve
+from glm53.modes import Mode
+
+
+def settings(*argv):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return resolve(parser.parse_args(list(argv)), environ={})
+
+
+def test_config_parses_mode_once_into_the_enum_and_offers_exactly_its_values():
+    s, sources = settings("--mode", "nvme-exact")
+    assert s.mode is Mode.NVME_EXACT
+    s, _ = resolve({}, environ={"GLM53_MODE": "fast"})
+    assert s.mode is Mode.FAST
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, ["mode"])
+    (action,) = [a for a in parser._actions if a.dest == "mode"]
+    assert tuple(action.choices) == tuple(m.value for m in Mode)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--mode", "turbo"])
+    # the start-up log shows the value, not the enum's repr
+    assert describe(*settings("--mode", "fast")) == ["mode='fast' (from flag --mode)"]
+
+
+def test_the_table_names_a_rule_for_every_engine_and_mode():
+    for engine in ("cpu", "gpu", "scripted"):
+        for mode in Mode:
+            assert isinstance(modes.rule(engine, mode), modes.ModeRule)
+    assert modes.served("gpu") == (Mode.EXACT, Mode.FAST, Mode.NVME_EXACT, Mode.NVME)
+    assert set(modes.served("cpu")) == set(modes.TierMode)  # one path for every mode
+    assert modes.recommended("gpu") == (Mode.EXACT,)  # the doctor's, unchanged
+    gpu = {m: modes.rule("gpu", m) for m in modes.TierMode}
+    assert modes.rule("gpu", Mode.AUTO) == gpu[Mode.EXACT]  # auto is exact on the GPU engine
+    assert [m for m, r in gpu.items() if r.store == "needs"] == [Mode.NVME, Mode.NVME_EXACT]
+    assert [m for m, r in gpu.items() if r.lane] == [Mode.FAST, Mode.NVME]
+    # nvme is wired in, served behind --allow-unrun-modes (UNRUN) until its GPU tests pass
+    assert gpu[Mode.NVME].served and gpu[Mode.NVME].load == "nvme-exact"
+
+
+def test_the_doctors_modes_are_the_same_values_without_auto():
+    from glm53.doctor.costmodel import Mode as DoctorMode
+
+    assert [m.value for m in DoctorMode] == [m.value for m in Mode if m is not Mode.AUTO]
+    assert DoctorMode.FAST == Mode.FAST and DoctorMode.NVME_EXACT in {Mode.NVME_EXACT}
+
+
+def test_the_lane_runs_beside_the_gpu_only_in_the_gpu_engines_lane_modes():
+    assert modes.lane_runs_beside_gpu("gpu", "fast") and modes.lane_runs_beside_gpu("gpu", "nvme")
+    assert not modes.lane_runs_beside_gpu("gpu", "exact")
+    assert not modes.lane_runs_beside_gpu("gpu", "auto")
+    assert not modes.lane_runs_beside_gpu("cpu", "fast")
+
+
+def test_the_unrun_flag_gates_only_the_split_layer_major_and_nvme_mode(tmp_path):
+    """fast and nvme-exact ran on the H200 (2026-12-02); the split over two or more GPUs,
+    layer-major prefill and nvme mode never did, so only they still need --allow-unrun-modes."""
+    from glm53.engine.gpu_create import create
+
+    assert set(modes.UNRUN) == {"split", "layer-major", "nvme"}
+    create(settings("--mode", "fast")[0], tmp_path)
+    create(settings("--mode", "nvme-exact", "--store", str(tmp_path))[0], tmp_path)
+    nvme = ["--mode", "nvme", "--store", str(tmp_path)]
+    for argv in (["--gpus", "0,1"], ["--prefill", "layer-major"], nvme):
+        with pytest.raises(ConfigurationError, match="--allow-unrun-modes runs it anyway"):
+            create(settings(*argv)[0], tmp_path)
+        create(settings(*argv, "--allow-unrun-modes")[0], tmp_path)
+
+
+def test_the_unrun_flags_help_says_what_it_gates():
+    from glm53.config import setting_info
+
+    text = setting_info("allow_unrun_modes").description
+    assert "split" in text and "--prefill layer-major" in text
+    assert "--mode fast" not in text and "nvme-exact" not in text
