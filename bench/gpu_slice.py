@@ -30,6 +30,11 @@ serial = 1 / (t + b / R) (reads stall compute, as nvme-exact's blocking reads do
 overlap = 1 / max(t, b / R) (reads hidden behind compute). ratios.nvme_exact_ramNN_vs_disk_bound
 is the row's decode c1 tok/s over its serial bound.
 
+nvme rows (nvme_ram70, nvme_ram40: `--modes ...,nvme_ram70,nvme_ram40` with --store, not yet
+run on a GPU): nvme mode, the nvme_exact row's load with the CPU lane over its RAM tier on top
+(as `glm53 serve --mode nvme` builds it); figures.nvme_lane has each row's lane counts and
+ratios.nvme_vs_nvme_exact_ramNN its decode c1 over the nvme_exact row's at the same cap.
+
 --vram-budget SIZE plans exact mode within SIZE as on a card that size (glm53.exl3.loader.vram_plan_for);
 the expert cache is then as large as the budget allows unless --share caps it, and the stock
 offload rows keep as many experts per layer in VRAM as exact's cache and staging take. Every
@@ -229,11 +234,16 @@ def measure(loaded, vocab, quick=False, step=None, layer_major=None, shapes=PREF
 # yet run on a GPU); stock_offload_stream: stock_offload_arena (the faster stock offload) with
 # EXL3_MOE_STREAM_T pinned (--stream-t: in prefill, an expert that many tokens of a chunk pick
 # is streamed to the GPU; unset, as in the other offload rows, exllamav3 scales it from 8)
+# nvme_ramNN: nvme mode, nvme_exact_ramNN + the same lane over the RAM tier (glm53.tiers.nvme_lane);
+# measured only when --modes names it and --store is given (not yet run on a GPU)
 ALL_MODES = ("stock", "zerocopy", "exact", "exact_clock", "stock_offload", "stock_offload_arena",
-             "nvme_exact_ram70", "nvme_exact_ram40", "fast", "exact_layer_major",
-             "stock_offload_stream")  # fmt: skip
-ON_REQUEST = ("fast", "exact_layer_major", "stock_offload_stream")  # not in the default --modes
-NVME_RAM_SHARE = {"nvme_exact_ram70": 0.7, "nvme_exact_ram40": 0.4}
+             "nvme_exact_ram70", "nvme_exact_ram40", "nvme_ram70", "nvme_ram40", "fast",
+             "exact_layer_major", "stock_offload_stream")  # fmt: skip
+ON_REQUEST = ("fast", "exact_layer_major", "stock_offload_stream", "nvme_ram70",
+              "nvme_ram40")  # not in the default --modes  # fmt: skip
+NVME_RAM_SHARE = {"nvme_exact_ram70": 0.7, "nvme_exact_ram40": 0.4, "nvme_ram70": 0.7,
+                  "nvme_ram40": 0.4}  # fmt: skip
+LANE_ROWS = ("fast", "nvme_ram70", "nvme_ram40")  # rows with the CPU lane on their load
 
 
 def cache_share(args) -> float | None:
@@ -355,7 +365,7 @@ def measure_mode(args, mode) -> dict:
             mode=load_mode, cache_tokens=cache_tokens, max_batch=MAX_BATCH,
             max_chunk=MAX_CHUNK, **kw,
         ))  # fmt: skip
-        fast = start_fast_row(args, loaded) if mode == "fast" else None
+        fast = start_fast_row(args, loaded) if mode in LANE_ROWS else None
         load_s = time.perf_counter() - t0
         resident = (loaded.resident_bytes, loaded.load_peak_bytes)
         if fast is not None:  # the load's count, with the lane's device buffers
@@ -369,7 +379,7 @@ def measure_mode(args, mode) -> dict:
             from glm53.exl3 import stop_fast
 
             row["lane"] = fast.stats()
-            if args.fixed_splits:
+            if mode == "fast" and args.fixed_splits:  # the sweep: fast only
                 row["fixed_splits"] = fixed_split_sweep(loaded, fast, args.fixed_splits, args.quick)
             stop_fast(fast, loaded)
         row["resident_bytes"], row["load_peak_bytes"] = resident
@@ -411,7 +421,8 @@ def fixed_split_sweep(loaded, fast, percents: list[int], quick: bool) -> dict:
 
 
 def start_fast_row(args, loaded):
-    """The fast row's lane as `glm53 serve --mode fast` builds it: every CPU the default
+    """The fast row's lane as `glm53 serve --mode fast` builds it (on an nvme-exact load, the
+    nvme rows' as `--mode nvme` does: the lane over the RAM tier): every CPU the default
     layout gives (one per physical core, leaving two), fast precision, the live router."""
     from glm53.exl3 import start_fast
     from glm53.tiers.cpu_lane import CpuLane, lane_layout
@@ -651,6 +662,11 @@ def combine(results: list[dict], args) -> dict:
         if "fast" in rows and "lane" in rows["fast"]
         else None
     )
+    figures["nvme_lane"] = {  # the nvme rows' lane: as fast_lane, per row
+        m: {k: rows[m]["lane"].get(k) for k in ("jobs", "fallbacks", "lane_picks", "lane_ms")}
+        for m in ("nvme_ram70", "nvme_ram40")
+        if m in rows and "lane" in rows[m]
+    }
     splits = (rows["fast"].get("fixed_splits") or {}) if "fast" in rows else {}
     figures["fast_fixed_split_c1_tok_s"] = {
         pct: s["decode"]["c1"]["per_stream_tok_s"] for pct, s in splits.items()
@@ -676,6 +692,8 @@ def combine(results: list[dict], args) -> dict:
         "fast_vs_best_stock_offload": ratio(c1("fast"), max(offload)) if offload else None,
         "fast_c4_aggregate_vs_exact": ratio(fast_c4_agg, c4_agg),
         "fast_router_vs_best_fixed_split": ratio(c1("fast"), best_fixed),
+        "nvme_vs_nvme_exact_ram70": ratio(c1("nvme_ram70"), c1("nvme_exact_ram70")),
+        "nvme_vs_nvme_exact_ram40": ratio(c1("nvme_ram40"), c1("nvme_exact_ram40")),
         "fast_lane_fallback_share": fast_lane["fallbacks"] / fast_lane["jobs"]
         if fast_lane and fast_lane["jobs"] and fast_lane["fallbacks"] is not None
         else None,

@@ -43,8 +43,9 @@ __device__ __forceinline__ float half_bits_to_float(uint16_t bits)
 // thread copies rows.
 __global__ void publish_kernel(g53_lane_dev *dev, int64_t *sel, uint16_t *rw, const uint16_t *x,
                                int n_rows, int top_k, int hidden, int64_t x_stride,
-                               const int32_t *key_slot, uint32_t *key_score, int key_base,
-                               int n_experts, int64_t *orig_sel, uint16_t *orig_w, int layer)
+                               const int32_t *key_slot, uint32_t *key_score,
+                               const int32_t *key_lane, int key_base, int n_experts,
+                               int64_t *orig_sel, uint16_t *orig_w, int layer)
 {
     __shared__ int n_picks;
     uint8_t *mb = dev->mbox;
@@ -56,6 +57,7 @@ __global__ void publish_kernel(g53_lane_dev *dev, int64_t *sel, uint16_t *rw, co
     __syncthreads();  // every saved pick read before thread 0 masks any
     if (threadIdx.x == 0) {
         int uniq[G53_MBOX_MAX_PICKS];
+        int32_t lane_ix[G53_MBOX_MAX_PICKS];  // the pick's lane-table index, < 0: not for the lane
         uint32_t score[G53_MBOX_MAX_PICKS];
         bool miss[G53_MBOX_MAX_PICKS], take[G53_MBOX_MAX_PICKS];
         int n_uniq = 0, n_hit = 0, n_miss = 0;
@@ -67,6 +69,7 @@ __global__ void publish_kernel(g53_lane_dev *dev, int64_t *sel, uint16_t *rw, co
             if (u < n_uniq) continue;
             uniq[u] = (int)e;
             miss[u] = key_slot == nullptr || key_slot[key_base + e] < 0;
+            lane_ix[u] = key_lane ? key_lane[key_base + e] : (int32_t)e;
             score[u] = key_score ? key_score[key_base + e] : 0u;
             take[u] = false;
             n_uniq++;
@@ -75,9 +78,11 @@ __global__ void publish_kernel(g53_lane_dev *dev, int64_t *sel, uint16_t *rw, co
         }
         uint32_t budget = *(volatile uint32_t *)(mb + G53_MBOX_BUDGET);
         for (uint32_t k = 0; k < budget; k++) {  // the coldest miss not taken yet, ties in order
-            int best = -1;
+            int best = -1;  // (only a miss the lane can take: lane_ix >= 0, nvme: in the RAM tier)
             for (int u = 0; u < n_uniq; u++)
-                if (miss[u] && !take[u] && (best < 0 || score[u] < score[best])) best = u;
+                if (miss[u] && lane_ix[u] >= 0 && !take[u] &&
+                    (best < 0 || score[u] < score[best]))
+                    best = u;
             if (best < 0) break;
             take[best] = true;
             // one lookup, as the cache's route would have counted it: an expert the lane keeps
@@ -94,7 +99,7 @@ __global__ void publish_kernel(g53_lane_dev *dev, int64_t *sel, uint16_t *rw, co
             if (!take[u]) continue;
             volatile int32_t *pk = picks + 3 * n++;
             pk[0] = s / top_k;
-            pk[1] = (int32_t)e;
+            pk[1] = lane_ix[u];  // the lane's table index: the expert, or (nvme) its RAM slot
             pk[2] = __float_as_int(half_bits_to_float(rw[s]));
             sel[s] = -1;  // exllamav3 skips weight 0; the VRAM cache's route skips id -1
             rw[s] = 0;
@@ -193,16 +198,16 @@ extern "C" {
 
 int g53_lane_publish(g53_lane_dev *dev, int64_t *sel, uint16_t *rw, const uint16_t *x,
                      int n_rows, int top_k, int hidden, int64_t x_stride, const int32_t *key_slot,
-                     uint32_t *key_score, int key_base, int n_experts, int64_t *orig_sel,
-                     uint16_t *orig_w, int layer, uintptr_t stream)
+                     uint32_t *key_score, const int32_t *key_lane, int key_base, int n_experts,
+                     int64_t *orig_sel, uint16_t *orig_w, int layer, uintptr_t stream)
 {
     if (!dev || !sel || !rw || !x || !orig_sel || !orig_w || n_rows < 1 ||
         n_rows > G53_MBOX_MAX_ROWS || top_k < 1 || n_rows * top_k > G53_MBOX_MAX_PICKS ||
         hidden <= 0 || hidden % 128 || x_stride < hidden || n_experts < 1 || key_base < 0)
         return G53_CU_EINVAL;
     publish_kernel<<<1, PUBLISH_THREADS, 0, (cudaStream_t)stream>>>(
-        dev, sel, rw, x, n_rows, top_k, hidden, x_stride, key_slot, key_score, key_base,
-        n_experts, orig_sel, orig_w, layer);
+        dev, sel, rw, x, n_rows, top_k, hidden, x_stride, key_slot, key_score, key_lane,
+        key_base, n_experts, orig_sel, orig_w, layer);
     return launch_status();
 }
 

@@ -57,12 +57,17 @@ typedef struct g53_lane_dev {
  * x fp16 [n_rows][x_stride] (the MoE input, hidden wide); key_slot int32 [n_keys] (the VRAM
  * cache's, NULL: every pick is a miss); key_score uint32 [n_keys] (the cache's lookup counts
  * key_freq, lowest first; NULL: pick order), read at key_base + expert, and counted up by one for
- * each expert taken, as the cache's route counts the lookups it sees; orig_sel/orig_w [n_rows * top_k] receive the selection as routed.
+ * each expert taken, as the cache's route counts the lookups it sees; key_lane int32 [n_keys]
+ * (NULL: the expert id, every miss may go) the index of the key's entry in the lane's expert
+ * table, read at key_base + expert: a miss whose index is < 0 stays on the GPU (nvme mode: the
+ * RAM tier does not hold it, so it is read from the store; the index is its RAM slot), and a
+ * pick sent to the lane carries the index in its `expert` field; orig_sel/orig_w
+ * [n_rows * top_k] receive the selection as routed.
  * n_rows 1..8, n_rows * top_k <= 64, hidden a multiple of 128. */
 int g53_lane_publish(g53_lane_dev *dev, int64_t *sel, uint16_t *rw, const uint16_t *x,
                      int n_rows, int top_k, int hidden, int64_t x_stride, const int32_t *key_slot,
-                     uint32_t *key_score, int key_base, int n_experts, int64_t *orig_sel,
-                     uint16_t *orig_w, int layer, uintptr_t stream);
+                     uint32_t *key_score, const int32_t *key_lane, int key_base, int n_experts,
+                     int64_t *orig_sel, uint16_t *orig_w, int layer, uintptr_t stream);
 /* out fp32 [n_rows][out_stride] (exllamav3's routed sum); acc fp32 [n_rows][hidden] (caller's
  * scratch); fb_sel/fb_w [n_sel] the fallback selection. */
 int g53_lane_wait(g53_lane_dev *dev, const float *out, int n_rows, int hidden, int64_t out_stride,

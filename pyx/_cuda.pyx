@@ -149,16 +149,18 @@ def ec_layout():
 
 def lane_publish(uintptr_t dev, uintptr_t sel, uintptr_t rw, uintptr_t x, int n_rows, int top_k,
                  int hidden, int64_t x_stride, uintptr_t key_slot, uintptr_t key_score,
-                 int key_base, int n_experts, uintptr_t orig_sel, uintptr_t orig_w, int layer,
-                 uintptr_t stream):
+                 uintptr_t key_lane, int key_base, int n_experts, uintptr_t orig_sel,
+                 uintptr_t orig_w, int layer, uintptr_t stream):
     """Publish a layer's coldest misses to its mailbox and mask them in the selection (see
-    cuda/lane_cuda.h); key_slot / key_score 0 for none."""
+    cuda/lane_cuda.h); key_slot / key_score / key_lane 0 for none (key_lane: nvme mode's
+    key -> RAM slot, -1 where the RAM tier does not hold the key)."""
     cdef int rc
     with nogil:
         rc = g53_lane_publish(<g53_lane_dev *> dev, <int64_t *> sel, <uint16_t *> rw,
                               <const uint16_t *> x, n_rows, top_k, hidden, x_stride,
-                              <const int32_t *> key_slot, <uint32_t *> key_score, key_base,
-                              n_experts, <int64_t *> orig_sel, <uint16_t *> orig_w, layer, stream)
+                              <const int32_t *> key_slot, <uint32_t *> key_score,
+                              <const int32_t *> key_lane, key_base, n_experts,
+                              <int64_t *> orig_sel, <uint16_t *> orig_w, layer, stream)
     _check(rc, f"lane publish (layer {layer}, {n_rows} rows x top-{top_k})")
 
 

@@ -34,9 +34,9 @@ cdef extern from "lane_cuda.h" nogil:
         pass
     int g53_lane_publish(g53_lane_dev *dev, int64_t *sel, uint16_t *rw, const uint16_t *x,
                          int n_rows, int top_k, int hidden, int64_t x_stride,
-                         const int32_t *key_slot, uint32_t *key_score, int key_base,
-                         int n_experts, int64_t *orig_sel, uint16_t *orig_w, int layer,
-                         uintptr_t stream)
+                         const int32_t *key_slot, uint32_t *key_score,
+                         const int32_t *key_lane, int key_base, int n_experts,
+                         int64_t *orig_sel, uint16_t *orig_w, int layer, uintptr_t stream)
     int g53_lane_wait(g53_lane_dev *dev, const float *out, int n_rows, int hidden,
                       int64_t out_stride, float *acc, int64_t *fb_sel, uint16_t *fb_w,
                       const int64_t *orig_sel, const uint16_t *orig_w, int64_t budget_ns,

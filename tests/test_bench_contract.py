@@ -487,3 +487,39 @@ def test_health_under_load_contract():
     assert 0 < f["health_median_ms"] <= f["health_max_ms"]
     assert cfg["only"] == "chat" and cfg["target_ms"] == 100.0
     assert r["ratios"]["health_max_vs_target"] == f["health_max_ms"] / 100.0
+
+
+def test_gpu_slice_nvme_rows_give_the_lanes_ratio_against_nvme_exact(tmp_path):
+    """MOCK rows (made-up figures; the nvme rows have not run on a GPU): issue 27's
+    ratios.nvme_vs_nvme_exact_ram70 (and ram40) and each nvme row's lane counts; the nvme rows
+    run only when asked for, and only with --store."""
+    gs = _gpu_slice()
+    default = gs.parse_args(["--model", "/x", "--store", "/s"]).modes.split(",")
+    assert "nvme_exact_ram70" in default and "nvme_ram70" not in default
+    with pytest.raises(SystemExit):
+        gs.parse_args(["--model", "/x", "--modes", "nvme_exact_ram70,nvme_ram70"])
+    args = gs.parse_args(["--model", "/x", "--store", "/s", "--modes", "nvme_ram70,nvme_ram40"])
+    assert args.modes == "nvme_ram70,nvme_ram40"
+    assert gs.NVME_RAM_SHARE["nvme_ram70"] == 0.7 and "nvme_ram40" in gs.LANE_ROWS
+    from glm53.doctor.geometry import Geometry
+
+    geo = Geometry("slice", 8, 8, 288, 8, 9_437_184, 1_000_000_000, 3)
+    info = {"moe_layers": 8, "experts": 288, "record_bytes": 9_437_184, "device": "MOCK",
+            "geometry": {f: getattr(geo, f) for f in geo.__struct_fields__}}  # fmt: skip
+    lane = {"jobs": 100, "fallbacks": 1, "lane_picks": 300, "lane_ms": 12.5}
+    rows = {
+        "exact": _mock_row(40.0, 30.0, 20.0, 80.0, 900.0, 3000.0, 6000.0, decode_hit_rate=0.5,
+                           cache={"layer_hit_rate": [0.5] * 8}, slots=262),
+        "nvme_exact_ram70": _mock_row(30.0, 28.0, 18.0, 72.0, 800.0, 2500.0, 5000.0),
+        "nvme_exact_ram40": _mock_row(20.0, 16.0, 10.0, 40.0, 500.0, 1500.0, 3000.0),
+        "nvme_ram70": dict(_mock_row(39.0, 28.0, 18.0, 72.0, 800.0, 2500.0, 5000.0), lane=lane),
+        "nvme_ram40": dict(_mock_row(22.0, 16.0, 10.0, 40.0, 500.0, 1500.0, 3000.0), lane=lane),
+    }  # fmt: skip
+    for mode, row in rows.items():
+        (tmp_path / f"row-{mode}.json").write_text(
+            json.dumps({"mode": mode, "info": info, "row": row})
+        )
+    r = run_bench("gpu_slice", "--combine", str(tmp_path))
+    assert r["ratios"]["nvme_vs_nvme_exact_ram70"] == pytest.approx(39.0 / 30.0)
+    assert r["ratios"]["nvme_vs_nvme_exact_ram40"] == pytest.approx(22.0 / 20.0)
+    assert r["figures"]["nvme_lane"] == {"nvme_ram70": lane, "nvme_ram40": lane}

@@ -36,7 +36,7 @@ def test_the_table_names_a_rule_for_every_engine_and_mode():
     for engine in ("cpu", "gpu", "scripted"):
         for mode in Mode:
             assert isinstance(modes.rule(engine, mode), modes.ModeRule)
-    assert modes.served("gpu") == (Mode.EXACT, Mode.FAST, Mode.NVME_EXACT)
+    assert modes.served("gpu") == (Mode.EXACT, Mode.FAST, Mode.NVME_EXACT, Mode.NVME)
     assert set(modes.served("cpu")) == set(modes.TierMode)  # one path for every mode
     from glm53.doctor.plan import SERVED_MODES
 
@@ -45,7 +45,8 @@ def test_the_table_names_a_rule_for_every_engine_and_mode():
     assert modes.rule("gpu", Mode.AUTO) == gpu[Mode.EXACT]  # auto is exact on the GPU engine
     assert [m for m, r in gpu.items() if r.store == "needs"] == [Mode.NVME, Mode.NVME_EXACT]
     assert [m for m, r in gpu.items() if r.lane] == [Mode.FAST, Mode.NVME]
-    assert not gpu[Mode.NVME].served and "nvme-exact" in gpu[Mode.NVME].refusal
+    # nvme is wired in, served behind --allow-unrun-modes (UNRUN) until its GPU tests pass
+    assert gpu[Mode.NVME].served and gpu[Mode.NVME].load == "nvme-exact"
 
 
 def test_the_doctors_modes_are_the_same_values_without_auto():
@@ -62,15 +63,16 @@ def test_the_lane_runs_beside_the_gpu_only_in_the_gpu_engines_lane_modes():
     assert not modes.lane_runs_beside_gpu("cpu", "fast")
 
 
-def test_the_unrun_flag_gates_only_the_split_and_layer_major(tmp_path):
-    """fast and nvme-exact ran on the H200 (2026-12-02); the split over two or more GPUs and
-    layer-major prefill never did, so only they still need --allow-unrun-modes."""
+def test_the_unrun_flag_gates_only_the_split_layer_major_and_nvme_mode(tmp_path):
+    """fast and nvme-exact ran on the H200 (2026-12-02); the split over two or more GPUs,
+    layer-major prefill and nvme mode never did, so only they still need --allow-unrun-modes."""
     from glm53.engine.gpu_create import create
 
-    assert set(modes.UNRUN) == {"split", "layer-major"}
+    assert set(modes.UNRUN) == {"split", "layer-major", "nvme"}
     create(settings("--mode", "fast")[0], tmp_path)
     create(settings("--mode", "nvme-exact", "--store", str(tmp_path))[0], tmp_path)
-    for argv in (["--gpus", "0,1"], ["--prefill", "layer-major"]):
+    nvme = ["--mode", "nvme", "--store", str(tmp_path)]
+    for argv in (["--gpus", "0,1"], ["--prefill", "layer-major"], nvme):
         with pytest.raises(ConfigurationError, match="--allow-unrun-modes runs it anyway"):
             create(settings(*argv)[0], tmp_path)
         create(settings(*argv, "--allow-unrun-modes")[0], tmp_path)

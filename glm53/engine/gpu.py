@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 from glm53 import exl3
+from glm53.engine import gpu_tiers
 from glm53.engine.base import EngineError, FinishReason, JobOutput
 from glm53.engine.gpu_options import EngineOptions
 from glm53.exl3 import PAGE
@@ -38,7 +39,7 @@ class GpuEngine:
     name = "gpu"
     is_model = True
     drives_jobs = True  # the scheduler submits requests (glm53.engine.base.JobEngine)
-    verify_tiers = None  # exact mode has no tier check; nvme-exact sets one (_start_nvme)
+    verify_tiers = None  # exact mode has no tier check; the nvme modes set one (gpu_tiers)
 
     def __init__(self, model_dir: str, options: EngineOptions | None = None):
         """`options` (glm53.engine.gpu_options.EngineOptions) were checked when they were built;
@@ -58,6 +59,8 @@ class GpuEngine:
         self.description = f"GPU engine (exllamav3 1.6.5 Generator, mode {o.mode}) on {model_dir}"
         if self.gpus:  # two or more entries: the layers split over them (glm53.exl3.split)
             self.description += f", layers split over GPUs {','.join(map(str, self.gpus))}"
+        if self.mode == "nvme":
+            self.description += " (nvme mode: not yet run on a GPU)"
         if self.prefill == "layer-major":
             self.description += ", layer-major prefill (not yet run on a GPU)"
         self.generation_defaults: dict[str, float] = {}
@@ -108,9 +111,11 @@ class GpuEngine:
             self._start_layer_major()
         self.heat_file = self.heat_file or exl3.heat_path(self.model_dir, self.cache_dir)
         if self.mode == "fast":
-            self._start_fast()
+            gpu_tiers.start_lane(self)
         if self.loaded.nvme is not None:
-            self._start_nvme()
+            gpu_tiers.start_nvme(self)
+            if self.mode == "nvme":  # the lane over the warm RAM tier
+                gpu_tiers.start_lane(self)
         elif self.loaded.ec is not None and os.path.isfile(self.heat_file):
             with open(self.heat_file) as f:
                 self.loaded.ec.seed(json.load(f)["keys"])
@@ -122,45 +127,6 @@ class GpuEngine:
             self.loaded, self.generator, self.chunk_size, text_config,
             int(self.options.ec_reserve_gb * GIB), self.device,
         )  # fmt: skip
-
-    def _start_fast(self) -> None:
-        """fast: the CPU lane over the pinned home, the hooks, the router (glm53.exl3.fast,
-        glm53.tiers.fast_lane)."""
-        from glm53.tiers.cpu_lane import CpuLane, device_pci_address, lane_layout
-
-        o = self.options
-        layout = lane_layout(o.lane_cpus, o.lane_threads, device_pci_address(self.device))
-        cpu = CpuLane(layout, precision=o.lane_precision)
-        self.fast = exl3.start_fast(self.loaded, self.model_dir, cpu, ct_b=o.ct_b)
-        log.info("fast mode: %s", cpu.describe())
-
-    def _start_nvme(self) -> None:
-        """nvme-exact: warm start (the RAM tier's heat list, then the VRAM cache's among the keys
-        now in RAM), then the tier check; a bad count refuses to serve. /admin/verify repeats
-        the check (verify_tiers, an attribute in this mode only: exact mode has no tier check)."""
-        from glm53.engine.base import EngineUnavailable
-        from glm53.tiers.heat import heat_path, read_heat
-
-        nvme = self.loaded.nvme
-        self.ram_heat_file = heat_path(self.model_dir, "ram", self.store, cache_dir=self.cache_dir)
-        vram = []
-        if os.path.isfile(self.heat_file):
-            with open(self.heat_file) as f:
-                vram = json.load(f)["keys"]
-        warm = nvme.warm_start(read_heat(self.ram_heat_file, nvme.tier.num_keys), vram)
-        log.info("nvme-exact warm start: %s", warm)
-        self.verify_tiers = self._verify_nvme
-        result = self.verify_tiers(64)
-        (log.info if result.is_ok else log.error)("tier check at start: %s", result.summary())
-        if not result.is_ok:  # closed without writing heat lists of tiers that failed
-            self.generator.close()
-            self.generator = None
-            self.loaded.close()
-            self.loaded = None
-            raise EngineUnavailable(
-                f"the tier check at start failed, so glm53 does not serve: {result.summary()}; "
-                f"check the store with `glm53 store verify --store {self.store}` and repack it"
-            )
 
     def _verify_nvme(self, num_samples: int):
         with self.loaded.nvme.lock:
@@ -278,12 +244,11 @@ class GpuEngine:
         try:
             if self.layer_major is not None:
                 self.layer_major.step()  # one module of a layer-major pass, then the decode
+            failed = {}
             if nvme is None:
                 results = self.generator.iterate()
-            else:  # the tiers' owner; a read fault names its layer and expert
-                with nvme.lock:
-                    results = self.generator.iterate()
-                    nvme.check_table_bad()
+            else:  # the tiers' owner; a decode read fault fails only the jobs that needed it
+                results, failed = gpu_tiers.iterate_nvme(self, self.generator, nvme)
         except Exception as exc:
             raise EngineError(f"exllamav3 Generator.iterate failed: {exc}") from exc
         if self.fast is not None:  # the router's budgets for the next decode step
@@ -295,7 +260,7 @@ class GpuEngine:
         outs: dict[Any, JobOutput] = {o.key: o for o in self._scored}
         self._scored = []
         for r in results:
-            key = r.get("identifier")
+            key = exl3.result_key(r)  # a reaped job's error result names the Job only
             if key not in self._jobs:
                 continue
             stage = r["stage"]
@@ -334,6 +299,7 @@ class GpuEngine:
                 self._jobs.pop(key, None)
                 reason = r.get("eos_reason")
                 out.finish = FinishReason.STOP if reason == "stop_token" else FinishReason.LENGTH
+        gpu_tiers.fail_jobs(self, outs, failed)
         self._stats["iterations"] += 1
         self._stats["decode_tokens"] += sum(len(o.token_ids) for o in outs.values())
         self._stats["iterate_s"] += time.perf_counter() - t0

@@ -20,9 +20,10 @@ against exllamav3 1.6.5's own source (the PyPI wheel, read with ast). The points
 |                                        |                                 | combine               |
 | BlockSparseMLP._g53_* (6 slots)        | (glm53's own entries)           | hooks, fast_hooks:    |
 |                                        |                                 | what routing_fn reads |
-| Model.prefill, Model._g53_prefill      | model/model.py                  | fast_hooks: prefill   |
-| (instance)                             |                                 | exact; layer_major:   |
-|                                        |                                 | chunks recorded       |
+| Model.prefill, Model._g53_prefill      | model/model.py                  | hooks: prefill exact  |
+| (instance)                             |                                 | (fast, nvme modes);   |
+|                                        |                                 | layer_major: chunks   |
+|                                        |                                 | recorded              |
 | Job.hash_completed_page (instance)     | generator/job.py                | prefix: hashes in     |
 |                                        |                                 | whole chunks          |
 | Job.maybe_stash_recurrent (instance)   | generator/job.py                | prefix, layer_major:  |
@@ -52,9 +53,10 @@ The interface the engine calls (everything else here is this package's own):
 - the version: EXLLAMAV3_VERSION, installed_version, version_problem, check_version;
 - loading: load (LoadOptions -> Loaded), heat_path;
 - generation: make_generator, make_job, request_sampler (exllamav3_sampler, device_logprob_sampler
-  or host_sampler);
+  or host_sampler), result_key, decode_row_keys (the nvme modes' read-fault isolation);
 - prefix reuse: PAGE, standard_region, align_prefix_reuse, generator_settings;
-- layer-major prefill: LayerMajorPrefill; fast mode: start_fast, stop_fast, NO_LANE.
+- layer-major prefill: LayerMajorPrefill; fast mode and nvme mode (start_fast on an nvme-exact
+  load): start_fast, stop_fast, NO_LANE.
 
 Modules: version (the pin and its check), patches (the declared points and the write helpers),
 hooks (the expert homes and the class-level hooks), options / loader / loaded / split (loading,
@@ -64,12 +66,14 @@ layer_major / layer_major_pass (layer-major prefill).
 """
 
 from glm53.exl3.generator import (
+    decode_row_keys,
     device_logprob_sampler,
     exllamav3_sampler,
     host_sampler,
     make_generator,
     make_job,
     request_sampler,
+    result_key,
 )
 from glm53.exl3.hooks import NO_LANE
 from glm53.exl3.layer_major import LayerMajorPrefill
@@ -96,6 +100,7 @@ __all__ = [
     "UnsupportedExllamaV3",
     "align_prefix_reuse",
     "check_version",
+    "decode_row_keys",
     "device_logprob_sampler",
     "exllamav3_sampler",
     "generator_settings",
@@ -106,6 +111,7 @@ __all__ = [
     "make_generator",
     "make_job",
     "request_sampler",
+    "result_key",
     "standard_region",
     "start_fast",
     "stop_fast",
@@ -114,8 +120,8 @@ __all__ = [
 
 
 def start_fast(loaded, model_dir: str, cpu_lane, ct_b: float | None = None, budget_ns=None):
-    """Fast mode on an exact-mode load (glm53.exl3.fast.start_fast; imported here on call, as
-    it loads the CPU lane's native modules)."""
+    """Fast mode on an exact-mode load, nvme mode on an nvme-exact one (glm53.exl3.fast.
+    start_fast; imported here on call, as it loads the CPU lane's native modules)."""
     from glm53.exl3.fast import start_fast as start
 
     return start(loaded, model_dir, cpu_lane, ct_b=ct_b, budget_ns=budget_ns)

@@ -1,7 +1,9 @@
 """Fast mode's start and stop on an exact-mode load: the CPU lane's expert tables over the pinned
 home's arenas (read from exllamav3 1.6.5's MoE modules), fast_hooks on every MoE module, and the
-router (glm53.tiers.fast_lane.FastLane, the host side, which needs no exllamav3). NOT YET RUN ON
-A GPU: only the GPU engine's `--mode fast` calls it (served with --allow-unrun-modes).
+router (glm53.tiers.fast_lane.FastLane, the host side, which needs no exllamav3). On an
+nvme-exact load the same start is nvme mode (the lane over the RAM tier: glm53.tiers.nvme_lane).
+NOT YET RUN ON A GPU: only the GPU engine's `--mode fast` / `--mode nvme` call it (served with
+--allow-unrun-modes).
 """
 
 from __future__ import annotations
@@ -53,16 +55,26 @@ def start_fast(
     loaded, model_dir: str, cpu_lane, ct_b: float | None = None, budget_ns: int | None = None
 ) -> FastLane:
     """Fast mode on an exact-mode load (glm53.exl3.load(..., "exact")): the lane over its pinned
-    home, the hooks on its MoE modules (prefill marked exact), the router. `budget_ns` pins
-    every layer's wait for the lane (None: the router's predicted wait, per layer and step).
-    GPU only."""
+    home, the hooks on its MoE modules (prefill marked exact), the router. On an nvme-exact load
+    (its `nvme`), nvme mode: the same lane, hooks and router over the RAM tier (the lane's table
+    is the tier's, the publish reads its key -> slot table: glm53.tiers.nvme_lane). `budget_ns`
+    pins every layer's wait for the lane (None: the router's predicted wait, per layer and
+    step). GPU only."""
     if loaded.home is None or loaded.ec is None:
         raise RuntimeError("fast mode needs an exact-mode load (the pinned home and VRAM cache)")
-    lane = MailboxLane(cpu_lane, lane_tables(loaded.home, loaded.moe), swiglu_limit(model_dir))
+    key_lane = None
+    if loaded.nvme is not None:
+        from glm53.tiers.nvme_lane import ram_lane_tables
+
+        tables = ram_lane_tables(loaded.nvme.tier, len(loaded.moe))
+        key_lane = loaded.nvme.key_lane
+    else:
+        tables = lane_tables(loaded.home, loaded.moe)
+    lane = MailboxLane(cpu_lane, tables, swiglu_limit(model_dir))
     try:
         fast_hooks.install_fast_hooks()
         fast_hooks.mark_prefill_exact(loaded.model)
-        layers = fast_hooks.attach_fast(loaded.moe, lane.mailboxes, loaded.ec, budget_ns)
+        layers = fast_hooks.attach_fast(loaded.moe, lane.mailboxes, loaded.ec, budget_ns, key_lane)
     except Exception:
         fast_hooks.detach_fast(loaded.moe)
         fast_hooks.unmark_prefill_exact(loaded.model)
@@ -73,7 +85,9 @@ def start_fast(
 
 
 def stop_fast(fast: FastLane, loaded) -> None:
-    """Detach the hooks (unpins the mailboxes) and stop the lane, before the load closes."""
+    """Detach the hooks (unpins the mailboxes) and stop the lane, before the load closes. The
+    prefill mark stays on an nvme-exact load (its read-fault isolation uses it)."""
     fast_hooks.detach_fast(loaded.moe)
-    fast_hooks.unmark_prefill_exact(loaded.model)
+    if loaded.nvme is None:
+        fast_hooks.unmark_prefill_exact(loaded.model)
     fast.close()

@@ -2,6 +2,11 @@
 sequence). NOT YET RUN ON A GPU: the GPU engine attaches them in `--mode fast`
 (glm53.exl3.fast.start_fast), which serve runs only with --allow-unrun-modes.
 
+nvme mode uses the same hooks over nvme-exact's load: the publish reads the RAM tier's key -> slot
+table (`key_lane`: a miss the RAM tier does not hold stays on the GPU), and the picks then go
+through nvme-exact's route (glm53.exl3.nvme_device) instead of the VRAM cache's alone; the
+design and the ordering argument are glm53.tiers.nvme_lane's.
+
 Two class-level hooks, on top of glm53.exl3.hooks' (install those first):
 
 - `BlockSparseMLP.routing_fn`: for a decode call (bsz <= 8) on a module with a `FastLayer`
@@ -23,7 +28,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from glm53.exl3.hooks import DECODE_MAX_ROWS, NO_LANE
+from glm53.exl3.hooks import (  # noqa: F401 (the prefill mark: fast.py uses it from here)
+    DECODE_MAX_ROWS,
+    NO_LANE,
+    mark_prefill_exact,
+    unmark_prefill_exact,
+)
 from glm53.exl3.patches import patch_class, shadow, unshadow
 from glm53.tiers.lane_mailbox import Mailbox, lane_dev_dtype
 
@@ -40,30 +50,6 @@ def exact_call(bsz: int, params: dict) -> bool:
     return bsz > DECODE_MAX_ROWS or bool(params.get("activate_all_experts") or params.get(NO_LANE))
 
 
-def mark_prefill_exact(model) -> None:
-    """Prefill stays exact (issue #16). exllamav3's Generator prefills through `model.prefill`,
-    and a prompt's last chunk can be as small as a decode step, so the routing hook cannot tell
-    it from one by its row count: this wraps the instance's `prefill` (the class is untouched)
-    to put NO_LANE into the params it gets. The params dict is marked in place, not copied:
-    exllamav3 hands results back through it. Idempotent; `unmark_prefill_exact` undoes it."""
-    if "_g53_prefill" in model.__dict__:
-        return
-    prefill = model.prefill
-
-    def marked(input_ids, params=None):
-        params = {} if params is None else params
-        params[NO_LANE] = True
-        return prefill(input_ids, params)
-
-    shadow(model, "Model._g53_prefill", prefill)
-    shadow(model, "Model.prefill", marked)
-
-
-def unmark_prefill_exact(model) -> None:
-    if unshadow(model, "Model._g53_prefill") is not None:
-        unshadow(model, "Model.prefill")  # the class's method again
-
-
 class FastLayer:
     """The device-side buffers of one MoE module's hand-off: g53_lane_dev, the saved and the
     fallback selections, the combine scratch. Owned by the engine thread.
@@ -72,7 +58,9 @@ class FastLayer:
     test that assigns it), else `wait_ns`, the router's prediction for the step (0 until the
     first FastLane.step, when the budget of experts is 0 too and nothing is waited for)."""
 
-    def __init__(self, module, moe_index: int, mailbox: Mailbox, cache=None, budget_ns=None):
+    def __init__(
+        self, module, moe_index: int, mailbox: Mailbox, cache=None, budget_ns=None, key_lane=None
+    ):
         import torch
 
         from glm53 import _cuda
@@ -87,6 +75,8 @@ class FastLayer:
         host = np.zeros(1, lane_dev_dtype(_cuda.lane_dev_layout()))
         host["mbox"] = mailbox.pin()
         self.module, self.moe_index, self.mailbox, self.cache = module, moe_index, mailbox, cache
+        # nvme mode: the RAM tier's key -> slot table (glm53.tiers.nvme_lane); None: fast mode
+        self.key_lane = key_lane
         self.budget_ns: int | None = budget_ns
         self.wait_ns = 0
         self.calls = 0  # decode calls that published
@@ -123,9 +113,10 @@ class FastLayer:
             if self.cache.freq_window:  # the admission filter's lookup counts: colder is lower
                 key_score = self.cache._t["key_freq"].data_ptr()
             key_base = self.moe_index * self.cache.geo.n_experts
+        key_lane = 0 if self.key_lane is None else self.key_lane.data_ptr()
         _cuda.lane_publish(
             self.state.data_ptr(), selected.data_ptr(), weights.data_ptr(), z.data_ptr(), bsz,
-            top_k, self.module.hidden_size, z.stride(0), key_slot, key_score, key_base,
+            top_k, self.module.hidden_size, z.stride(0), key_slot, key_score, key_lane, key_base,
             self.module.num_experts, self.orig_sel.data_ptr(), self.orig_w.data_ptr(),
             self.moe_index, torch.cuda.current_stream(z.device).cuda_stream,
         )  # fmt: skip
@@ -134,6 +125,10 @@ class FastLayer:
         self.calls += 1
         if self.timed:
             self.events[0].record(torch.cuda.current_stream(z.device))
+
+    def skip_timing(self) -> None:
+        """This call is not timed for the router (nvme: its route waited for a store read)."""
+        self.timed = False
 
     def combine(self, final_hidden_states) -> None:
         import torch
@@ -205,13 +200,16 @@ def install_fast_hooks() -> None:
         if fast is None or fn is None:
             return routed
         cache = self.__dict__.get("_g53_cache")
+        nvme = self.__dict__.get("_g53_nvme")  # nvme mode: glm53.exl3.nvme_device.NvmeHome
 
         def fast_routed(bsz, cfg, z, params):
             if exact_call(bsz, params):
                 return routed(bsz, cfg, z, params)
             selected, weights = fn(bsz, cfg, z, params)
             fast.publish(z.view(bsz, -1), selected, weights)
-            if cache is not None:
+            if nvme is not None:  # resolve + point the picks as routed, admit the GPU's
+                nvme.route(fast.moe_index, selected, True, params, weights, lane=fast)
+            elif cache is not None:
                 cache.route(fast.moe_index, selected.reshape(-1), admit=True)
             return selected, weights
 
@@ -231,11 +229,12 @@ def install_fast_hooks() -> None:
     _installed = True
 
 
-def attach_fast(modules, mailboxes, cache=None, budget_ns=None) -> list[FastLayer]:
-    """One FastLayer per MoE module (moe_index = position), on its layer's mailbox."""
+def attach_fast(modules, mailboxes, cache=None, budget_ns=None, key_lane=None) -> list[FastLayer]:
+    """One FastLayer per MoE module (moe_index = position), on its layer's mailbox; `key_lane`
+    (nvme mode) the RAM tier's key -> slot table the publish reads."""
     layers = []
     for i, (mod, mbox) in enumerate(zip(modules, mailboxes, strict=True)):
-        layer = FastLayer(mod, i, mbox, cache, budget_ns)
+        layer = FastLayer(mod, i, mbox, cache, budget_ns, key_lane)
         shadow(mod, "BlockSparseMLP._g53_fast", layer)
         layers.append(layer)
     return layers

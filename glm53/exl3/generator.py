@@ -114,3 +114,24 @@ def host_sampler(stream_sampler, vocab: int, sample: Callable):
     from glm53.exl3.sampler_classes import HostSampler
 
     return HostSampler(stream_sampler, vocab, sample)
+
+
+def decode_row_keys(generator) -> list:
+    """The key (Job identifier) of each row of the Generator's decode forward, in row order:
+    every active job whose prefill is done, one row per sequence (exllamav3 1.6.5's iterate_gen
+    without draft tokens, which glm53 never configures). Read while that forward runs (a read
+    fault's routing hook, glm53.exl3.nvme_device): the batch it was built from is unchanged."""
+    keys = []
+    for job in generator.active_jobs:
+        if job.is_prefill_done():
+            keys += [job.identifier] * len(job.sequences)
+    return keys
+
+
+def result_key(result: dict):
+    """The key (Job identifier) of one of Generator.iterate's results. exllamav3 1.6.5 leaves
+    `identifier` out of the error result of a job it reaped (reap_failed_job: a job whose
+    prefill raised, e.g. an nvme read fault) and names the job there instead."""
+    if "identifier" in result:
+        return result["identifier"]
+    return getattr(result.get("job"), "identifier", None)

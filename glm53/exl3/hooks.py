@@ -255,7 +255,7 @@ def install_hooks() -> None:
         def routed(bsz, cfg, z, params):
             selected, weights = fn(bsz, cfg, z, params)
             if nvme is not None:  # every pick's home made resident first (one sync per layer)
-                nvme.route(layer, selected, bsz <= DECODE_MAX_ROWS, params)
+                nvme.route(layer, selected, bsz <= DECODE_MAX_ROWS, params, weights)
                 return selected, weights
             if params.get("activate_all_experts"):
                 return selected, weights
@@ -272,6 +272,32 @@ def install_hooks() -> None:
 
     patch_class(BlockSparseMLP, "BlockSparseMLP.routing_fn", property(_get, _set))
     _installed = True
+
+
+def mark_prefill_exact(model) -> None:
+    """Prefill stays exact (issue #16; fast and nvme mode), and in the nvme modes a read fault
+    in prefill fails its one job rather than being isolated (glm53.tiers.read_faults).
+    exllamav3's Generator prefills through `model.prefill`, and a prompt's last chunk can be as
+    small as a decode step, so the routing hook cannot tell it from one by its row count: this
+    wraps the instance's `prefill` (the class is untouched)
+    to put NO_LANE into the params it gets. The params dict is marked in place, not copied:
+    exllamav3 hands results back through it. Idempotent; `unmark_prefill_exact` undoes it."""
+    if "_g53_prefill" in model.__dict__:
+        return
+    prefill = model.prefill
+
+    def marked(input_ids, params=None):
+        params = {} if params is None else params
+        params[NO_LANE] = True
+        return prefill(input_ids, params)
+
+    shadow(model, "Model._g53_prefill", prefill)
+    shadow(model, "Model.prefill", marked)
+
+
+def unmark_prefill_exact(model) -> None:
+    if unshadow(model, "Model._g53_prefill") is not None:
+        unshadow(model, "Model.prefill")  # the class's method again
 
 
 def register_home(home: PinnedExpertHome) -> None:

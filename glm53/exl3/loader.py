@@ -222,6 +222,9 @@ def load(model_dir: str, options: LoadOptions | None = None) -> Loaded:
     if nvme_src is not None:
         loaded.nvme = _start_nvme(loaded, nvme_src, o.ram_cap, o.read_timeout_s, o.rows)
         hooks.attach_nvme(moe, loaded.nvme)
+        # prefill and scoring forwards carry NO_LANE: a read fault there fails its one request
+        # (raised); in a decode forward it fails only the rows that needed it (read_faults)
+        hooks.mark_prefill_exact(loaded.model)
     return _measured(loaded, dev)
 
 

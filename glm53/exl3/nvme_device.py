@@ -17,6 +17,18 @@ Per MoE layer, in exllamav3's routing hook (glm53.exl3.hooks):
 Exact and nvme-exact share the admission path (DeviceExpertCache.route); only the home moves.
 After each Generator iteration the engine reads the table_bad counter: a non-zero rise fails
 that iteration's requests and flushes the VRAM cache (a slot may hold the poison record).
+
+A read fault in a decode forward of the Generator (the engine sets `row_keys` around
+Generator.iterate; prefill is marked NO_LANE) fails only the jobs whose rows picked the expert
+(glm53.tiers.read_faults): the expert is masked (id -1, weight 0) for the step, the step runs
+without it, and `take_faults` hands the engine the jobs to fail. Elsewhere (prefill, scoring,
+warm-up) the ReadFault is raised with the rows that picked the expert, as before.
+
+nvme mode (glm53.tiers.nvme_lane has the design and the ordering argument): the layer's
+glm53.exl3.fast_hooks.FastLayer publishes first, then `route(..., lane=layer)` resolves and
+points the selection as routed (the publish's saved copy, lane picks included) and admits into
+VRAM only what the lane did not take. `key_lane` (key -> RAM slot, -1) is written with the home
+table, for the publish's eligibility.
 """
 
 from __future__ import annotations
@@ -26,8 +38,11 @@ import threading
 
 import numpy as np
 
-from glm53.tiers.gpu_home import RamHome, rows_picking, verify_home
+from glm53.exl3.hooks import NO_LANE
+from glm53.tiers.gpu_home import HomeUpdate, RamHome, rows_picking, verify_home
+from glm53.tiers.nvme_lane import lane_slots
 from glm53.tiers.ram_tier import RamTier, ReadFault, TierError
+from glm53.tiers.read_faults import FaultRecord, fault_record, resolve_isolating
 
 log = logging.getLogger("glm53.tiers")
 
@@ -54,30 +69,58 @@ class NvmeHome:
         self.moe_layers = tier.source.moe_layers
         self._home_t = ec._t["home"]
         self._key_slot = ec._t["key_slot"]
+        # nvme mode's lane eligibility: each key's RAM slot, -1 where the tier does not hold it
+        self.key_lane = torch.full((ec.geo.n_keys,), -1, dtype=torch.int32, device=self.device)
+        # decode fault isolation: set by the engine around Generator.iterate (the key of each
+        # row of the running decode forward); the faults of the step, for take_faults
+        self.row_keys = None
+        self.faults: list[FaultRecord] = []
+        self.faults_isolated = 0
 
     # --- per layer, from the routing hook --------------------------------------------------
-    def route(self, layer: int, selected, decode: bool, params: dict) -> None:
+    def route(
+        self, layer: int, selected, decode: bool, params: dict, weights=None, lane=None
+    ) -> None:
+        """Make every pick of MoE `layer` resident (VRAM slot or RAM home) and point exllamav3's
+        tables at it. `lane` (nvme mode, decode): the layer's FastLayer after its publish; its
+        `orig_sel` holds the selection as routed, `selected` the rest (lane picks are -1)."""
         import torch
 
         n_exp = self.ec.geo.n_experts
-        if params.get("activate_all_experts"):  # every expert of the layer is read
+        all_experts = bool(params.get("activate_all_experts"))
+        if all_experts:  # every expert of the layer is read
             sel = torch.arange(n_exp, dtype=torch.int64, device=self.device)
         else:
             sel = selected.reshape(-1)
         if not sel.is_contiguous() or sel.dtype != torch.int64:
             raise TierError("exllamav3's selected experts are not a contiguous int64 tensor")
-        valid = (sel >= 0) & (sel < n_exp)
-        keys = torch.where(valid, sel + layer * n_exp, torch.zeros_like(sel))
-        slots = torch.where(valid, self._key_slot[keys].long(), torch.full_like(sel, -1))
-        host = torch.cat((sel, slots)).cpu().numpy()  # the one sync of this layer
         n = sel.numel()
+        routed = sel if lane is None or all_experts else lane.orig_sel[:n]
+        valid = (routed >= 0) & (routed < n_exp)
+        keys = torch.where(valid, routed + layer * n_exp, torch.zeros_like(routed))
+        slots = torch.where(valid, self._key_slot[keys].long(), torch.full_like(routed, -1))
+        host = torch.cat((routed, slots)).cpu().numpy()  # the one sync of this layer
         picks, in_vram = host[:n], host[n:] >= 0
+        num_rows = selected.numel() // selected.shape[-1]
+        isolate = (
+            decode and self.row_keys is not None and weights is not None
+            and not all_experts and not params.get(NO_LANE)
+        )  # fmt: skip
+        reads = self.home.counters["ram_reads"]
         try:
-            update = self.home.resolve(self.moe_layers[layer], picks, in_vram)
+            if isolate:
+                update, faults, kept = resolve_isolating(
+                    self.home, self.moe_layers[layer], picks, in_vram, num_rows
+                )
+            else:
+                update, faults, kept = (
+                    self.home.resolve(self.moe_layers[layer], picks, in_vram),
+                    [],
+                    picks,
+                )
         except ReadFault as exc:  # name the rows whose picks needed the record
             self._write(self.home.take_pending())  # evictions a failed wave made
-            num_rows = selected.numel() // selected.shape[-1]
-            if params.get("activate_all_experts"):  # every row reads every expert
+            if all_experts:  # every row reads every expert
                 rows = np.arange(num_rows)
             else:
                 rows = rows_picking(picks, num_rows, exc.expert)
@@ -86,9 +129,13 @@ class NvmeHome:
             self._write(self.home.take_pending())
             raise
         self._write(update)
+        if lane is not None and self.home.counters["ram_reads"] != reads:
+            lane.skip_timing()  # the host's wait for the store is not the GPU's time
+        if faults:
+            self._isolate(faults, kept != picks, selected, weights, lane)
         stream = torch.cuda.current_stream(self.device).cuda_stream
         if decode:
-            run = sel
+            run = routed
         else:  # prefill: the distinct picks only (exact mode's prefill admits nothing)
             distinct = np.unique(picks[(picks >= 0) & (picks < n_exp)])
             run = torch.from_numpy(distinct.astype(np.int64)).to(self.device)
@@ -96,17 +143,45 @@ class NvmeHome:
         self._cuda.ec_check_homes(
             ptr, run.data_ptr(), run.numel(), layer, self.absent, self.bad.data_ptr(), stream
         )
-        if decode:
-            self.ec.route(layer, run, admit=True)
+        if decode:  # the lane's picks (-1 in sel) are not admitted
+            self.ec.route(layer, sel, admit=True)
         self._cuda.ec_point_picks(ptr, run.data_ptr(), run.numel(), layer, self.absent, stream)
 
-    def _write(self, update) -> None:
+    def _isolate(self, faults, masked, selected, weights, lane) -> None:
+        """A decode step goes on without each faulted expert: its picks become id -1 / weight 0
+        in the live selection (and in the lane's saved copy, which a fallback runs), and the
+        step's fault records name the jobs of the rows that picked it."""
+        import torch
+
+        keys = self.row_keys()
+        for fault in faults:
+            self.faults.append(fault_record(fault, keys))
+            log.error("read fault isolated to its rows' requests: %s", fault)
+        self.faults_isolated += len(faults)
+        bad = torch.from_numpy(masked).to(self.device)
+        selected.masked_fill_(bad.view(selected.shape), -1)
+        weights.masked_fill_(bad.view(weights.shape), 0)
+        if lane is not None:
+            n = bad.numel()
+            lane.orig_sel[:n].masked_fill_(bad, -1)
+            lane.orig_w[:n].masked_fill_(bad, 0)
+
+    def take_faults(self) -> list[FaultRecord]:
+        """The decode faults isolated since the last call (the engine fails their jobs)."""
+        out, self.faults = self.faults, []
+        return out
+
+    def _write(self, update: HomeUpdate) -> None:
+        """Home-table writes, and the same keys' RAM slots into key_lane (on the stream)."""
         import torch
 
         if len(update) == 0:
             return
         keys = torch.from_numpy(update.keys).to(self.device)
         self._home_t[keys] = torch.from_numpy(update.addresses).to(self.device)
+        slots = lane_slots(update.addresses, self.absent, self.home.arena_address,
+                           self.tier.slot_bytes)  # fmt: skip
+        self.key_lane[keys] = torch.from_numpy(slots).to(self.device)
 
     # --- per iteration, from the engine ------------------------------------------------------
     def check_table_bad(self) -> None:
@@ -162,6 +237,7 @@ class NvmeHome:
             **self.tier.faults,
             **self.home.counters,
             "table_bad": self.table_bad,
+            "faults_isolated": self.faults_isolated,
         }
 
     def close(self) -> None:

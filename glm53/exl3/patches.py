@@ -68,10 +68,11 @@ POINTS: tuple[PatchPoint, ...] = (
                "BlockSparseMLP_CPU)"),
     PatchPoint(_MLP, "BlockSparseMLP", "_g53_fast", "slot", None, "fast_hooks", _SLOT),
     PatchPoint(_MODEL, "Model", "prefill", "instance", ("self", "input_ids", "params"),
-               "fast_hooks, layer_major",
-               "fast: prefill marked exact; layer-major: a chunk's forward recorded"),
-    PatchPoint(_MODEL, "Model", "_g53_prefill", "slot", None, "fast_hooks",
-               "the model's own prefill, kept while fast mode's mark is on"),
+               "hooks, layer_major",
+               "fast, nvme: prefill marked exact (nvme: a read fault fails its one job); "
+               "layer-major: a chunk's forward recorded"),
+    PatchPoint(_MODEL, "Model", "_g53_prefill", "slot", None, "hooks",
+               "the model's own prefill, kept while the prefill mark is on"),
     # prefix reuse (glm53.exl3.prefix)
     PatchPoint(_JOB, "Job", "hash_completed_page", "instance", ("self", "seq", "page_idx"),
                "prefix, layer_major", "pages past the standard region keep random hashes"),

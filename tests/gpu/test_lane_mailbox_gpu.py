@@ -91,7 +91,7 @@ def run_layer(linears, step, x16, sel, rw, out, budget_ns, key_slot=None):
     n_rows = x16.shape[0]
     _cuda.lane_publish(
         step.dev.data_ptr(), sel.data_ptr(), rw.data_ptr(), x16.data_ptr(), n_rows, TOP_K,
-        HIDDEN, x16.stride(0), 0 if key_slot is None else key_slot.data_ptr(), 0, 0,
+        HIDDEN, x16.stride(0), 0 if key_slot is None else key_slot.data_ptr(), 0, 0, 0,
         NUM_EXPERTS, step.orig_sel.data_ptr(), step.orig_w.data_ptr(), 0, stream,
     )  # fmt: skip
     moe_call(linears, x16, sel, rw, out)  # the GPU's share
@@ -327,7 +327,7 @@ def test_publish_takes_the_coldest_misses_and_counts_their_lookups(experts, devi
         stream = torch.cuda.current_stream().cuda_stream
         _cuda.lane_publish(
             step.dev.data_ptr(), sel.data_ptr(), rw.data_ptr(), x16.data_ptr(), 2, TOP_K,
-            HIDDEN, HIDDEN, key_slot.data_ptr(), score.data_ptr(), 0, NUM_EXPERTS,
+            HIDDEN, HIDDEN, key_slot.data_ptr(), score.data_ptr(), 0, 0, NUM_EXPERTS,
             step.orig_sel.data_ptr(), step.orig_w.data_ptr(), 0, stream,
         )  # fmt: skip
         torch.cuda.synchronize()
@@ -339,5 +339,41 @@ def test_publish_takes_the_coldest_misses_and_counts_their_lookups(experts, devi
         assert mbox.picks[:3].tolist() == [(0, 2, 0.25), (1, 2, 0.25), (1, 4, 0.25)]
         assert (int(mbox.header[4]), int(mbox.header[5])) == (1, 6)  # distinct hits, misses
         assert np.array_equal(mbox.rows[:2], x16.float().cpu().numpy())
+        assert step.orig_sel.view(2, TOP_K).tolist() == [[0, 1, 2, 3], [2, 4, 5, 6]]
+        mbox.unpin()
+
+
+def test_publish_with_a_lane_index_takes_only_misses_the_ram_tier_holds(experts, device):
+    """nvme mode: key_lane maps a key to its RAM slot (-1: not in the RAM tier). A miss with no
+    slot is never taken, however cold (it is read from the store, the nvme-exact path); a taken
+    pick carries the slot as its `expert`; key_base offsets both tables to the layer."""
+    rng = np.random.default_rng(6)
+    cpu = CpuLane(LaneLayout((0,)))
+    with MailboxLane(cpu, [expert_table(experts)]) as lane:
+        mbox = lane.mailboxes[0]
+        mbox.set_budget(3)
+        step = Step(mbox, device, 2)
+        sel = torch.tensor([[0, 1, 2, 3], [2, 4, 5, 6]], device=device)
+        rw = torch.full((2, TOP_K), 0.25, dtype=torch.half, device=device)
+        x16 = torch.from_numpy(rng.standard_normal((2, HIDDEN)).astype(np.float16)).to(device)
+        base = NUM_EXPERTS  # the second layer's keys
+        key_slot = torch.full((2 * NUM_EXPERTS,), -1, dtype=torch.int32, device=device)
+        key_slot[base + 0] = 3  # expert 0 is cached in VRAM
+        key_lane = torch.full((2 * NUM_EXPERTS,), -1, dtype=torch.int32, device=device)
+        key_lane[base + 0] = 9  # in RAM too, but a VRAM hit: stays on the GPU
+        key_lane[base + 3] = 11
+        key_lane[base + 5] = 14
+        key_lane[1] = 7  # the first layer's expert 1: another layer's key, not read here
+        stream = torch.cuda.current_stream().cuda_stream
+        _cuda.lane_publish(
+            step.dev.data_ptr(), sel.data_ptr(), rw.data_ptr(), x16.data_ptr(), 2, TOP_K,
+            HIDDEN, HIDDEN, key_slot.data_ptr(), 0, key_lane.data_ptr(), base, NUM_EXPERTS,
+            step.orig_sel.data_ptr(), step.orig_w.data_ptr(), 0, stream,
+        )  # fmt: skip
+        torch.cuda.synchronize()
+        # budget 3, but only 3 and 5 are misses the RAM tier holds
+        assert sel.tolist() == [[0, 1, 2, -1], [2, 4, -1, 6]]
+        assert mbox.picks[:2].tolist() == [(0, 11, 0.25), (1, 14, 0.25)]
+        assert (int(mbox.header[1]), int(mbox.header[4]), int(mbox.header[5])) == (2, 1, 6)
         assert step.orig_sel.view(2, TOP_K).tolist() == [[0, 1, 2, 3], [2, 4, 5, 6]]
         mbox.unpin()

@@ -1,0 +1,236 @@
+"""nvme mode on the GPU engine (issue #27): nvme-exact (the RAM tier over the store as the
+experts' home) + fast mode's CPU lane over the RAM tier (glm53.tiers.nvme_lane), GpuEngine(
+mode="nvme").
+
+WRITTEN FOR THE NEXT GPU SESSION, NOT YET RUN: this session had no GPU. The CI side is
+tests/test_nvme_lane.py (the lane over real RAM-tier records, the route's residency and pointing
+against mocked device tables), tests/test_read_faults.py and tests/test_gpu_engine_config.py (the
+gate: serve refuses --mode nvme without --allow-unrun-modes).
+
+- A lane made to stall (its poller's stall hook) must give stock exllamav3's tokens and logits
+  bit for bit (nvme-exact's answer, which equals stock: tests/gpu/test_nvme_exact_gpu.py), with
+  every published layer counted as a fallback, at RAM caps of 40 % and 70 %.
+- A working lane, teacher-forced on exact's greedy tokens: decode KL of nvme against exact and
+  top-1 agreement, at c1 and at c4, each no worse than exllamav3's own batch-1 vs batch-4 floor
+  on the same checkpoint and tokens (test_fast_mode_gpu.py's reference runs, shared).
+- The real server (`--mode nvme --allow-unrun-modes`) answers the real openai client at c1 and
+  c4, and /stats shows the lane and the RAM tier.
+
+Needs GLM53_TEST_SLICE and the session's slice store (conftest.py's `slice_store`).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("exllamav3")
+pytest.importorskip("glm53._cuda")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+from glm53.engine.gpu import GpuEngine  # noqa: E402
+from glm53.engine.gpu_options import EngineOptions  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests" / "gpu"))
+from gpu_kit import (  # noqa: E402
+    CHUNK,
+    N_NEW,
+    assert_same,
+    batch_prompts,
+    checkpoint_dir,
+    expert_slots,
+    kl_top1,
+    num_records,
+    run_engine,
+    single_prompts,
+    stock_reference,
+    text_config,
+)
+from serving_kit import Server  # noqa: E402
+
+# fast mode's test file holds the shared pieces: its reference runs (c1 alone, c4 together, each
+# with exllamav3's floor at the other batch), its teacher-forcing loop and its lane settings
+from test_fast_mode_gpu import (  # noqa: E402
+    EAGER_CT_B,
+    LANE_COUNTS,
+    LENGTHS,
+    SURE_WAIT_NS,
+    teacher_forced,
+)
+from test_fast_mode_gpu import _spec as fast_spec  # noqa: E402
+
+CONTEXT = 8192
+VRAM_SHARE = 0.114  # the 24 GB RTX 3090's share of the experts
+RAM_SHARES = (0.4, 0.7)
+
+
+def reference_specs():
+    """The stock runs this file asks for: fast mode's, the same runs (conftest.py declares
+    them; one reference process computes them for both files)."""
+    path = checkpoint_dir("GLM53_TEST_SLICE")
+    return [fast_spec(path)] if path else []
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory, slice_store):
+    import json
+
+    path = checkpoint_dir("GLM53_TEST_SLICE")
+    if path is None:
+        pytest.skip("no slice checkpoint (GLM53_TEST_SLICE)")
+    tmp = tmp_path_factory.mktemp("nvme-mode")
+    vocab = text_config(path)["vocab_size"]
+    prompts = single_prompts(vocab, LENGTHS)
+    ref = stock_reference(fast_spec(path), tmp)
+    record = json.loads(Path(slice_store, "manifest.json").read_text())["record_bytes"]
+    return {
+        "path": path,
+        "store": slice_store,
+        "tmp": tmp,
+        "prompts": {1: [prompts[n] for n in LENGTHS], 4: batch_prompts(vocab)},
+        "ref": {1: ref[0], 4: ref[1]},
+        "slots": expert_slots(path, VRAM_SHARE),
+        "cap": {s: int(s * num_records(path)) * record for s in RAM_SHARES},
+    }
+
+
+def nvme_engine(case, name, share, **kw):
+    e = GpuEngine(case["path"], EngineOptions(
+        mode="nvme", context=CONTEXT, max_batch=4, chunk_size=CHUNK,
+        ec_max_slots=case["slots"], heat_file=str(case["tmp"] / f"heat-{name}.json"),
+        cache_dir=str(case["tmp"] / f"cache-{name}"), store=case["store"],
+        ram_cap=case["cap"][share], **kw,
+    ))  # fmt: skip
+    e.load()
+    return e
+
+
+@pytest.mark.parametrize("share", RAM_SHARES)
+def test_a_stalled_lane_gives_nvme_exacts_tokens_and_logits_and_counts_every_fallback(case, share):
+    e = nvme_engine(case, f"stall-{share}", share, ct_b=EAGER_CT_B)
+    try:
+        lane = e.fast.lane
+        assert lane.tables[0] is e.loaded.nvme.tier.table  # the lane reads the RAM tier
+        # hold the first job of layer 0: one poller serves every layer, so no layer of any
+        # later step is answered either, and every published layer must fall back
+        lane.poller.stall(0, lane.mailboxes[0].seq + 1)
+        for i, prompt in enumerate(case["prompts"][1]):  # c1: each alone
+            (got,) = run_engine(e, [prompt], N_NEW)
+            assert_same(got, case["ref"][1][i], f"stalled lane, RAM {share:.0%}, c1, {i}")
+        assert lane.poller.held  # the stall engaged: layer 0 published and was held
+        for i, got in enumerate(run_engine(e, case["prompts"][4], N_NEW)):  # c4: together
+            assert_same(got, case["ref"][4][i], f"stalled lane, RAM {share:.0%}, c4, {i}")
+        st = e.stats()
+        lane_st, ram = st["lane"], st["tiers"]["ram"]
+        assert lane_st["published"] > 0 and lane_st["lane_picks"] > 0, lane_st
+        assert lane_st["fallbacks"] == lane_st["published"], lane_st
+        assert ram["table_bad"] == 0 and ram["read_errors"] == 0
+        assert ram["ram_reads"] > ram["slots"]  # the cap made the tier evict and read again
+        lane.poller.release()
+        check = e.verify_tiers(64)
+        assert check.is_ok, check.summary()
+    finally:
+        e.close()
+
+
+@pytest.fixture(scope="module")
+def working(case):
+    """One nvme engine (RAM 40 %) with a working lane for both teacher-forced cases: the eager
+    router, and waits that must succeed."""
+    e = nvme_engine(case, "kl", RAM_SHARES[0], ct_b=EAGER_CT_B)
+    for layer in e.fast.layers:  # the eager router may send more than 2 ms of lane work
+        layer.budget_ns = SURE_WAIT_NS
+    yield e
+    e.close()
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_a_working_lane_stays_within_exllamav3s_floor_teacher_forced(
+    case, working, batch, record_property
+):
+    """As test_fast_mode_gpu's floor test, with the lane over the RAM tier: c1 each prompt
+    alone, c4 the batch together, against the reference (exact's) and its floor."""
+    refs, prompts = case["ref"][batch], case["prompts"][batch]
+    e = working
+    before = {k: e.stats()["lane"][k] for k in LANE_COUNTS}
+    if batch == 1:
+        got = [teacher_forced(e, [p], [r["tokens"]])[0] for p, r in zip(prompts, refs, strict=True)]
+    else:
+        got = teacher_forced(e, prompts, [r["tokens"] for r in refs])
+    e.loaded.nvme.check_table_bad()  # teacher_forced drives the Generator itself
+    lane = e.stats()["lane"]
+    st = {k: lane[k] - before[k] for k in LANE_COUNTS}
+    assert st["jobs"] > 0 and st["lane_picks"] > 0, st
+    assert st["fallbacks"] == 0, st  # every lane result was used: this measures the lane
+    wants, tokens = [r["logits"] for r in refs], [r["tokens"] for r in refs]
+    kl, top1 = kl_top1(wants, got, tokens)
+    floor_kl, floor_top1 = kl_top1(wants, [r["floor_logits"] for r in refs], tokens)
+    for name, value in (("nvme_vs_exact_kl", kl), ("nvme_vs_exact_top1", top1),
+                        ("floor_kl", floor_kl), ("floor_top1", floor_top1)):  # fmt: skip
+        record_property(name, value)
+    print(f"c{batch}: nvme vs exact mean KL {kl:.3e}, top-1 {top1:.4f}; exllamav3's floor "
+          f"(c{batch} against c{5 - batch}) mean KL {floor_kl:.3e}, top-1 {floor_top1:.4f}")  # fmt: skip
+    assert kl <= floor_kl and top1 >= floor_top1, (kl, top1, floor_kl, floor_top1)
+
+
+@pytest.fixture(scope="module")
+def server(case, working):
+    working.close()  # one model and one lane at a time: the lane's threads poll on the CPUs
+    tmp = case["tmp"] / "server"
+    tmp.mkdir()
+    args = ["--engine", "gpu", "--mode", "nvme", "--allow-unrun-modes", "--model",
+            case["path"], "--store", str(case["store"]), "--ram-cap",
+            str(case["cap"][RAM_SHARES[0]]), "--context", str(CONTEXT), "--chunk-size",
+            str(CHUNK), "--max-batch", "4", "--ec-max-slots", str(case["slots"])]  # fmt: skip
+    srv = Server(args, env={"XDG_CACHE_HOME": str(tmp / "cache")}, log_path=tmp / "server.log")
+    srv.wait_ready(timeout_s=900)
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_the_server_in_nvme_mode_answers_the_openai_client_and_shows_lane_and_ram_tier(
+    server, concurrency
+):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0,
+                           timeout=600)  # fmt: skip
+    assert "tier check at start: ram_bad=0 vram_bad=0 table_bad=0" in server.log()
+    results, errors = {}, []
+
+    def one(i):
+        try:
+            results[i] = client.completions.create(
+                model="glm-5.3-flash", prompt=f"Request {i}: the", max_tokens=32, temperature=0
+            )
+        except Exception as exc:  # collected and asserted below
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(900)
+    assert not errors and len(results) == concurrency, errors
+    for r in results.values():
+        assert r.choices[0].finish_reason in ("length", "stop")
+        assert r.usage.completion_tokens > 0
+    chat = client.chat.completions.create(
+        model="glm-5.3-flash", messages=[{"role": "user", "content": "Hello!"}], max_tokens=16,
+        temperature=0,
+    )  # fmt: skip
+    assert chat.usage.completion_tokens > 0
+    engine = httpx.get(server.url + "/stats", timeout=60).json()["engine"]
+    lane, ram = engine["lane"], engine["tiers"]["ram"]
+    assert "not yet run on a GPU" in lane["status"]
+    assert lane["steps"] > 0 and lane["layers"], lane
+    assert ram["table_bad"] == 0 and ram["faults_isolated"] == 0
+    assert ram["ram_hits"] + ram["ram_reads"] > 0
