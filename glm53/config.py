@@ -310,10 +310,11 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     allow_unrun_modes: Annotated[
         bool,
         _s(
-            "GPU engine: also run the two paths that have never run on a GPU: the layer split "
-            "over two or more GPUs (--gpus 0,1) and --prefill layer-major; for their GPU tests "
-            "(tests/gpu/test_multi_gpu.py, tests/gpu/test_layer_major_gpu.py). Without it the "
-            "GPU engine refuses them. Every --mode the GPU engine serves runs without it.",
+            "GPU engine: also run the three paths that have never run on a GPU: --mode nvme (the "
+            "store and its RAM tier with the CPU lane), the layer split over two or more GPUs (--gpus 0,1) "
+            "and --prefill layer-major; for their GPU tests (tests/gpu/test_nvme_mode_gpu.py, "
+            "test_multi_gpu.py, test_layer_major_gpu.py). Without it the GPU engine refuses "
+            "them. Every other mode and path runs without it.",
             group="tiers",
         ),
     ] = False

@@ -336,15 +336,17 @@ def test_the_home_refuses_a_source_that_is_not_a_store(demo):
 # --- through `glm53 serve` (no GPU needed: the refusals come before anything loads) -----------
 
 
-def serve_nvme_exact(model, store, tmp_path, *extra) -> Server:
-    args = ["--model", str(model), "--engine", "gpu", "--mode", "nvme-exact"]
+def serve_nvme_exact(model, store, tmp_path, *extra, mode="nvme-exact") -> Server:
+    args = ["--model", str(model), "--engine", "gpu", "--mode", mode]
     args += ["--store", str(store), *extra]
     return Server(args, log_path=tmp_path / "server.log")
 
 
-def test_serve_refuses_another_checkpoint_s_store_before_loading(good_store, tmp_path):
+@pytest.mark.parametrize("mode", ["nvme-exact", "nvme"])
+def test_serve_refuses_another_checkpoint_s_store_before_loading(good_store, tmp_path, mode):
     other = make_checkpoint(tmp_path / "other")
-    server = serve_nvme_exact(other, good_store, tmp_path)
+    extra = ["--allow-unrun-modes"] if mode == "nvme" else []
+    server = serve_nvme_exact(other, good_store, tmp_path, *extra, mode=mode)
     with pytest.raises(RuntimeError, match="exited with"):
         server.wait_ready(timeout_s=120)
     log = server.log()

@@ -82,5 +82,5 @@ def test_the_unrun_flags_help_says_what_it_gates():
     from glm53.config import setting_info
 
     text = setting_info("allow_unrun_modes").description
-    assert "split" in text and "--prefill layer-major" in text
+    assert "split" in text and "--prefill layer-major" in text and "--mode nvme " in text
     assert "--mode fast" not in text and "nvme-exact" not in text

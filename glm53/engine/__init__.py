@@ -16,7 +16,7 @@ from pathlib import Path
 from glm53.config import ConfigurationError, Settings, cache_dir
 from glm53.engine.base import Engine, EngineError, EngineUnavailable, StreamWork, Tokenizer
 from glm53.exl3.version import installed_version, version_problem
-from glm53.modes import Mode, lane_runs_beside_gpu
+from glm53.modes import lane_runs_beside_gpu, rule
 
 __all__ = [
     "Engine",
@@ -172,10 +172,13 @@ def _gpu_host_problems(num_devices: int) -> list[str]:
 
 
 def _refuse_nvme_exact_store(settings: Settings) -> None:
-    """nvme-exact's store, checked as its load checks it (glm53.tiers.gpu_home.open_home_source:
-    a store of another checkpoint, a --ram-cap below one layer's picks) and closed again: these
-    are mistakes in the settings, refused with their own fix whatever the host (torch-free)."""
-    if settings.mode != Mode.NVME_EXACT or not settings.store or uses_demo(settings):
+    """The store of nvme-exact and nvme, checked as their load checks it
+    (glm53.tiers.gpu_home.open_home_source: a store of another checkpoint, a --ram-cap below one
+    layer's picks) and closed again: these are mistakes in the settings, refused with their own
+    fix whatever the host (torch-free)."""
+    if rule("gpu", settings.mode).store != "needs":
+        return
+    if not settings.store or uses_demo(settings):
         return
     from glm53.store.errors import StoreError
     from glm53.tiers.gpu_home import open_home_source
@@ -187,7 +190,7 @@ def _refuse_nvme_exact_store(settings: Settings) -> None:
             checkpoint_dir(settings), settings.store, settings.ram_cap, rows
         )
     except (StoreError, TierError) as exc:
-        raise ConfigurationError(f"--mode nvme-exact: {exc}") from None
+        raise ConfigurationError(f"--mode {settings.mode}: {exc}") from None
     store.close()
 
 
