@@ -5,49 +5,35 @@ what needs them imports them when called.
 
 Every write onto an exllamav3 class or instance goes through glm53.exl3.patches, which refuses a
 point not declared in its POINTS; tests/test_exl3_patch_points.py checks each declared point
-against exllamav3 1.6.5's own source (the PyPI wheel, read with ast). The points:
-
-| point (kind)                           | in exllamav3 1.6.5              | module: why           |
-|----------------------------------------|---------------------------------|-----------------------|
-| SafetensorsCollection.get_tensor       | loader/safetensors.py           | hooks: experts load   |
-| (class)                                |                                 | into the home         |
-| BlockSparseMLP.routing_fn (class       | modules/block_sparse_mlp.py     | hooks, fast_hooks:    |
-| property)                              |                                 | picks via the VRAM    |
-|                                        |                                 | cache, nvme home,     |
-|                                        |                                 | lane                  |
-| BlockSparseMLP.cpu_split_combine       | modules/block_sparse_mlp_cpu.py | fast_hooks: the       |
-| (class)                                |                                 | lane's wait and       |
-|                                        |                                 | combine               |
-| BlockSparseMLP._g53_* (6 slots)        | (glm53's own entries)           | hooks, fast_hooks:    |
-|                                        |                                 | what routing_fn reads |
-| Model.prefill, Model._g53_prefill      | model/model.py                  | hooks: prefill exact  |
-| (instance)                             |                                 | (fast, nvme modes);   |
-|                                        |                                 | layer_major: chunks   |
-|                                        |                                 | recorded              |
-| Job.hash_completed_page (instance)     | generator/job.py                | prefix: hashes in     |
-|                                        |                                 | whole chunks          |
-| Job.maybe_stash_recurrent (instance)   | generator/job.py                | prefix, layer_major:  |
-|                                        |                                 | where state is        |
-|                                        |                                 | stashed               |
-| Job.all_unique_hashes (attribute)      | generator/job.py                | prefix: the standard  |
-|                                        |                                 | region                |
-| Sequence.page_hashes,                  | generator/pagetable.py          | prefix: the standard  |
-| .new_unique_pages (attribute)          |                                 | region                |
-| Job.prefill, Job.is_prefill_done,      | generator/job.py                | layer_major: the pass |
-| Job._g53_layer_major (instance, slot)  |                                 |                       |
-| Module.load (instance)                 | modules/module.py               | split: each module on |
-|                                        |                                 | its GPU               |
-| Model.active_devices (attribute)       | model/model.py                  | split: the devices    |
-|                                        |                                 | used                  |
-| Sampler.__init__, Sampler.forward      | generator/sampler/sampler.py    | sampler_classes: host |
-| (subclass)                             |                                 | and device-logprob    |
-|                                        |                                 | samplers              |
-| Model._get_prefetch_layers,            | model/model.py,                 | layer_major(_pass):   |
-| advance_recurrent_states,              | cache/recurrent_util.py,        | the recorder, the     |
-| GDNLayerState.stash,                   | modules/gated_delta_net.py,     | stashes               |
-| RecurrentCache.put (read)              | cache/recurrent.py              |                       |
-| exllamav3_ext.pinned_cuda_view (ext)   | exllamav3_ext/bindings.cpp      | hooks: the home's     |
-|                                        |                                 | CUDA alias            |
+against exllamav3 1.6.5's own source (the PyPI wheel, read with ast). The points, each as: what
+is patched or read (its kind, patches' docstring), where it is in exllamav3 1.6.5; the module
+here that does it, and why.
+- SafetensorsCollection.get_tensor (class), loader/safetensors.py; hooks: the experts load into
+  the expert home instead of VRAM.
+- BlockSparseMLP.routing_fn (class property), modules/block_sparse_mlp.py; hooks, fast_hooks:
+  the picks go through the VRAM cache, the nvme home and the CPU lane.
+- BlockSparseMLP.cpu_split_combine (class), modules/block_sparse_mlp_cpu.py; fast_hooks: the
+  lane's wait and combine.
+- BlockSparseMLP._g53_* (6 slots: glm53's own entries on its instances); hooks, fast_hooks: what
+  routing_fn reads.
+- Model.prefill, Model._g53_prefill (instance), model/model.py; hooks: prefill stays exact (no
+  lane); layer_major: the chunks are recorded.
+- Job.hash_completed_page, Job.maybe_stash_recurrent (instance), Job.all_unique_hashes
+  (attribute), generator/job.py; prefix: pages hashed in whole chunks, the standard region;
+  layer_major: where recurrent state is stashed.
+- Sequence.page_hashes, Sequence.new_unique_pages (attribute), generator/pagetable.py; prefix:
+  the standard region.
+- Job.prefill, Job.is_prefill_done, Job._g53_layer_major (instance, slot), generator/job.py;
+  layer_major: the pass.
+- Module.load (instance), modules/module.py, and Model.active_devices (attribute),
+  model/model.py; split: each module on its GPU, the devices used.
+- Sampler.__init__, Sampler.forward (subclass), generator/sampler/sampler.py; sampler_classes:
+  the host and device-logprob samplers.
+- Model._get_prefetch_layers, advance_recurrent_states, GDNLayerState.stash, RecurrentCache.put
+  (read), model/model.py, cache/recurrent_util.py, modules/gated_delta_net.py,
+  cache/recurrent.py; layer_major(_pass): the recorder and the stashes.
+- exllamav3_ext.pinned_cuda_view (ext), exllamav3_ext/bindings.cpp; hooks: the home's CUDA
+  alias.
 
 The interface the engine calls (everything else here is this package's own):
 - the version: EXLLAMAV3_VERSION, installed_version, version_problem, check_version;
