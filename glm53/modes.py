@@ -109,7 +109,7 @@ def rule(engine: Engine, mode: Mode | str) -> ModeRule:
 
 
 def served(engine: Engine) -> tuple[Mode, ...]:
-    """The tier modes `engine` serves (glm53 doctor recommends only the GPU engine's)."""
+    """The tier modes `engine` serves (some only with --allow-unrun-modes: UNRUN)."""
     return tuple(m for (e, m), r in RULES.items() if e == engine and r.served)
 
 
@@ -127,3 +127,9 @@ UNRUN = {
     "nvme": "the GPU engine's nvme mode (nvme-exact + the CPU lane over the RAM tier, "
     "docs/fast-mode.md)",
 }
+
+
+def recommended(engine: Engine) -> tuple[Mode, ...]:
+    """The tier modes `glm53 doctor` may recommend on `engine`: those it serves without
+    --allow-unrun-modes (a mode named in UNRUN has never run on a GPU)."""
+    return tuple(m for m in served(engine) if m.value not in UNRUN)

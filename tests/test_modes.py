@@ -40,7 +40,8 @@ def test_the_table_names_a_rule_for_every_engine_and_mode():
     assert set(modes.served("cpu")) == set(modes.TierMode)  # one path for every mode
     from glm53.doctor.plan import SERVED_MODES
 
-    assert SERVED_MODES == modes.served("gpu")  # the doctor recommends what the engine serves
+    # the doctor recommends what the GPU engine serves without --allow-unrun-modes
+    assert SERVED_MODES == modes.recommended("gpu") == (Mode.EXACT, Mode.FAST, Mode.NVME_EXACT)
     gpu = {m: modes.rule("gpu", m) for m in modes.TierMode}
     assert modes.rule("gpu", Mode.AUTO) == gpu[Mode.EXACT]  # auto is exact on the GPU engine
     assert [m for m, r in gpu.items() if r.store == "needs"] == [Mode.NVME, Mode.NVME_EXACT]

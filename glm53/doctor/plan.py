@@ -37,10 +37,11 @@ from glm53.doctor.host import Gpu, HostProbe
 from glm53.doctor.multi_gpu import MultiGpuOutlook, outlook
 from glm53.doctor.prefill import PrefillOutlook, prefill_outlook
 from glm53.doctor.sweep import SweepResult, read_sweep
-from glm53.modes import served as served_modes
+from glm53.modes import recommended
 
-# the modes glm53 doctor recommends: those the GPU engine serves (glm53.modes' table)
-SERVED_MODES = served_modes("gpu")
+# the modes glm53 doctor recommends: those the GPU engine serves without --allow-unrun-modes
+# (glm53.modes' table)
+SERVED_MODES = recommended("gpu")
 NOT_SERVED = "this build's GPU engine does not serve it yet"
 
 EB = expert_trellis_bytes(3)

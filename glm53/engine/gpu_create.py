@@ -14,7 +14,7 @@ from glm53.engine.gpu_options import EngineOptions
 from glm53.modes import UNRUN, Mode, resolved, rule, served
 
 # The tier modes this build's GPU engine serves (glm53.modes' table; the doctor recommends
-# glm53.modes.served("gpu") among them).
+# glm53.modes.recommended("gpu"): those not gated by UNRUN).
 SERVED_MODES = served("gpu")
 
 
