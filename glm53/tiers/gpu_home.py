@@ -203,6 +203,19 @@ class RamHome:
         update, self._pending = self._pending, HomeUpdate.empty()
         return update
 
+    def defer(self, update: HomeUpdate) -> None:
+        """Writes for the next take_pending (after those already pending)."""
+        self._pending = self._merge(self._pending, update)
+
+    def defer_reconcile(self) -> None:
+        """After the tier changed outside resolve (a wave read ahead failed): the writes that
+        bring the table in line with it, for the next take_pending."""
+        self.defer(self._reconcile())
+
+    def admitted(self, experts: np.ndarray, slots: np.ndarray, layer: int) -> HomeUpdate:
+        """The writes for a wave made resident outside resolve (glm53.tiers.prefill_ahead)."""
+        return self._admitted(experts, slots, layer)
+
     def expected(self) -> np.ndarray:
         """What the home table must hold for the tier as it is now: each key's slot address
         when CLOCK holds it (and its read did not time out), else `absent`."""

@@ -442,3 +442,28 @@ class PrefillStager:
             done = torch.cuda.Event()
             done.record(self.side)
             self.pending[nxt] = done
+
+    # nvme-exact (glm53.exl3.nvme_device): the host decides when a layer can be staged (once
+    # its records are resident in the RAM tier), so it drives these two halves of on_layer
+    def wait_staged(self, layer: int):
+        """The main stream waits for `layer`'s side-stream stage; its event (None: none)."""
+        import torch
+
+        ready = self.pending.pop(layer, None)
+        if ready is not None:
+            torch.cuda.current_stream(self.cache.device).wait_event(ready)
+        return ready
+
+    def stage_ahead(self, layer: int) -> None:
+        """Stage `layer` on the side stream after everything queued on the main stream so far
+        (the home-table writes that make its records visible included)."""
+        import torch
+
+        main = torch.cuda.current_stream(self.cache.device)
+        started = torch.cuda.Event()
+        started.record(main)
+        self.side.wait_event(started)
+        self._stage(layer, self.side)
+        done = torch.cuda.Event()
+        done.record(self.side)
+        self.pending[layer] = done
