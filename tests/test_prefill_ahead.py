@@ -212,6 +212,8 @@ def test_a_staged_forward_reads_ahead_stages_ahead_and_points_only_what_was_not_
     # the wave of L + 2 is queued at hook L and collected at hook L + 1
     assert marks[1][-1][0] == "submit" and any(k == "wait" for k, _ in marks[2])
     assert home.staging_stats()["stage_layers"] == LAYERS - 1
+    ahead_reads = home.staging_stats()["stage_reads"]
+    assert ahead_reads > 0 and home.stats()["ram_reads"] >= ahead_reads  # totals count both
     check_table(home, ec)
 
 
@@ -247,6 +249,10 @@ def test_a_read_fault_ahead_skips_the_stage_and_fails_the_request_at_its_layer(s
         home.route(2, sel, decode=False, params={})
     assert (info.value.layer, info.value.expert, info.value.rows) == (layer, 4, (0, 1, 2))
     home.tier.source.reader = real
+    assert home.ahead.out  # the forward was cut short with layer 3's wave still out
+    result = home.verify(16, seed=0)  # drains first: the check sees no wave in flight
+    assert result.is_ok, result.summary()
+    assert home.ahead.idle()
     home.route(0, prefill(seed=3), decode=False, params={})  # the next forward starts afresh
     check_table(home, ec)
 

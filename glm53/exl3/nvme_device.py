@@ -309,6 +309,8 @@ class NvmeHome:
     def verify(self, num_samples: int, seed=None):
         """The tier check (glm53.tiers.gpu_home.verify_home) with the VRAM slots and the device
         home table; call it under `lock`."""
+        if self.ahead is not None and not self.ahead.idle():
+            self._drain()  # a forward cut short by a fault may have left a wave out
         table = self._home_t.cpu().numpy()
         return verify_home(
             self.home, num_samples, table, vram=VramSlots(self.ec, self.moe_layers), seed=seed
@@ -335,6 +337,8 @@ class NvmeHome:
         return out
 
     def close(self) -> None:
+        if self.ahead is not None and not self.ahead.idle():
+            self._drain()  # no read may still be landing in the arena
         if self.registered:
             self._cuda.host_unregister(self.arena_host)
             self.registered = False

@@ -154,6 +154,9 @@ class AheadReads:
         self.ready[layer] = wave
         self.counters["reads"] += done.num_admitted
         self.counters["bytes_read"] += done.bytes_read
+        # the RamHome's totals count every store read, ahead or not (the bench's bytes/token)
+        self.home.counters["ram_reads"] += done.num_admitted
+        self.home.counters["bytes_read"] += done.bytes_read
         update = self.home.admitted(done.experts, done.slots, model_layer)
         return RamHome._merge(self.home.take_pending(), update)
 
