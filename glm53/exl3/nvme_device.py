@@ -24,6 +24,14 @@ Generator.iterate; prefill is marked NO_LANE) fails only the jobs whose rows pic
 without it, and `take_faults` hands the engine the jobs to fail. Elsewhere (prefill, scoring,
 warm-up) the ReadFault is raised with the rows that picked the expert, as before.
 
+Prefill staging (a prefill chunk of at least the stager's min_rows, when --ec-stage-gb left
+staging on; glm53.tiers.prefill_ahead has the design and the ordering argument, NOT YET RUN ON A
+GPU): each layer's experts are read into the RAM tier ahead of it on the store's reader threads
+(AheadReads waves), the stager (glm53.tiers.vram_cache.PrefillStager, gather mode) copies layer
+L+1 into a staging buffer on its side stream while L computes, and only the picks that L's stage
+did not cover are pointed as above. Staging moves where a pick's bytes are read from, never the
+bytes, the picks or the kernels: the output is unchanged, bit for bit.
+
 nvme mode (glm53.tiers.nvme_lane has the design and the ordering argument): the layer's
 glm53.exl3.fast_hooks.FastLayer publishes first, then `route(..., lane=layer)` resolves and
 points the selection as routed (the publish's saved copy, lane picks included) and admits into

@@ -21,8 +21,9 @@ mode's bit for bit (a store record's leading `slot_bytes` are gate|up|down trell
 No RAM slot is evicted while the device may read it: the tier never evicts a slot of the wave
 it is filling (this layer's picks), and the eviction itself happens after the host synced on
 this layer's router output, which on exllamav3's one stream comes after every earlier layer's
-slot copies and MoE kernels. Prefill staging (side-stream copies from home) is off in this
-mode for that reason; prefill reads the layer's picks zero-copy from their RAM homes.
+slot copies and MoE kernels. Prefill staging (side-stream copies from home, which that order
+does not cover) reads each layer ahead into pinned RAM slots instead: glm53.tiers.prefill_ahead
+has its design and its eviction contract.
 
 Torch-free and CUDA-free, so CI runs it with the real RamTier, store and O_DIRECT reads; the
 device side (glm53.exl3.nvme_device, cuda/ec.cu) passed tests/gpu/test_nvme_exact_gpu.py on an
