@@ -271,3 +271,17 @@ def test_a_wave_whose_read_fails_holds_no_pin_and_leaves_the_tier_consistent(sta
     home._write(home.home.take_pending())
     assert np.array_equal(ec._t["home"].numpy(), home.home.expected())
     assert not home.tier.clock.contains(1 * EXPERTS + 7)
+
+
+def test_a_staged_chunk_counts_each_access_once_as_an_unstaged_one_does(staged):
+    home, ec, lib, stager = staged
+    picks = {layer: prefill(seed=layer) for layer in range(LAYERS)}
+    for layer in range(LAYERS):
+        home.route(layer, picks[layer], decode=False, params={})
+    counts = np.asarray(home.tier.clock.freq_counts())
+    for layer in range(1, LAYERS):  # layer 0 is resolved, not staged
+        picked = set(np.unique(picks[layer].numpy()).tolist())
+        for e in range(EXPERTS):
+            # the wave's experts (0-15) once, picked or not; the other picks once, at the hook
+            want = 1 if e < 16 or e in picked else 0
+            assert counts[layer * EXPERTS + e] == want, (layer, e)

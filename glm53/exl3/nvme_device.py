@@ -141,8 +141,11 @@ class NvmeHome:
                     self.home, self.moe_layers[layer], picks, in_vram, num_rows
                 )
             else:
+                # a staged hook: the experts L's wave made resident (pinned) are not looked up
+                # again, so a prefill chunk counts each access once, as without staging
+                ahead = self.ahead.staged(layer) if staged else ()
                 update, faults, kept = (
-                    self.home.resolve(self.moe_layers[layer], picks, in_vram),
+                    self.home.resolve(self.moe_layers[layer], picks, in_vram, ahead),
                     [],
                     picks,
                 )

@@ -152,13 +152,17 @@ class RamHome:
     def address(self, slot: int) -> int:
         return self.arena_address + int(slot) * self.tier.slot_bytes
 
-    def resolve(self, layer: int, picks, in_vram) -> HomeUpdate:
+    def resolve(self, layer: int, picks, in_vram, read_ahead=()) -> HomeUpdate:
         """Make every pick of MoE `layer` (expert ids, any shape; ids outside the layer are
         masked picks and skipped, as the route kernel skips them) that `in_vram` (bool, same
         shape) does not mark as VRAM-resident resident in the RAM tier, in one read batch, and
         return the home-table writes. A read fault (glm53.tiers.ram_tier.ReadFault, naming the
         layer and expert) propagates after the writes it made necessary (keys the tier evicted
-        or took back) are kept for `take_pending`."""
+        or took back) are kept for `take_pending`. `read_ahead`: experts of the layer a wave
+        (glm53.tiers.prefill_ahead) made resident and still pins, their homes written: counted
+        as RAM hits without a second lookup (the wave's admission already counted their access
+        once, as one resolve would)."""
+        ahead = {int(e) for e in np.asarray(read_ahead).reshape(-1).tolist()}
         picks = np.asarray(picks, dtype=np.int64).reshape(-1)
         in_vram = np.asarray(in_vram, dtype=bool).reshape(-1)
         if picks.shape != in_vram.shape:
@@ -167,12 +171,15 @@ class RamHome:
         _, first = np.unique(picks[valid], return_index=True)
         distinct = picks[valid][np.sort(first)]
         vram = {int(e) for e in picks[valid & in_vram]}
-        need = np.array([e for e in distinct.tolist() if e not in vram], dtype=np.int32)
+        left = [e for e in distinct.tolist() if e not in vram]
+        need = np.array([e for e in left if e not in ahead], dtype=np.int32)
+        n_ahead = len(left) - len(need)
         self.counters["resolves"] += 1
         self.counters["vram_hits"] += len(vram)
+        self.counters["ram_hits"] += n_ahead
         if len(need) == 0:
             update = self.take_pending()
-            update.vram_hits = len(vram)
+            update.vram_hits, update.ram_hits = len(vram), n_ahead
             return update
         try:
             wave = self.tier.make_resident(layer, need)
@@ -188,7 +195,7 @@ class RamHome:
                 f"{len(need)} picks at once ({len(missing)} left out, expert {missing[0]} "
                 "first); raise --ram-cap"
             )
-        update.vram_hits, update.ram_hits = len(vram), wave.num_hits
+        update.vram_hits, update.ram_hits = len(vram), wave.num_hits + n_ahead
         update.ram_reads, update.bytes_read = wave.num_admitted, wave.bytes_read
         for name, n in (("ram_hits", wave.num_hits), ("ram_reads", wave.num_admitted)):
             self.counters[name] += n

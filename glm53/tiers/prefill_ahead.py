@@ -7,7 +7,12 @@ What is staged. A prefill chunk of a few hundred rows or more picks nearly every
 layer, and a layer's picks are known only after its router runs, so, as exact mode does, the
 experts staged for a layer are the first `buf_slots` (in expert order) that the VRAM cache does
 not hold: exactly those the device's stage kernel (cuda/ec.cu, stage_kernel) copies into a
-staging buffer. Only fewer when the RAM tier cannot spare the slots (`budget`).
+staging buffer. Only fewer when the RAM tier cannot spare the slots (`budget`). The wave is
+admitted through the RAM tier's own policy (frequency admission: a key seen once goes on
+probation and evicts another such key, not a frequent one), and counts one access per expert
+per chunk, as an unstaged chunk's resolve does: the layer's own resolve then skips the wave's
+experts (RamHome.resolve's `read_ahead`). The one difference: an expert of the wave that no row
+of the chunk picks is counted too (a chunk of hundreds of rows picks nearly every expert).
 
 The pipeline, per staged hook of MoE layer L (glm53.exl3.nvme_device.NvmeHome.route):
 
