@@ -285,3 +285,27 @@ def test_a_staged_chunk_counts_each_access_once_as_an_unstaged_one_does(staged):
             # the wave's experts (0-15) once, picked or not; the other picks once, at the hook
             want = 1 if e < 16 or e in picked else 0
             assert counts[layer * EXPERTS + e] == want, (layer, e)
+
+
+def test_a_wave_past_the_read_timeout_keeps_only_the_stuck_slots_pinned(staged):
+    from store_kit import StallingReader
+
+    home, ec, lib, stager = staged
+    home.tier.read_timeout_s = 0.2
+    real = home.tier.source.reader
+    stall = StallingReader(real, [(2 * EXPERTS + 5) * RECORD + 4096])
+    home.tier.source.reader = stall
+    assert home.ahead.begin(2, np.full(EXPERTS, -1))
+    assert home.ahead.finish(2) is None and home.ahead.idle()
+    assert home.tier.faults["read_timeouts"] == 1
+    stuck = home.tier.stuck_keys()
+    assert 2 * EXPERTS + 5 in stuck
+    pinned = {s for s in range(home.tier.num_slots) if home.tier.clock.pin_count(s)}
+    assert pinned == {home.tier.clock.slot_of(k) for k in stuck}  # the stuck reads' slots only
+    home._write(home.home.take_pending())
+    assert np.array_equal(ec._t["home"].numpy(), home.home.expected())
+    layer = home.tier.source.moe_layers[2]
+    with pytest.raises(ReadFault, match=f"layer {layer} expert 5: its read .* has not finished"):
+        home.home.resolve(layer, np.array([5]), np.zeros(1, bool))
+    stall.release()
+    home.tier.source.reader = real

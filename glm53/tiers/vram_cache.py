@@ -341,7 +341,11 @@ class PrefillStager:
     on the side stream occupies the SMs the computing layer needs, so copy and compute ran one
     after the other (H200, slice, 8k prompt in one chunk: 11,176 tok/s with the gather kernel,
     14,485 with one transfer per layer). Otherwise, or with dma=False, the uncached experts are
-    gathered into the buffer by a copy kernel."""
+    gathered into the buffer by a copy kernel.
+
+    nvme-exact gathers (its homes are RAM-tier slots in no layer order) and drives the two
+    halves of on_layer itself, `wait_staged` and `stage_ahead`, since a layer can be staged only
+    once its records are resident in the RAM tier (glm53.tiers.prefill_ahead)."""
 
     def __init__(
         self, cache: DeviceExpertCache, buf_slots: int, min_rows: int = 256, dma: bool | None = None
