@@ -3,8 +3,8 @@
 In exact mode every routed expert has a home record in pinned host memory and the device-side
 VRAM cache (cuda/ec.cu) points exllamav3's pointer tables at a VRAM slot or at that home. In
 nvme-exact the home is the RAM tier (glm53.tiers.ram_tier, the CPU engine's own tier: one arena
-of --ram-cap records, plain CLOCK with no frequency gate (glm53.tiers.policy_sim measures it
-against Belady), O_DIRECT reads from the packed store, its faults and counters), whose arena
+of --ram-cap records, CLOCK with admission by frequency (glm53.tiers.policy_sim measures it
+against plain CLOCK and Belady), O_DIRECT reads from the packed store, its faults and counters), whose arena
 the GPU engine registers with CUDA as one pinned, mapped buffer. The device cache's `home[key]`
 table becomes a table the host rewrites: the UVA address of the RAM slot holding the key, or
 `absent` (a poison record in VRAM) when the key is in no RAM slot.
