@@ -355,6 +355,8 @@ def measure_mode(args, mode) -> dict:
     if mode in NVME_RAM_SHARE:
         load_mode = "nvme-exact"
         kw = exact_kwargs(args, "exact", geo.n_experts, len(geo.moe_layers))
+        # prefill staging on, as exact's rows have it (--ec-stage-gb's default; nvme-exact
+        # reads each layer into the RAM tier ahead of its stage: glm53.tiers.prefill_ahead)
         kw.update(store=args.store, ram_cap=nvme_ram_cap(args.store, mode))
         info["ram_share"] = NVME_RAM_SHARE[mode]
         info["store_read"] = store_read_rate(args)
@@ -387,6 +389,8 @@ def measure_mode(args, mode) -> dict:
             row["slots"] = loaded.ec.n_slots
             row["freq_window"] = loaded.ec.freq_window
             row["stage_slots"] = loaded.stager.buf_slots if loaded.stager is not None else 0
+            if loaded.nvme is not None and loaded.stager is None:  # a finding, not a failure
+                row["staging_off"] = "the VRAM plan left no room for staging buffers"
         if loaded.nvme is not None:
             row["ram"] = loaded.nvme.stats()
         loaded.close()

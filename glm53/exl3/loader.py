@@ -119,8 +119,15 @@ def load(model_dir: str, options: LoadOptions | None = None) -> Loaded:
     if mode == "nvme-exact":  # refusals (store, fingerprint, --ram-cap) before anything loads
         from glm53.tiers.gpu_home import open_home_source
 
+        if o.stage_dma:
+            raise Exl3Refused(
+                "--stage-dma copies each MoE layer's home arena in one transfer; in nvme-exact "
+                "the homes are RAM-tier slots in no layer order: leave --stage-dma unset (the "
+                "stage gathers the records), or --ec-stage-gb 0 to turn staging off"
+            )
         nvme_src = open_home_source(model_dir, o.store, o.ram_cap, rows=o.rows)
-        ec_stage_gb = 0.0  # staging copies from home on a side stream: off (gpu_home)
+        # prefill staging is on as in exact mode (--ec-stage-gb; 0 turns it off): the waves of
+        # glm53.tiers.prefill_ahead read each layer into the RAM tier ahead of its stage
     check_version(o.allow_unsupported)
     hooks.install_hooks()
     from exllamav3 import Cache, Config, Model, Tokenizer
@@ -216,11 +223,15 @@ def load(model_dir: str, options: LoadOptions | None = None) -> Loaded:
         if stage_slots > 0:
             from glm53.tiers.vram_cache import PrefillStager
 
-            stager = PrefillStager(ec, stage_slots, min_rows=o.stage_min_rows, dma=o.stage_dma)
+            dma = False if nvme_src is not None else o.stage_dma  # RAM-tier homes: gathered
+            stager = PrefillStager(ec, stage_slots, min_rows=o.stage_min_rows, dma=dma)
+        # nvme-exact's stager is driven by its NvmeHome (the routing hook never calls it)
         hooks.attach_cache(moe, ec, stager)
         loaded.ec, loaded.stager = ec, stager
     if nvme_src is not None:
-        loaded.nvme = _start_nvme(loaded, nvme_src, o.ram_cap, o.read_timeout_s, o.rows)
+        loaded.nvme = _start_nvme(
+            loaded, nvme_src, o.ram_cap, o.read_timeout_s, o.rows, loaded.stager
+        )
         hooks.attach_nvme(moe, loaded.nvme)
         # prefill and scoring forwards carry NO_LANE: a read fault there fails its one request
         # (raised); in a decode forward it fails only the rows that needed it (read_faults)
@@ -265,9 +276,10 @@ def _check_store_geometry(store, geo: MoeGeometry) -> None:
         )
 
 
-def _start_nvme(loaded: Loaded, nvme_src, ram_cap, read_timeout_s, rows):
+def _start_nvme(loaded: Loaded, nvme_src, ram_cap, read_timeout_s, rows, stager=None):
     """The RAM tier (planned from free memory when --ram-cap is not set), registered with CUDA
-    as the experts' home (glm53.exl3.nvme_device.NvmeHome)."""
+    as the experts' home (glm53.exl3.nvme_device.NvmeHome), with prefill staging when a
+    stager was planned (glm53.tiers.prefill_ahead)."""
     from glm53.exl3.nvme_device import NvmeHome
     from glm53.plan.host_memory import host_memory
     from glm53.plan.ram_cap import planned_cap_bytes
@@ -288,7 +300,7 @@ def _start_nvme(loaded: Loaded, nvme_src, ram_cap, read_timeout_s, rows):
             "systemd unit) or lower --ram-cap"
         )
     return NvmeHome(loaded.ec, RamTier(source, cap, read_timeout_s), loaded.home.address,
-                    loaded.ec.device)  # fmt: skip
+                    loaded.ec.device, stager=stager, working_set=working_set)  # fmt: skip
 
 
 def heat_path(model_dir: str, cache_dir: str | None = None) -> str:

@@ -24,6 +24,14 @@ Generator.iterate; prefill is marked NO_LANE) fails only the jobs whose rows pic
 without it, and `take_faults` hands the engine the jobs to fail. Elsewhere (prefill, scoring,
 warm-up) the ReadFault is raised with the rows that picked the expert, as before.
 
+Prefill staging (a prefill chunk of at least the stager's min_rows, when --ec-stage-gb left
+staging on; glm53.tiers.prefill_ahead has the design and the ordering argument, NOT YET RUN ON A
+GPU): each layer's experts are read into the RAM tier ahead of it on the store's reader threads
+(AheadReads waves), the stager (glm53.tiers.vram_cache.PrefillStager, gather mode) copies layer
+L+1 into a staging buffer on its side stream while L computes, and only the picks that L's stage
+did not cover are pointed as above. Staging moves where a pick's bytes are read from, never the
+bytes, the picks or the kernels: the output is unchanged, bit for bit.
+
 nvme mode (glm53.tiers.nvme_lane has the design and the ordering argument): the layer's
 glm53.exl3.fast_hooks.FastLayer publishes first, then `route(..., lane=layer)` resolves and
 points the selection as routed (the publish's saved copy, lane picks included) and admits into
@@ -41,6 +49,7 @@ import numpy as np
 from glm53.exl3.hooks import NO_LANE
 from glm53.tiers.gpu_home import HomeUpdate, RamHome, rows_picking, verify_home
 from glm53.tiers.nvme_lane import lane_slots
+from glm53.tiers.prefill_ahead import AheadReads
 from glm53.tiers.ram_tier import RamTier, ReadFault, TierError
 from glm53.tiers.read_faults import FaultRecord, fault_record, resolve_isolating
 
@@ -50,7 +59,8 @@ log = logging.getLogger("glm53.tiers")
 class NvmeHome:
     """Owns the RAM tier's CUDA registration, the RamHome and the table_bad counter."""
 
-    def __init__(self, ec, tier: RamTier, absent_address: int, device):
+    def __init__(self, ec, tier: RamTier, absent_address: int, device, stager=None,
+                 working_set: int = 0):  # fmt: skip
         import torch
 
         from glm53 import _cuda
@@ -76,6 +86,14 @@ class NvmeHome:
         self.row_keys = None
         self.faults: list[FaultRecord] = []
         self.faults_isolated = 0
+        # prefill staging (glm53.tiers.prefill_ahead): the stager's buffers and side stream,
+        # the waves read ahead, and the MoE layer the next staged hook must be to continue
+        self.stager = stager
+        self.ahead = None
+        if stager is not None:
+            self.ahead = AheadReads(self.home, stager.buf_slots, working_set)
+        self._next_staged = -1
+        self.staged_layers = 0
 
     # --- per layer, from the routing hook --------------------------------------------------
     def route(
@@ -99,9 +117,19 @@ class NvmeHome:
         valid = (routed >= 0) & (routed < n_exp)
         keys = torch.where(valid, routed + layer * n_exp, torch.zeros_like(routed))
         slots = torch.where(valid, self._key_slot[keys].long(), torch.full_like(routed, -1))
-        host = torch.cat((routed, slots)).cpu().numpy()  # the one sync of this layer
-        picks, in_vram = host[:n], host[n:] >= 0
         num_rows = selected.numel() // selected.shape[-1]
+        staged = self._staging(layer, decode, all_experts, num_rows, params, lane)
+        parts = [routed, slots]
+        if staged:  # the VRAM slots of the next two layers' experts, for their waves
+            hi = min(layer + 3, self.ec.geo.n_layers)
+            parts.append(self._key_slot[(layer + 1) * n_exp : hi * n_exp].long())
+        host = torch.cat(parts).cpu().numpy()  # the one sync of this layer
+        picks, in_vram = host[:n], host[n : 2 * n] >= 0
+        ahead_slots = host[2 * n :].reshape(-1, n_exp)
+        if self.ahead is not None and not self.ahead.idle() and not staged:
+            self._drain()
+        elif staged and layer != self._next_staged:
+            self._drain()  # a new forward (or one after a fault): start the pipeline afresh
         isolate = (
             decode and self.row_keys is not None and weights is not None
             and not all_experts and not params.get(NO_LANE)
@@ -113,8 +141,11 @@ class NvmeHome:
                     self.home, self.moe_layers[layer], picks, in_vram, num_rows
                 )
             else:
+                # a staged hook: the experts L's wave made resident (pinned) are not looked up
+                # again, so a prefill chunk counts each access once, as without staging
+                ahead = self.ahead.staged(layer) if staged else ()
                 update, faults, kept = (
-                    self.home.resolve(self.moe_layers[layer], picks, in_vram),
+                    self.home.resolve(self.moe_layers[layer], picks, in_vram, ahead),
                     [],
                     picks,
                 )
@@ -140,12 +171,77 @@ class NvmeHome:
             distinct = np.unique(picks[(picks >= 0) & (picks < n_exp)])
             run = torch.from_numpy(distinct.astype(np.int64)).to(self.device)
         ptr = self.ec._ptr
+        if staged:
+            self._write(self._ahead_of(layer, ahead_slots))
         self._cuda.ec_check_homes(
             ptr, run.data_ptr(), run.numel(), layer, self.absent, self.bad.data_ptr(), stream
         )
         if decode:  # the lane's picks (-1 in sel) are not admitted
             self.ec.route(layer, sel, admit=True)
+        if staged:
+            run = self._staged_step(layer, distinct, in_vram, picks, ahead_slots)
         self._cuda.ec_point_picks(ptr, run.data_ptr(), run.numel(), layer, self.absent, stream)
+        if staged:
+            self._after_point(layer, ahead_slots)
+
+    # --- prefill staging (glm53.tiers.prefill_ahead has the design and the ordering) ---------
+    def _staging(self, layer, decode, all_experts, num_rows, params, lane) -> bool:
+        """Whether this call is a staged prefill hook: a prefill forward of at least the
+        stager's min_rows, not reading every expert, outside a layer-major pass's hold."""
+        st = self.stager
+        return (
+            st is not None and not decode and not all_experts and lane is None
+            and num_rows >= st.min_rows and not st.hold
+        )  # fmt: skip
+
+    def _drain(self) -> None:
+        """End the staging pipeline: the side stream's copies finished (they read RAM slots),
+        every wave collected, every pin dropped, their writes made."""
+        self.stager.side.synchronize()
+        self.stager.pending.clear()
+        self._write(self.ahead.drain())
+        self._next_staged = -1
+
+    def _ahead_of(self, layer: int, ahead_slots):
+        """The wave of layer + 1 collected (begun at the hook before; begun and collected now
+        at a forward's first staged hook): its home-table writes."""
+
+        ahead, nxt = self.ahead, layer + 1
+        ahead.release_picks(layer - 1)  # the host synced on this router: MoE layer-1 is done
+        if nxt >= self.ec.geo.n_layers:
+            return self.home.take_pending()
+        if layer != self._next_staged:
+            ahead.begin(nxt, ahead_slots[0])
+        got = ahead.finish(nxt)
+        return self.home.take_pending() if got is None else got
+
+    def _staged_step(self, layer, distinct, in_vram, picks, ahead_slots):
+        """Main waits for this layer's stage, the side stream stages the next one, and the
+        picks the stage of this layer did not cover are returned to be pointed as today."""
+        import torch
+
+        st, ahead = self.stager, self.ahead
+        self._stage_event = st.wait_staged(layer)
+        if layer + 1 in ahead.ready:
+            st.stage_ahead(layer + 1)
+        covered = ahead.staged(layer) if self._stage_event is not None else np.empty(0, np.int64)
+        rest = np.setdiff1d(distinct, covered)
+        vram = {int(e) for e in picks[in_vram]}
+        ahead.hold_picks(layer, [e for e in rest.tolist() if e not in vram])
+        if len(covered):
+            self.staged_layers += 1
+        return torch.from_numpy(rest.astype(np.int64)).to(self.device)
+
+    def _after_point(self, layer: int, ahead_slots) -> None:
+        """The stage of this layer seen complete (its wave unpinned); the wave of layer + 2
+        begun (its reads run while this layer and the next one compute)."""
+        if self._stage_event is not None:
+            self._stage_event.synchronize()
+        self.ahead.release(layer)
+        if layer + 2 < self.ec.geo.n_layers and len(ahead_slots) > 1:
+            self.ahead.begin(layer + 2, ahead_slots[1])
+            self._write(self.home.take_pending())  # the slots it took: absent from now on
+        self._next_staged = layer + 1
 
     def _isolate(self, faults, masked, selected, weights, lane) -> None:
         """A decode step goes on without each faulted expert: its picks become id -1 / weight 0
@@ -224,6 +320,8 @@ class NvmeHome:
     def verify(self, num_samples: int, seed=None):
         """The tier check (glm53.tiers.gpu_home.verify_home) with the VRAM slots and the device
         home table; call it under `lock`."""
+        if self.ahead is not None and not self.ahead.idle():
+            self._drain()  # a forward cut short by a fault may have left a wave out
         table = self._home_t.cpu().numpy()
         return verify_home(
             self.home, num_samples, table, vram=VramSlots(self.ec, self.moe_layers), seed=seed
@@ -238,9 +336,20 @@ class NvmeHome:
             **self.home.counters,
             "table_bad": self.table_bad,
             "faults_isolated": self.faults_isolated,
+            **self.staging_stats(),
         }
 
+    def staging_stats(self) -> dict:
+        """Prefill staging's counters (glm53.tiers.prefill_ahead), `stage_` prefixed."""
+        if self.ahead is None:
+            return {"stage_slots": 0}
+        out = {f"stage_{k}": v for k, v in self.ahead.counters.items()}
+        out.update(stage_slots=self.stager.buf_slots, stage_layers=self.staged_layers)
+        return out
+
     def close(self) -> None:
+        if self.ahead is not None and not self.ahead.idle():
+            self._drain()  # no read may still be landing in the arena
         if self.registered:
             self._cuda.host_unregister(self.arena_host)
             self.registered = False

@@ -185,6 +185,38 @@ def file_problem(path: Path, opened: os.stat_result, want_bytes: int) -> str:
     return ""
 
 
+@dataclass
+class Submitted:
+    """A batch of coalesced runs queued on readers and not yet collected (submit_coalesced):
+    `wait_coalesced` collects it, on the thread that submitted it (a source has one owner)."""
+
+    readers: dict
+    planned: list
+    buffers: list
+    bounce: BounceBuffer
+    tags_by_reader: dict
+    run_of: dict
+    total: int
+
+
+def submit_coalesced(
+    readers: dict, pieces: dict, bounce: BounceBuffer, tags: Iterator[int]
+) -> Submitted:
+    """Queue aligned pieces (file offset, length, destination), keyed by reader, as coalesced
+    runs (plan_runs) and return at once; the readers' threads do the reads. `bounce` must not
+    be used by another batch until this one is collected."""
+    planned = [(key, run) for key, items in pieces.items() for run in plan_runs(items)]
+    buffers = bounce.views([run for _, run in planned])
+    total, tags_by_reader, run_of = 0, {}, {}
+    for (key, run), buf in zip(planned, buffers, strict=True):
+        tag = next(tags)
+        run_of[tag] = (key, run)
+        readers[key].submit(run.offset, run.length, run.direct() if buf is None else buf, tag)
+        tags_by_reader.setdefault(key, []).append(tag)
+        total += run.length
+    return Submitted(readers, planned, buffers, bounce, tags_by_reader, run_of, total)
+
+
 def read_coalesced(
     readers: dict,
     pieces: dict,
@@ -197,18 +229,16 @@ def read_coalesced(
     failed (the file offset where it failed, so a caller can name the expert); returns the
     bytes read. With `timeout` (seconds for the whole batch), a batch still unfinished then
     raises RunTimedOut, and the bounce buffer is abandoned to the reads still in flight."""
-    planned = [(key, run) for key, items in pieces.items() for run in plan_runs(items)]
-    buffers = bounce.views([run for _, run in planned])
-    total, tags_by_reader, run_of = 0, {}, {}
-    for (key, run), buf in zip(planned, buffers, strict=True):
-        tag = next(tags)
-        run_of[tag] = (key, run)
-        readers[key].submit(run.offset, run.length, run.direct() if buf is None else buf, tag)
-        tags_by_reader.setdefault(key, []).append(tag)
-        total += run.length
+    return wait_coalesced(submit_coalesced(readers, pieces, bounce, tags), timeout)
+
+
+def wait_coalesced(batch: Submitted, timeout: float | None = None) -> int:
+    """Collect a submitted batch: read_coalesced's wait, errors and timeout (counted from now)."""
+    readers, planned, buffers, bounce = batch.readers, batch.planned, batch.buffers, batch.bounce
+    run_of, total = batch.run_of, batch.total
     deadline = None if timeout is None else time.monotonic() + timeout
     completions = []
-    waiting = list(tags_by_reader.items())
+    waiting = list(batch.tags_by_reader.items())
     for i, (key, reader_tags) in enumerate(waiting):
         left = None if deadline is None else max(deadline - time.monotonic(), 1e-3)
         try:

@@ -24,8 +24,10 @@ from glm53.store.direct_io import (
     ExpertReadTimeout,
     RunFailed,
     RunTimedOut,
+    Submitted,
     file_problem,
-    read_coalesced,
+    submit_coalesced,
+    wait_coalesced,
     with_others,
 )
 from glm53.store.errors import EXIT_CHECK_FAILED, StoreError, reason
@@ -122,12 +124,27 @@ class ExpertStore:
         request (direct_io.read_coalesced). Blocks until all are read; raises the first
         error, or ExpertReadTimeout when they take longer than `timeout` s. Returns the bytes
         read."""
+        return self.collect(self._submit(requests, self._bounce), timeout)
+
+    def submit(self, requests: list[tuple[int, int, np.ndarray]]) -> Submitted:
+        """`read`'s requests queued on the reader's threads, returned at once (its own bounce
+        buffer, so several batches may be out); `collect` waits for them, with read's errors.
+        Submit and collect on the store's owner thread; the buffers are the caller's to keep
+        out of use until collected."""
+        return self._submit(requests, BounceBuffer())
+
+    def _submit(self, requests, bounce: BounceBuffer) -> Submitted:
         pieces = [
             (self.offset(layer, expert), self.record_bytes, buf[: self.record_bytes])
             for layer, expert, buf in requests
         ]
+        return submit_coalesced({0: self.reader}, {0: pieces}, bounce, self._tags)
+
+    def collect(self, batch: Submitted, timeout: float | None = None) -> int:
+        """Wait for a submitted batch (read's errors: ExpertReadError naming the expert of the
+        first failed read, ExpertReadTimeout past `timeout` s); the bytes read."""
         try:
-            return read_coalesced({0: self.reader}, {0: pieces}, self._bounce, self._tags, timeout)
+            return wait_coalesced(batch, timeout)
         except RunTimedOut as exc:
             covered = []
             for _, offset, length in exc.runs:

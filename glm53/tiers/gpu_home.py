@@ -3,8 +3,8 @@
 In exact mode every routed expert has a home record in pinned host memory and the device-side
 VRAM cache (cuda/ec.cu) points exllamav3's pointer tables at a VRAM slot or at that home. In
 nvme-exact the home is the RAM tier (glm53.tiers.ram_tier, the CPU engine's own tier: one arena
-of --ram-cap records, plain CLOCK with no frequency gate (glm53.tiers.policy_sim measures it
-against Belady), O_DIRECT reads from the packed store, its faults and counters), whose arena
+of --ram-cap records, CLOCK with admission by frequency (glm53.tiers.policy_sim measures it
+against plain CLOCK and Belady), O_DIRECT reads from the packed store, its faults and counters), whose arena
 the GPU engine registers with CUDA as one pinned, mapped buffer. The device cache's `home[key]`
 table becomes a table the host rewrites: the UVA address of the RAM slot holding the key, or
 `absent` (a poison record in VRAM) when the key is in no RAM slot.
@@ -21,8 +21,9 @@ mode's bit for bit (a store record's leading `slot_bytes` are gate|up|down trell
 No RAM slot is evicted while the device may read it: the tier never evicts a slot of the wave
 it is filling (this layer's picks), and the eviction itself happens after the host synced on
 this layer's router output, which on exllamav3's one stream comes after every earlier layer's
-slot copies and MoE kernels. Prefill staging (side-stream copies from home) is off in this
-mode for that reason; prefill reads the layer's picks zero-copy from their RAM homes.
+slot copies and MoE kernels. Prefill staging (side-stream copies from home, which that order
+does not cover) reads each layer ahead into pinned RAM slots instead: glm53.tiers.prefill_ahead
+has its design and its eviction contract.
 
 Torch-free and CUDA-free, so CI runs it with the real RamTier, store and O_DIRECT reads; the
 device side (glm53.exl3.nvme_device, cuda/ec.cu) passed tests/gpu/test_nvme_exact_gpu.py on an
@@ -151,13 +152,17 @@ class RamHome:
     def address(self, slot: int) -> int:
         return self.arena_address + int(slot) * self.tier.slot_bytes
 
-    def resolve(self, layer: int, picks, in_vram) -> HomeUpdate:
+    def resolve(self, layer: int, picks, in_vram, read_ahead=()) -> HomeUpdate:
         """Make every pick of MoE `layer` (expert ids, any shape; ids outside the layer are
         masked picks and skipped, as the route kernel skips them) that `in_vram` (bool, same
         shape) does not mark as VRAM-resident resident in the RAM tier, in one read batch, and
         return the home-table writes. A read fault (glm53.tiers.ram_tier.ReadFault, naming the
         layer and expert) propagates after the writes it made necessary (keys the tier evicted
-        or took back) are kept for `take_pending`."""
+        or took back) are kept for `take_pending`. `read_ahead`: experts of the layer a wave
+        (glm53.tiers.prefill_ahead) made resident and still pins, their homes written: counted
+        as RAM hits without a second lookup (the wave's admission already counted their access
+        once, as one resolve would)."""
+        ahead = {int(e) for e in np.asarray(read_ahead).reshape(-1).tolist()}
         picks = np.asarray(picks, dtype=np.int64).reshape(-1)
         in_vram = np.asarray(in_vram, dtype=bool).reshape(-1)
         if picks.shape != in_vram.shape:
@@ -166,12 +171,15 @@ class RamHome:
         _, first = np.unique(picks[valid], return_index=True)
         distinct = picks[valid][np.sort(first)]
         vram = {int(e) for e in picks[valid & in_vram]}
-        need = np.array([e for e in distinct.tolist() if e not in vram], dtype=np.int32)
+        left = [e for e in distinct.tolist() if e not in vram]
+        need = np.array([e for e in left if e not in ahead], dtype=np.int32)
+        n_ahead = len(left) - len(need)
         self.counters["resolves"] += 1
         self.counters["vram_hits"] += len(vram)
+        self.counters["ram_hits"] += n_ahead
         if len(need) == 0:
             update = self.take_pending()
-            update.vram_hits = len(vram)
+            update.vram_hits, update.ram_hits = len(vram), n_ahead
             return update
         try:
             wave = self.tier.make_resident(layer, need)
@@ -187,7 +195,7 @@ class RamHome:
                 f"{len(need)} picks at once ({len(missing)} left out, expert {missing[0]} "
                 "first); raise --ram-cap"
             )
-        update.vram_hits, update.ram_hits = len(vram), wave.num_hits
+        update.vram_hits, update.ram_hits = len(vram), wave.num_hits + n_ahead
         update.ram_reads, update.bytes_read = wave.num_admitted, wave.bytes_read
         for name, n in (("ram_hits", wave.num_hits), ("ram_reads", wave.num_admitted)):
             self.counters[name] += n
@@ -202,6 +210,19 @@ class RamHome:
     def take_pending(self) -> HomeUpdate:
         update, self._pending = self._pending, HomeUpdate.empty()
         return update
+
+    def defer(self, update: HomeUpdate) -> None:
+        """Writes for the next take_pending (after those already pending)."""
+        self._pending = self._merge(self._pending, update)
+
+    def defer_reconcile(self) -> None:
+        """After the tier changed outside resolve (a wave read ahead failed): the writes that
+        bring the table in line with it, for the next take_pending."""
+        self.defer(self._reconcile())
+
+    def admitted(self, experts: np.ndarray, slots: np.ndarray, layer: int) -> HomeUpdate:
+        """The writes for a wave made resident outside resolve (glm53.tiers.prefill_ahead)."""
+        return self._admitted(experts, slots, layer)
 
     def expected(self) -> np.ndarray:
         """What the home table must hold for the tier as it is now: each key's slot address

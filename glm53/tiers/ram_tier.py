@@ -94,6 +94,19 @@ class Resident:
     bytes_read: int
 
 
+@dataclass(slots=True)
+class PendingWave:
+    """A wave begun with RamTier.begin_resident: its experts ([hits | misses]), their slots
+    (pinned), the source's queued batch (None once collected, or when all hit) and the loads."""
+
+    layer: int
+    experts: np.ndarray
+    slots: np.ndarray
+    num_hits: int
+    batch: object
+    loads: list
+
+
 class RamTier:
     def __init__(
         self,
@@ -181,6 +194,85 @@ class RamTier:
         self._point(loads, slots[n_hits:])
         return Resident(keys - base, slots, n_hits, n_admitted, bytes_read)
 
+    # --- waves read ahead (nvme-exact's prefill staging, glm53.tiers.prefill_ahead) -------
+    def begin_resident(self, layer: int, experts: np.ndarray) -> PendingWave:
+        """make_resident's first half, for a source that can queue reads (ExpertStore.submit):
+        admit `experts` (distinct ids) through the same table and policy (frequency admission,
+        never into a slot of this wave), pin every slot of the wave (hits and misses), queue
+        the misses' reads on the source's reader threads and return at once. Until
+        `finish_resident` the misses' slots are being written by those threads: the pins keep
+        any later wave from evicting them. Experts that did not fit are left out (`experts`
+        of the result). Raises ReadFault as make_resident does for a hit whose read is stuck."""
+        if self._stuck:
+            self._reap()
+        base = self.moe_index[layer] * self.num_experts
+        picks = (np.asarray(experts).astype(np.int32) + base).astype(np.int32)
+        if len(picks) == 0:
+            return PendingWave(layer, np.empty(0, np.int32), np.empty(0, np.int32), 0, None, [])
+        _, n_hits, n_admitted = self.clock.batch_into(picks, self._keys, self._slots, self._evicted)
+        count = n_hits + n_admitted
+        keys = self._keys[:count].copy()
+        slots = self._slots[:count].copy()
+        if self._stuck_keys:
+            stuck = [int(k) for k in keys[:n_hits] if int(k) in self._stuck_keys]
+            if stuck:
+                for key in keys[n_hits:]:
+                    self.clock.remove(int(key))
+                expert = stuck[0] - base
+                raise ReadFault(
+                    f"layer {layer} expert {expert}: its read from {self.source.describe()} has "
+                    f"not finished since it timed out after {self.read_timeout_s:g} s (the disk "
+                    "or mount under it stopped answering)",
+                    layer,
+                    expert,
+                )
+        for slot in slots:
+            self.clock.pin(int(slot))
+        loads = [(layer, int(k) - base, self.record(int(s)))
+                 for k, s in zip(keys[n_hits:], slots[n_hits:], strict=True)]  # fmt: skip
+        batch = None
+        if loads:
+            self._watch_source()
+            batch = self.source.submit(loads)
+        return PendingWave(layer, keys - base, slots, n_hits, batch, loads)
+
+    def finish_resident(self, wave: PendingWave) -> Resident:
+        """make_resident's second half: wait for the wave's reads (the one blocking point,
+        on the tier's owner thread), point the lane's table at them and return what is
+        resident. The wave's slots stay pinned (release_wave unpins them, once nothing reads
+        them any more). A failed or timed-out read is handled as make_resident handles it (the
+        wave's misses un-admitted, or pinned until the stuck reads finish) and raises ReadFault;
+        the wave's own pins are dropped first, so after a fault it holds nothing."""
+        n_hits = wave.num_hits
+        if wave.batch is None:
+            return Resident(wave.experts, wave.slots, n_hits, 0, 0)
+        keys = (
+            wave.experts[n_hits:].astype(np.int32) + self.moe_index[wave.layer] * self.num_experts
+        )
+        batch, wave.batch = wave.batch, None
+        # the owner thread waits here, so nothing admits meanwhile: unpinning before the wait
+        # lets a fault's handling remove or re-pin the misses as make_resident does
+        for slot in wave.slots:
+            self.clock.unpin(int(slot))
+        try:
+            bytes_read = self._collect(lambda: self.source.collect(batch, self.read_timeout_s),
+                                       keys, wave.slots[n_hits:])  # fmt: skip
+        except ReadFault:
+            wave.slots = np.empty(0, np.int32)
+            raise
+        for slot in wave.slots:
+            self.clock.pin(int(slot))
+        self._point(wave.loads, wave.slots[n_hits:])
+        return Resident(wave.experts, wave.slots, n_hits, len(wave.loads), bytes_read)
+
+    def release_wave(self, wave: PendingWave) -> None:
+        """Unpin a finished wave's slots (the device has finished reading them)."""
+        if wave.batch is not None:
+            raise TierError("internal error: a wave whose reads are out cannot be released")
+        for slot in wave.slots:
+            self.clock.unpin(int(slot))
+        wave.slots = np.empty(0, np.int32)
+
     def _point(self, loads: list[tuple[int, int, np.ndarray]], slots: np.ndarray) -> None:
         """Point the CPU lane's table entry of each slot at the record just read into it."""
         for (layer, expert, record), slot in zip(loads, slots, strict=True):
@@ -194,8 +286,14 @@ class RamTier:
         the timeout does the same, except that the misses stay admitted with their slots pinned
         until the reads given up on finish (they may still write those slots; see _reap)."""
         self._watch_source()
+        return self._collect(lambda: self.source.read(loads, timeout=self.read_timeout_s),
+                             keys, slots)  # fmt: skip
+
+    def _collect(self, wait, keys: np.ndarray, slots: np.ndarray) -> int:
+        """Run `wait` (a blocking read of `keys` into `slots`) and handle its faults as _read
+        says."""
         try:
-            return self.source.read(loads, timeout=self.read_timeout_s)
+            return wait()
         except ExpertReadTimeout as exc:
             # the reads still out may land in their slots later: those stay admitted and pinned;
             # the rest of the wave finished, but unread bytes sit in their slots: un-admitted

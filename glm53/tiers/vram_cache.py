@@ -341,7 +341,11 @@ class PrefillStager:
     on the side stream occupies the SMs the computing layer needs, so copy and compute ran one
     after the other (H200, slice, 8k prompt in one chunk: 11,176 tok/s with the gather kernel,
     14,485 with one transfer per layer). Otherwise, or with dma=False, the uncached experts are
-    gathered into the buffer by a copy kernel."""
+    gathered into the buffer by a copy kernel.
+
+    nvme-exact gathers (its homes are RAM-tier slots in no layer order) and drives the two
+    halves of on_layer itself, `wait_staged` and `stage_ahead`, since a layer can be staged only
+    once its records are resident in the RAM tier (glm53.tiers.prefill_ahead)."""
 
     def __init__(
         self, cache: DeviceExpertCache, buf_slots: int, min_rows: int = 256, dma: bool | None = None
@@ -442,3 +446,28 @@ class PrefillStager:
             done = torch.cuda.Event()
             done.record(self.side)
             self.pending[nxt] = done
+
+    # nvme-exact (glm53.exl3.nvme_device): the host decides when a layer can be staged (once
+    # its records are resident in the RAM tier), so it drives these two halves of on_layer
+    def wait_staged(self, layer: int):
+        """The main stream waits for `layer`'s side-stream stage; its event (None: none)."""
+        import torch
+
+        ready = self.pending.pop(layer, None)
+        if ready is not None:
+            torch.cuda.current_stream(self.cache.device).wait_event(ready)
+        return ready
+
+    def stage_ahead(self, layer: int) -> None:
+        """Stage `layer` on the side stream after everything queued on the main stream so far
+        (the home-table writes that make its records visible included)."""
+        import torch
+
+        main = torch.cuda.current_stream(self.cache.device)
+        started = torch.cuda.Event()
+        started.record(main)
+        self.side.wait_event(started)
+        self._stage(layer, self.side)
+        done = torch.cuda.Event()
+        done.record(self.side)
+        self.pending[layer] = done

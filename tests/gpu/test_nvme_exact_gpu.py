@@ -3,7 +3,9 @@
 at the 24 GB card's 11.4 % share, in-process and through the real server; the tier check at
 start and on demand (/admin/verify) clean, and a flipped store byte caught by it.
 
-Passed 6 of 6 on an H200 (2026-12-02). Needs GLM53_TEST_SLICE (a `glm53 synth --preset slice`
+Passed 6 of 6 on an H200 (2026-12-02), with prefill staging off in nvme-exact. Staging is now on
+by default (glm53.tiers.prefill_ahead): every case below runs with it, plus one in-process case
+with it off (--ec-stage-gb 0); not yet run on a GPU since. Needs GLM53_TEST_SLICE (a `glm53 synth --preset slice`
 checkpoint); the store is conftest.py's `slice_store`, packed once for the session unless
 GLM53_TEST_SLICE_STORE names one already packed from it (about 22 GB); the servers serve it too,
 and the flipped bytes are flipped back before the next server starts. The reference runs in a
@@ -79,20 +81,30 @@ def case(tmp_path_factory, slice_store):
     }
 
 
-@pytest.mark.parametrize("share", RAM_SHARES)
-def test_in_process_nvme_exact_equals_stock_exllamav3(case, share):
+@pytest.mark.parametrize(
+    ("share", "stage_gb"), [(s, None) for s in RAM_SHARES] + [(RAM_SHARES[0], 0.0)]
+)
+def test_in_process_nvme_exact_equals_stock_exllamav3(case, share, stage_gb):
+    """stage_gb None: prefill staging on (its default; glm53.tiers.prefill_ahead), 0: off. The
+    prompts of 257, 2,049 and 5,000 tokens are staged chunks (at least stage_min_rows rows),
+    the last two crossing chunk edges (a pipeline drained and restarted per chunk)."""
     e = GpuEngine(case["path"], EngineOptions(
         mode="nvme-exact", context=CONTEXT, max_batch=4, chunk_size=CHUNK,
-        ec_max_slots=case["slots"], heat_file=str(case["tmp"] / f"heat-{share}.json"),
-        store=case["store"], ram_cap=case["cap"][share],
+        ec_max_slots=case["slots"], heat_file=str(case["tmp"] / f"heat-{share}-{stage_gb}.json"),
+        store=case["store"], ram_cap=case["cap"][share], ec_stage_gb=stage_gb,
     ))  # fmt: skip
     e.load()
     try:
         for n in LENGTHS:
             (got,) = run_engine(e, [case["prompts"][n]], N_NEW)
-            assert_same(got, case["ref"][n], f"RAM {share:.0%}, prompt of {n}")
+            assert_same(got, case["ref"][n], f"RAM {share:.0%}, stage {stage_gb}, prompt of {n}")
         ram = e.stats()["tiers"]["ram"]
         assert ram["table_bad"] == 0 and ram["read_errors"] == 0
+        if stage_gb is None:  # staging ran: layers read ahead and staged
+            assert ram["stage_slots"] > 0 and ram["stage_layers"] > 0 and ram["stage_waves"] > 0
+            assert ram["stage_faults"] == 0
+        else:
+            assert ram["stage_slots"] == 0
         assert ram["ram_reads"] > ram["slots"]  # the cap made the tier evict and read again
         check = e.verify_tiers(64)
         assert check.is_ok, check.summary()

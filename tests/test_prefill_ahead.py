@@ -1,0 +1,311 @@
+"""nvme-exact's prefill staging on the CPU (glm53.tiers.prefill_ahead, the staged path of
+glm53.exl3.nvme_device.NvmeHome.route): the real RAM tier over a real packed store with real
+O_DIRECT reads; the GPU is played by named mocks (test_nvme_device_glue's MockExpertCache and
+MockCudaLib, and MockStager here, which records what the device's stager would do and checks
+the bytes it would copy). The kernels and streams themselves run only on a GPU
+(tests/gpu/test_nvme_exact_gpu.py)."""
+
+import errno
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+from test_nvme_device_glue import EXPERTS, LAYERS, POISON, RECORD, MockCudaLib, MockExpertCache
+
+import glm53
+from glm53._odirect import aligned_empty
+from glm53.models.checkpoint import Checkpoint
+from glm53.store.reader import ExpertStore
+from glm53.tiers.prefill_ahead import AheadReads
+from glm53.tiers.ram_tier import RamTier, ReadFault
+from glm53.tiers.vram_cache import CacheGeometry
+
+
+class RecordingReader:
+    """The store's real O_DIRECT reader, with each submit and wait recorded (no fault, no
+    timing): shows when a wave's reads are queued and when they are collected."""
+
+    def __init__(self, reader):
+        self.reader, self.log = reader, []
+
+    def submit(self, offset, length, buf, tag, *args, **kwargs):
+        self.log.append(("submit", offset // RECORD))
+        self.reader.submit(offset, length, buf, tag, *args, **kwargs)
+
+    def wait(self, tags=None, timeout=None):
+        self.log.append(("wait", len(list(tags))))
+        return self.reader.wait(tags, timeout)
+
+    def __getattr__(self, name):
+        return getattr(self.reader, name)
+
+
+class MockEvent:
+    def __init__(self, log, layer):
+        self.log, self.layer = log, layer
+
+    def synchronize(self):
+        self.log.append(("event_sync", self.layer))
+
+
+class MockStager:
+    """Stands in for glm53.tiers.vram_cache.PrefillStager (CUDA streams and the stage kernel):
+    `stage_ahead` records the layer and checks, as the stage kernel would read them, that the
+    home table entry of every expert the host trusts as staged points at that expert's record."""
+
+    def __init__(self, home, ec, calls, buf_slots=16, min_rows=4):
+        self.home, self.ec, self.calls = home, ec, calls
+        self.buf_slots, self.min_rows, self.hold = buf_slots, min_rows, False
+        self.pending: dict = {}
+        self.side = types.SimpleNamespace(synchronize=lambda: calls.append(("side_sync",)))
+        self.copied: dict = {}
+
+    def wait_staged(self, layer):
+        ev = self.pending.pop(layer, None)
+        self.calls.append(("wait_staged", layer, ev is not None))
+        return ev
+
+    def stage_ahead(self, layer):
+        table = self.ec._t["home"].numpy()
+        trusted = self.home.ahead.staged(layer)
+        copies = {}
+        for e in trusted.tolist():
+            addr = int(table[layer * EXPERTS + e])
+            assert addr != POISON, f"layer {layer} expert {e} staged with no home"
+            slot = (addr - self.home.home.arena_address) // RECORD
+            assert self.home.tier.clock.pin_count(slot) > 0, "a staged record is not pinned"
+            copies[e] = self.home.tier.record(slot)[:RECORD].copy()
+        self.copied[layer] = copies
+        self.calls.append(("stage_ahead", layer, sorted(copies)))
+        self.pending[layer] = MockEvent(self.calls, layer)
+
+
+def check_table(home, ec):
+    """The device home table as the RAM tier holds it, except that the records of a wave still
+    out are absent (no entry points at a slot being read into) until their wave is collected."""
+    table, want = ec._t["home"].numpy(), home.home.expected()
+    for layer, wave in home.ahead.out.items():
+        out = layer * EXPERTS + wave.experts[wave.num_hits :].astype(np.int64)
+        assert (table[out] == POISON).all()
+        want[out] = POISON
+    assert np.array_equal(table, want)
+
+
+def store_record(store, moe_index, expert):
+    buf = aligned_empty(RECORD)
+    store.read([(store.moe_layers[moe_index], expert, buf)])
+    return np.frombuffer(buf, np.uint8)[:RECORD].copy()
+
+
+@pytest.fixture
+def staged(demo, good_store, monkeypatch):
+    from glm53.exl3 import nvme_device
+
+    lib = MockCudaLib()
+    monkeypatch.setitem(sys.modules, "glm53._cuda", lib)
+    monkeypatch.setattr(glm53, "_cuda", lib, raising=False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(
+        cuda_stream=0))  # fmt: skip
+    store = ExpertStore(good_store, Checkpoint(demo))
+    store.reader = RecordingReader(store.reader)
+    geo = CacheGeometry(LAYERS, EXPERTS, tuple(store.manifest.trellis_bytes))
+    ec = MockExpertCache(geo, 8, lib.calls)
+    home = nvme_device.NvmeHome(ec, RamTier(store, 120 * RECORD), POISON, "cpu")
+    stager = MockStager(home, ec, lib.calls)
+    home.stager, home.ahead = stager, AheadReads(home.home, stager.buf_slots, working_set=32)
+    yield home, ec, lib, stager
+    home.close()
+
+
+def prefill(rows=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, EXPERTS, (rows, 2), generator=g, dtype=torch.int64)
+
+
+def test_a_wave_is_queued_on_the_reader_at_begin_and_collected_at_finish(staged):
+    home, ec, lib, stager = staged
+    ahead, log = home.ahead, home.tier.source.reader.log
+    assert ahead.begin(3, np.full(EXPERTS, -1))
+    assert [k for k, _ in log] == ["submit"] * len(log) and log  # queued, nobody waited
+    wave = ahead.out[3]
+    assert all(home.tier.clock.pin_count(int(s)) == 1 for s in wave.slots)
+    update = ahead.finish(3)
+    assert log[-1][0] == "wait"
+    assert sorted(ahead.staged(3).tolist()) == list(range(16))  # the first buf_slots uncached
+    for e, slot in zip(wave.experts.tolist(), wave.slots.tolist(), strict=True):
+        assert np.array_equal(home.tier.record(slot)[:RECORD], store_record(home.tier.source, 3, e))
+        key = 3 * EXPERTS + e
+        assert update.addresses[update.keys.tolist().index(key)] == home.home.address(slot)
+    ahead.release(3)
+    assert all(home.tier.clock.pin_count(int(s)) == 0 for s in wave.slots)
+
+
+def test_the_wave_skips_what_the_vram_cache_holds_and_is_cut_to_leave_a_working_set(staged):
+    home, ec, lib, stager = staged
+    ahead = home.ahead
+    row = np.full(EXPERTS, -1)
+    row[[0, 2]] = 5  # in VRAM: the stage kernel skips them, so does the wave
+    assert ahead.choose(row).tolist() == [1] + list(range(3, 18))
+    ahead.hold_picks(0, [])  # nothing held yet: 120 slots - 32 working set = 88 to pin
+    for layer in range(5):  # 16 each: the sixth would need 96 pinned
+        assert ahead.begin(layer, np.full(EXPERTS, -1))
+    assert ahead.pinned() == 80 and ahead.budget() == 8
+    assert ahead.begin(5, np.full(EXPERTS, -1)) and len(ahead.out[5].slots) == 8
+    assert ahead.counters["cut"] == 1 and ahead.budget() == 0
+    assert ahead.begin(1, row) and ahead.counters["waves"] == 6  # already out: not begun again
+    # a synchronous resolve still finds a layer's working set of unpinned slots
+    got = home.home.resolve(home.tier.source.moe_layers[0], np.arange(32), np.zeros(32, bool))
+    assert got.ram_hits + got.ram_reads == 32
+    home._write(got)
+    home._write(home.ahead.drain())
+    assert all(home.tier.clock.pin_count(s) == 0 for s in range(home.tier.num_slots))
+    assert np.array_equal(ec._t["home"].numpy(), home.home.expected())
+
+
+def test_prefill_waves_go_through_frequency_admission_and_leave_the_hot_set(staged):
+    home, ec, lib, stager = staged
+    hot = np.arange(8)
+    layer0 = home.tier.source.moe_layers[0]
+    for _ in range(4):  # layer 0's experts 0-7 picked again and again
+        home._write(home.home.resolve(layer0, hot, np.zeros(8, bool)))
+    home.ahead.buf_slots = 32
+    for _round in range(3):  # three long prompts: every other layer read once per chunk
+        for layer in range(1, LAYERS):
+            home.ahead.begin(layer, np.full(EXPERTS, -1))
+            home._write(home.ahead.finish(layer))
+            home.ahead.release(layer)
+    assert all(home.tier.clock.contains(int(e)) for e in hot), "prefill flushed the hot set"
+    home._write(home.home.take_pending())
+    assert np.array_equal(ec._t["home"].numpy(), home.home.expected())
+
+
+def test_a_staged_forward_reads_ahead_stages_ahead_and_points_only_what_was_not_staged(staged):
+    home, ec, lib, stager = staged
+    log = home.tier.source.reader.log
+    picks = {layer: prefill(seed=layer) for layer in range(LAYERS)}
+    marks = []
+    for layer in range(LAYERS):
+        log.clear()
+        home.route(layer, picks[layer].clone(), decode=False, params={})
+        marks.append(list(log))
+        check_table(home, ec)
+    ops = [c for c in lib.calls if c[0] in ("stage_ahead", "wait_staged", "point_picks")]
+    # hook 0: layer 1's wave read then staged ahead; hook L: wait for L's stage, stage L + 1
+    assert ops[0] == ("wait_staged", 0, False) and ops[1][:2] == ("stage_ahead", 1)
+    for layer in range(1, LAYERS):
+        assert ("wait_staged", layer, True) in ops
+    assert [c[1] for c in ops if c[0] == "stage_ahead"] == list(range(1, LAYERS))
+    # what each stage copied is the store's record of each trusted expert
+    for layer, copies in stager.copied.items():
+        assert sorted(copies) == list(range(16))
+        for e, got in copies.items():
+            assert np.array_equal(got, store_record(home.tier.source, layer, e))
+    # every pick is either staged (its trusted copy) or pointed at its slot or RAM home
+    for layer in range(LAYERS):
+        pointed = next(c[2] for c in lib.calls if c[0] == "point_picks" and c[1] == layer)
+        distinct = set(np.unique(picks[layer].numpy()).tolist())
+        staged_set = set(range(16)) if layer > 0 else set()
+        assert set(pointed) == distinct - staged_set
+        assert all(home.tier.clock.contains(layer * EXPERTS + e) for e in pointed)
+    # the wave of L + 2 is queued at hook L and collected at hook L + 1
+    assert marks[1][-1][0] == "submit" and any(k == "wait" for k, _ in marks[2])
+    assert home.staging_stats()["stage_layers"] == LAYERS - 1
+    ahead_reads = home.staging_stats()["stage_reads"]
+    assert ahead_reads > 0 and home.stats()["ram_reads"] >= ahead_reads  # totals count both
+    check_table(home, ec)
+
+
+def test_a_decode_step_after_a_staged_forward_drains_every_pin(staged):
+    home, ec, lib, stager = staged
+    for layer in range(LAYERS):
+        home.route(layer, prefill(seed=layer), decode=False, params={})
+    assert not home.ahead.idle()  # the last layer's zero-copy picks are still held
+    home.route(0, torch.tensor([[3, 4]]), decode=True, params={})
+    assert ("side_sync",) in lib.calls and home.ahead.idle()
+    assert all(home.tier.clock.pin_count(s) == 0 for s in range(home.tier.num_slots))
+    assert np.array_equal(ec._t["home"].numpy(), home.home.expected())
+    # a new prefill forward restarts the pipeline from its first layer
+    lib.calls.clear()
+    home.route(0, prefill(seed=9), decode=False, params={})
+    assert ("wait_staged", 0, False) in lib.calls
+
+
+def test_a_read_fault_ahead_skips_the_stage_and_fails_the_request_at_its_layer(staged):
+    from store_kit import FailingReader
+
+    home, ec, lib, stager = staged
+    real = home.tier.source.reader
+    home.tier.source.reader = FailingReader(real, [(2 * EXPERTS + 4) * RECORD + 4096], errno.EIO)
+    sel = torch.tensor([[4, 1]] * 3 + [[2, 3]] * 5, dtype=torch.int64)  # rows 0-2 pick 4
+    home.route(0, prefill(seed=0), decode=False, params={})
+    home.route(1, prefill(seed=1), decode=False, params={})  # collects layer 2's wave: fails
+    assert home.ahead.counters["faults"] == 1
+    assert not any(c[:2] == ("stage_ahead", 2) for c in lib.calls)  # layer 2 is not staged
+    check_table(home, ec)
+    layer = home.tier.source.moe_layers[2]
+    with pytest.raises(ReadFault) as info:
+        home.route(2, sel, decode=False, params={})
+    assert (info.value.layer, info.value.expert, info.value.rows) == (layer, 4, (0, 1, 2))
+    home.tier.source.reader = real
+    assert home.ahead.out  # the forward was cut short with layer 3's wave still out
+    result = home.verify(16, seed=0)  # drains first: the check sees no wave in flight
+    assert result.is_ok, result.summary()
+    assert home.ahead.idle()
+    home.route(0, prefill(seed=3), decode=False, params={})  # the next forward starts afresh
+    check_table(home, ec)
+
+
+def test_a_wave_whose_read_fails_holds_no_pin_and_leaves_the_tier_consistent(staged):
+    from store_kit import FailingReader
+
+    home, ec, lib, stager = staged
+    real = home.tier.source.reader
+    home.tier.source.reader = FailingReader(real, [(1 * EXPERTS + 7) * RECORD + 4096], errno.EIO)
+    assert home.ahead.begin(1, np.full(EXPERTS, -1))
+    assert home.ahead.finish(1) is None
+    home.tier.source.reader = real
+    assert home.tier.faults["read_errors"] == 1 and home.ahead.idle()
+    assert all(home.tier.clock.pin_count(s) == 0 for s in range(home.tier.num_slots))
+    home._write(home.home.take_pending())
+    assert np.array_equal(ec._t["home"].numpy(), home.home.expected())
+    assert not home.tier.clock.contains(1 * EXPERTS + 7)
+
+
+def test_a_staged_chunk_counts_each_access_once_as_an_unstaged_one_does(staged):
+    home, ec, lib, stager = staged
+    picks = {layer: prefill(seed=layer) for layer in range(LAYERS)}
+    for layer in range(LAYERS):
+        home.route(layer, picks[layer], decode=False, params={})
+    counts = np.asarray(home.tier.clock.freq_counts())
+    for layer in range(1, LAYERS):  # layer 0 is resolved, not staged
+        picked = set(np.unique(picks[layer].numpy()).tolist())
+        for e in range(EXPERTS):
+            # the wave's experts (0-15) once, picked or not; the other picks once, at the hook
+            want = 1 if e < 16 or e in picked else 0
+            assert counts[layer * EXPERTS + e] == want, (layer, e)
+
+
+def test_a_wave_past_the_read_timeout_keeps_only_the_stuck_slots_pinned(staged):
+    from store_kit import StallingReader
+
+    home, ec, lib, stager = staged
+    home.tier.read_timeout_s = 0.2
+    real = home.tier.source.reader
+    stall = StallingReader(real, [(2 * EXPERTS + 5) * RECORD + 4096])
+    home.tier.source.reader = stall
+    assert home.ahead.begin(2, np.full(EXPERTS, -1))
+    assert home.ahead.finish(2) is None and home.ahead.idle()
+    assert home.tier.faults["read_timeouts"] == 1
+    stuck = home.tier.stuck_keys()
+    assert 2 * EXPERTS + 5 in stuck
+    pinned = {s for s in range(home.tier.num_slots) if home.tier.clock.pin_count(s)}
+    assert pinned == {home.tier.clock.slot_of(k) for k in stuck}  # the stuck reads' slots only
+    home._write(home.home.take_pending())
+    assert np.array_equal(ec._t["home"].numpy(), home.home.expected())
+    layer = home.tier.source.moe_layers[2]
+    with pytest.raises(ReadFault, match=f"layer {layer} expert 5: its read .* has not finished"):
+        home.home.resolve(layer, np.array([5]), np.zeros(1, bool))
+    stall.release()
+    home.tier.source.reader = real
