@@ -284,7 +284,8 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
         _s(
             "VRAM (GiB) of the two prefill staging buffers; default: two whole MoE layers when "
             "they take at most a quarter of the VRAM left after the model, else that quarter. "
-            "0 turns staging off.",
+            "0 turns staging off. In nvme-exact and nvme (staging from the store) it is off "
+            "unless --allow-unrun-modes: that path has not yet run on a GPU.",
             group="tiers",
         ),
     ] = None
@@ -310,11 +311,13 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     allow_unrun_modes: Annotated[
         bool,
         _s(
-            "GPU engine: also run the three paths that have never run on a GPU: --mode nvme (the "
-            "store and its RAM tier with the CPU lane), the layer split over two or more GPUs (--gpus 0,1) "
-            "and --prefill layer-major; for their GPU tests (tests/gpu/test_nvme_mode_gpu.py, "
-            "test_multi_gpu.py, test_layer_major_gpu.py). Without it the GPU engine refuses "
-            "them. Every other mode and path runs without it.",
+            "GPU engine: also run the four paths that have never run on a GPU: --mode nvme (the "
+            "store and its RAM tier with the CPU lane), the layer split over two or more GPUs "
+            "(--gpus 0,1), --prefill layer-major, and prefill staging from the store in the "
+            "store modes (--ec-stage-gb, off there without this flag); for their GPU tests "
+            "(tests/gpu/test_nvme_mode_gpu.py, test_multi_gpu.py, test_layer_major_gpu.py, "
+            "test_nvme_exact_gpu.py). Without it the GPU engine refuses them (store staging is off "
+            "by default, and a size for it refused). Every other mode and path runs without it.",
             group="tiers",
         ),
     ] = False

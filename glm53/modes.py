@@ -126,6 +126,9 @@ UNRUN = {
     "docs/layer-major.md)",
     "nvme": "the GPU engine's nvme mode (nvme-exact + the CPU lane over the RAM tier, "
     "docs/fast-mode.md)",
+    "store-staging": "prefill staging from the store in nvme-exact and nvme (--ec-stage-gb: "
+    "a layer's misses read ahead into the RAM tier and staged while the layer before computes, "
+    "glm53.tiers.prefill_ahead)",
 }
 
 

@@ -141,6 +141,26 @@ def test_nvme_exact_has_run_on_a_gpu_and_is_served_without_the_flag(tmp_path):
         )  # fmt: skip
 
 
+@pytest.mark.parametrize("mode", ["nvme-exact", "nvme"])
+def test_staging_from_the_store_is_off_until_its_gpu_tests_ran(tmp_path, mode):
+    """Prefill staging in the store modes reads ahead from the store (glm53.tiers.
+    prefill_ahead), written but not yet run on a GPU: off by default there, a size for it
+    refused, on (exact mode's default) with --allow-unrun-modes; exact mode keeps its own."""
+    base = ["--mode", mode, "--store", str(tmp_path)]
+    flag = ["--allow-unrun-modes"] if mode == "nvme" else []  # nvme itself has not run either
+    if mode == "nvme-exact":
+        assert create(settings(*base), tmp_path).options.ec_stage_gb == 0.0
+        with pytest.raises(ConfigurationError) as info:
+            create(settings(*base, "--ec-stage-gb", "2"), tmp_path)
+        assert str(info.value).startswith("--ec-stage-gb 2 in --mode nvme-exact: prefill staging")
+        assert "--allow-unrun-modes runs it anyway" in str(info.value)
+    on = create(settings(*base, *flag, "--allow-unrun-modes"), tmp_path).options
+    assert on.ec_stage_gb is None and on.load.ec_stage_gb is None
+    sized = create(settings(*base, "--allow-unrun-modes", "--ec-stage-gb", "2"), tmp_path)
+    assert sized.options.ec_stage_gb == 2.0
+    assert create(settings("--mode", "exact"), tmp_path).options.ec_stage_gb is None
+
+
 def test_a_store_is_refused_in_exact_mode(tmp_path):
     with pytest.raises(ConfigurationError, match="leave --store out"):
         create(settings("--store", str(tmp_path)), tmp_path)

@@ -64,12 +64,13 @@ def test_the_lane_runs_beside_the_gpu_only_in_the_gpu_engines_lane_modes():
     assert not modes.lane_runs_beside_gpu("cpu", "fast")
 
 
-def test_the_unrun_flag_gates_only_the_split_layer_major_and_nvme_mode(tmp_path):
+def test_the_unrun_flag_gates_only_what_never_ran(tmp_path):
     """fast and nvme-exact ran on the H200 (2026-12-02); the split over two or more GPUs,
-    layer-major prefill and nvme mode never did, so only they still need --allow-unrun-modes."""
+    layer-major prefill, nvme mode and staging from the store never did, so only they still
+    need --allow-unrun-modes (staging: tests/test_gpu_engine_config.py)."""
     from glm53.engine.gpu_create import create
 
-    assert set(modes.UNRUN) == {"split", "layer-major", "nvme"}
+    assert set(modes.UNRUN) == {"split", "layer-major", "nvme", "store-staging"}
     create(settings("--mode", "fast")[0], tmp_path)
     create(settings("--mode", "nvme-exact", "--store", str(tmp_path))[0], tmp_path)
     nvme = ["--mode", "nvme", "--store", str(tmp_path)]

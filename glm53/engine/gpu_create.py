@@ -8,6 +8,8 @@ GpuEngine.load does the heavy work (glm53.engine.gpu).
 
 from __future__ import annotations
 
+import logging
+
 from glm53.config import ConfigurationError, Settings, cache_dir
 from glm53.engine.gpu import GpuEngine
 from glm53.engine.gpu_options import EngineOptions
@@ -16,6 +18,8 @@ from glm53.modes import UNRUN, Mode, resolved, rule, served
 # The tier modes this build's GPU engine serves (glm53.modes' table; the doctor recommends
 # glm53.modes.recommended("gpu"): those not gated by UNRUN).
 SERVED_MODES = served("gpu")
+
+log = logging.getLogger("glm53.engine.gpu")
 
 
 def _unrun(what: str, instead: str) -> ConfigurationError:
@@ -53,10 +57,30 @@ def _lane_precision(settings: Settings) -> str:
         raise ConfigurationError(str(exc)) from None
 
 
+def _stage_gb(settings: Settings) -> float | None:
+    """--ec-stage-gb. In the store modes prefill staging reads ahead from the store
+    (UNRUN["store-staging"]), which has not run on a GPU: there it is off by default, a size
+    given for it is refused, and --allow-unrun-modes gives it exact mode's default."""
+    if settings.allow_unrun_modes or rule("gpu", settings.mode).load != "nvme-exact":
+        return settings.ec_stage_gb
+    if settings.ec_stage_gb:
+        raise _unrun(
+            f"--ec-stage-gb {settings.ec_stage_gb:g} in --mode {settings.mode}: "
+            f"{UNRUN['store-staging']}",
+            "Leave --ec-stage-gb out (staging off in the store modes until its GPU tests pass).",
+        )
+    log.info(
+        "--mode %s prefills without staging (%s has not yet run on a GPU; "
+        "--allow-unrun-modes turns it on)", settings.mode, UNRUN["store-staging"],
+    )  # fmt: skip
+    return 0.0
+
+
 def engine_options(settings: Settings) -> EngineOptions:
     """The GpuEngine's options for these Settings, every value checked once."""
     _refuse_unrun(settings)
     _refuse_unrun_nvme(settings)
+    stage_gb = _stage_gb(settings)
     lane = rule("gpu", settings.mode).served and rule("gpu", settings.mode).lane
     lane_kw = {}
     if lane:
@@ -71,7 +95,7 @@ def engine_options(settings: Settings) -> EngineOptions:
         chunk_size=settings.chunk_size,
         ec_max_slots=settings.ec_max_slots,
         ec_reserve_gb=settings.ec_reserve_gb,
-        ec_stage_gb=settings.ec_stage_gb,
+        ec_stage_gb=stage_gb,
         ec_freq_window=settings.ec_freq_window,
         vram_budget=settings.vram_budget,
         warmup=settings.warmup,
