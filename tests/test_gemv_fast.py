@@ -98,7 +98,9 @@ def test_the_avx512_fast_kernel_keeps_its_previous_one_and_no_other_does():
     assert not any(_gemv.has_previous(v, _gemv.EXACT) for v in _gemv.VARIANTS)
     trellis = np.zeros((8, 1, 48), np.int16)
     with pytest.raises(ValueError, match="no previous kernel"):
-        _gemv.tiles(_gemv.SCALAR, trellis, np.ones((1, 128), np.float32), precision=FAST, previous=True)
+        _gemv.tiles(
+            _gemv.SCALAR, trellis, np.ones((1, 128), np.float32), precision=FAST, previous=True
+        )
 
 
 @pytest.mark.parametrize("variant", PREVIOUS)
