@@ -29,11 +29,14 @@
  * which is the limit (replacing any one by an add, results wrong, is 1.11-1.12x). Measured and
  * dropped (same-process A/B against this kernel's sequence): shift-based state extraction
  * (vpermi2b + vpsrlvd + vpsllvd + blend instead of vpmultishiftqb) 0.996x, a vpmaddubsw traded
- * for and + shift + add 0.95x (vpshufb 0.91x), two accumulator chains per row 1.00x,
- * -mtune variants 1.00x. Sharing the gather is 1.01x at one row, 1.02-1.05x at 2-4 rows and
- * 1.2x at 8 (with decoding the tile's sums first). On Intel's server cores (uops.info's tables,
- * not measured here) vpermi2b is three uops, so the shared gather saves 1.5 per row pair there:
- * what that buys on the H200 host is the A/B the note asks for. */
+ * for and + shift + add 0.95x (vpshufb instead of the shift, timed only: 0.91x), two
+ * accumulator chains per row 1.00x,
+ * -mtune variants 1.00x. This kernel against the previous one (`micro_gemv.py --ab`, package
+ * build): 1.01x at one row, 1.00x at 2-8 rows; a standalone harness showed up to 1.2x at 8 rows
+ * that moved with code layout (one more instantiation of tiles_m cost 12 % at one row), so
+ * compare kernels only inside the package build. On Intel's server cores vpermi2b is, as far as
+ * we know (uops.info's Ice Lake table, from memory: not checked or measured here), three uops,
+ * so the shared gather would save 1.5 per row pair there: the H200 A/B in docs/fast-mode.md. */
 #include <immintrin.h>
 #include <pthread.h>
 #include <string.h>
