@@ -26,7 +26,8 @@
  * Where the time goes (one thread, K = 3, kernel alone, 2-core Zen 4 EPYC VM; docs/fast-mode.md):
  * at one row 7 of the ~10 vector operations per row pair (the three multiplies, the two
  * vpmaddubsw, vpdpwssd and vpmultishiftqb) issue on Zen 4's one 512-bit integer-multiply pipe,
- * which is the limit (replacing any one by an add, results wrong, is 1.11-1.12x). Measured and
+ * which is the limit (vpmultishiftqb replaced by an xor, or vpdpwssd by an add, results wrong:
+ * 1.12x and 1.11x). Measured and
  * dropped (same-process A/B against this kernel's sequence): shift-based state extraction
  * (vpermi2b + vpsrlvd + vpsllvd + blend instead of vpmultishiftqb) 0.996x, a vpmaddubsw traded
  * for and + shift + add 0.95x (vpshufb instead of the shift, timed only: 0.91x), two
