@@ -5,6 +5,7 @@ same experts where it can run, and the lane's cost model (`a + b * experts` per 
 rows) for the kernel fast mode uses.
 
     python bench/micro_gemv.py [--json] [--threads 1,2,4,16] [--pool-mb 1200] [--no-exllamav3]
+                               [--ab 1,2,4,8]
 
 The headline figures (`trellis_gbps_per_thread`, `ratios.vs_exllamav3`, ...) are those of the
 fast precision's best kernel, the one `--mode fast` runs; `exact_*` are the exact kernel's in the
@@ -13,6 +14,12 @@ same run, and `ratios.fast_vs_exact` compares the two.
 Experts are random mul1 experts of GLM-5.3-Flash's shape (gate/up 4096 -> 2048, down 2048 ->
 4096, K = 3 by default); the pool is larger than the last-level cache and jobs walk through it, so
 every job reads its trellis from DRAM. A job is one decode row picking 8 distinct experts.
+
+`--ab ROWS` adds a same-process A/B of the fast kernel against its previous kernel (where one is
+kept: `_gemv.has_previous`), kernel alone on one thread, for each row count: the two run
+alternately on the same matrices, `--ab-reps` times, and `figures.ab` gives the per-pair ratios'
+median and quartiles and the ratio of the two kernels' 10th-percentile times (the least disturbed
+by other load on the host); `ratios.fast_vs_previous_one_thread` is the one-row median.
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-exllamav3", action="store_true", help="skip exllamav3's CPU kernel")
     p.add_argument("--no-calibrate", action="store_true", help="skip the cost-model fit")
+    p.add_argument("--ab", help="row counts for the fast kernel's A/B against its previous one")
+    p.add_argument("--ab-reps", type=int, default=200, help="A/B pairs per row count (default 200)")
     p.add_argument("--exllamav3-child", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -169,6 +178,52 @@ def max_rel_err(pool, kernels) -> dict[str, float]:
         )
         errs[kernel_name(v, p)] = float(np.abs(out - ref).max() / np.abs(ref).max())
     return errs
+
+
+def ab_previous(variant: int, rows: list[int], bits: float, reps: int, seed: int) -> dict:
+    """The fast kernel of `variant` against its previous kernel, kernel alone on this thread:
+    gate-shaped matrices (4096 -> 2048), 16 of them (about 48 MB at K = 3, past most L2s; the
+    kernel is bound by its arithmetic, not by where the trellis is), each pair run back to back
+    in alternating order. Outputs are checked equal (both kernels are bit-identical to the scalar
+    one, tests/test_gemv_fast.py)."""
+    from glm53 import _gemv
+
+    k2 = round(2 * bits)
+    rng = np.random.default_rng(seed)
+    kt, nt = HIDDEN // 16, INTER // 16
+    mats = [rng.integers(-(2**15), 2**15, (kt, nt, 8 * k2), dtype=np.int16) for _ in range(16)]
+    out = {}
+    for m in rows:
+        xh = rng.standard_normal((m, HIDDEN)).astype(np.float32)
+        new_s, old_s = [], []
+        for rep in range(reps + 2):
+            mat = mats[rep % len(mats)]
+            order = (False, True) if rep % 2 else (True, False)
+            times = {}
+            for previous in order:
+                start = time.perf_counter()
+                got = _gemv.tiles(variant, mat, xh, precision=_gemv.FAST, previous=previous)
+                times[previous] = time.perf_counter() - start
+                if rep == 0:
+                    times[f"out{previous}"] = got
+            if rep == 0 and not np.array_equal(times["outTrue"], times["outFalse"]):
+                raise SystemExit(f"A/B: the two kernels differ at {m} rows (they must not)")
+            if rep >= 2:  # two warm-up pairs
+                new_s.append(times[False])
+                old_s.append(times[True])
+        new_a, old_a = np.array(new_s), np.array(old_s)
+        ratio = old_a / new_a  # > 1: the current kernel is faster
+        nbytes = mats[0].nbytes
+        out[str(m)] = {
+            "ratio_median": float(np.median(ratio)),
+            "ratio_p25": float(np.percentile(ratio, 25)),
+            "ratio_p75": float(np.percentile(ratio, 75)),
+            "ratio_of_p10_times": float(np.percentile(old_a, 10) / np.percentile(new_a, 10)),
+            "new_gbps_p10": nbytes / float(np.percentile(new_a, 10)) / 1e9,
+            "previous_gbps_p10": nbytes / float(np.percentile(old_a, 10)) / 1e9,
+            "pairs": len(ratio),
+        }
+    return out
 
 
 # --- exllamav3's CPU kernel, in a child process (its worker has crashed on some hosts) ----------
@@ -334,6 +389,13 @@ def main(argv=None) -> int:
             table, LaneLayout(tuple(cpus)), thread_counts, variant=best, precision="fast"
         )
 
+    ab = ab_rows = None
+    if args.ab:
+        ab_rows = [int(m) for m in args.ab.split(",")]
+        if not _gemv.has_previous(best, _gemv.FAST):
+            raise SystemExit(f"--ab: the {best_fast} kernel keeps no previous kernel to compare")
+        ab = ab_previous(best, ab_rows, args.bits, args.ab_reps, args.seed)
+
     exl, exl_reason = (None, "skipped (--no-exllamav3)")
     if not args.no_exllamav3:
         del table
@@ -389,6 +451,7 @@ def main(argv=None) -> int:
             if cost
             else None
         ),
+        "ab": ab,
     }
     ratios = {
         "vs_exllamav3": vs_exl,
@@ -404,6 +467,8 @@ def main(argv=None) -> int:
         "dram_read_share": all_cores["dram_read_share"],
         # all-core pool throughput against every core running its own one-thread lane at once
         "pool_vs_independent": all_cores["trellis_gbps"] / (top * independent_gbps),
+        # the fast kernel against its previous one, kernel alone, one thread, one row (--ab)
+        "fast_vs_previous_one_thread": ab["1"]["ratio_median"] if ab and "1" in ab else None,
     }
     config = {
         "host": platform.node(),
@@ -429,6 +494,13 @@ def main(argv=None) -> int:
         f"({best_fast}) at the same time, {args.jobs} jobs each; figure = median per-lane GB/s",
         "cost_model": f"{best_fast}: ms = a + b * experts per 'threads,rows' (every expert "
         "picked by all rows)",
+        "ab": (
+            f"{best_fast} (pyx/gemv_avx512_fast.c) against its previous kernel "
+            f"(gemv_avx512_fast_v1.c), kernel alone, one thread, K = {args.bits}, rows {ab_rows}, "
+            f"{args.ab_reps} alternating pairs each; ratio = previous time / current time"
+            if ab
+            else "not run (--ab)"
+        ),
         "seed": args.seed,
         "commit": git_commit(),
         "seconds": round(time.perf_counter() - started, 1),
@@ -471,6 +543,12 @@ def print_table(result: dict) -> None:
     print(f"vs exllamav3: {r['vs_exllamav3']} ({c['exllamav3']})")
     if f["cost_model"]:
         print("cost model a + b*experts (ms) by threads,rows:", f["cost_model"])
+    for m, row in (f["ab"] or {}).items():
+        print(
+            f"A/B {c['fast_kernel']} vs previous, {m} row(s), one thread: median "
+            f"{row['ratio_median']:.3f}x (quartiles {row['ratio_p25']:.3f}-{row['ratio_p75']:.3f}), "
+            f"p10 times {row['ratio_of_p10_times']:.3f}x"
+        )
 
 
 def _cpu_model() -> str:

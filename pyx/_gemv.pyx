@@ -405,12 +405,19 @@ cdef class Pool:
         return num_jobs
 
 
-def tiles(int variant, trellis, xh, int kt0=0, kt1=None, int precision=GEMV_EXACT):
+def has_previous(int variant, int precision):
+    """Whether `tiles(..., previous=True)` has a previous kernel for this variant and precision."""
+    return gemv_kernel_previous(variant, precision) != NULL
+
+
+def tiles(int variant, trellis, xh, int kt0=0, kt1=None, int precision=GEMV_EXACT,
+          bint previous=False):
     """One tile kernel on one thread: acc[i] = xh[i, 16 kt0:16 kt1] @ Wq[16 kt0:16 kt1] (fp32;
     FAST: with the unrounded codebook and int16 inputs, pyx/gemv_fast.h).
 
     trellis: int16 [k/16, n/16, 8 k2]; xh: float32 [m, k] rotated inputs, m 1..8. For tests and
-    benchmarks of the kernels alone."""
+    benchmarks of the kernels alone. previous: run the variant's previous kernel at this precision
+    (kept for same-process A/B, never used by a job; see has_previous)."""
     if not (isinstance(trellis, np.ndarray) and trellis.dtype == np.int16 and trellis.ndim == 3
             and trellis.flags.c_contiguous):
         raise TypeError(f"trellis must be a C-contiguous int16 [k/16, n/16, 8 k2] array, got "
@@ -433,8 +440,13 @@ def tiles(int variant, trellis, xh, int kt0=0, kt1=None, int precision=GEMV_EXAC
     if not gemv_kernel_supported(variant, precision):
         raise RuntimeError(f"this CPU cannot run the {variant_name(variant)} "
                            f"{precision_name(precision)} kernel")
-    acc = np.empty((m, 16 * nt), dtype=np.float32)
     cdef gemv_tiles_fn fn = gemv_kernel(variant, precision)
+    if previous:
+        fn = gemv_kernel_previous(variant, precision)
+        if fn == NULL:
+            raise ValueError(f"the {variant_name(variant)} {precision_name(precision)} kernel has "
+                             f"no previous kernel (has_previous() says which do)")
+    acc = np.empty((m, 16 * nt), dtype=np.float32)
     cdef const uint8_t *t = <const uint8_t *><uintptr_t>trellis.ctypes.data
     cdef const float *x = <const float *><uintptr_t>xh.ctypes.data
     cdef float *a = <float *><uintptr_t>acc.ctypes.data

@@ -94,6 +94,7 @@ cdef extern from "gemv_kern.h" nogil:
     ctypedef void (*gemv_tiles_fn)(const uint8_t *trellis, int n_tiles, int k2, int kt0, int kt1,
                                    const float *xh, int x_stride, int m, float *acc)
     gemv_tiles_fn gemv_kernel(int variant, int precision)
+    gemv_tiles_fn gemv_kernel_previous(int variant, int precision)
     void gemv_tiles_scalar(const uint8_t *trellis, int n_tiles, int k2, int kt0, int kt1,
                            const float *xh, int x_stride, int m, float *acc)
     void gemv_tiles_avx2(const uint8_t *trellis, int n_tiles, int k2, int kt0, int kt1,

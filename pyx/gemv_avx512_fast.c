@@ -5,26 +5,39 @@
  * the state at row r, its high 16 bits the state at row r + 1. So one vpdpwssd against the pair's
  * int16 inputs (broadcast) adds q[r] s + q[r+1] s' to each column, and a tile keeps one int32
  * accumulator per activation row. Per row pair (32 weights):
- *   vpermi2b       each 64-bit lane (columns c and c + 8: states t, t+1, t+4, t+5) gets the 8
- *                  stream bytes that hold its four windows, most significant first (the tile sits
- *                  in two zmm; tiles wider than 128 bytes take two gathers blended on bit 7)
+ *   vpermi2b       each 64-bit lane (columns c and c + 8) gets the stream bytes that hold its
+ *                  windows, most significant first (the tile sits in two zmm; tiles wider than 128
+ *                  bytes take two gathers blended on bit 7). Row pairs p and p + 4 (states t..t+5
+ *                  and t+2..t+7 of a lane) share one gather where their eight windows fit 64 bits
+ *                  (`shared`: K <= 4, two-zmm tiles): half a gather per row pair
  *   vpmultishiftqb each 16-bit lane picks its state's two bytes at any bit offset: the states,
  *                  with no shift or mask
  *   3 x vpmul*w, 2 x vpmaddubsw   the byte sums s, as in the AVX2 fast kernel
  *   vpdpwssd       per activation row
+ * A tile's eight sums are decoded first, then each activation row runs its eight vpdpwssd from
+ * them (the previous kernel interleaved rows and row pairs, which spilled at 3 rows and more).
  * The accumulator starts at -510 sum(q) (the centre, gemv_fast.h), so a tile ends with one
- * convert and one fma per activation row; whether the tile takes two or four zmm (K >= 4.5) is
- * a compile-time case, not a test per row pair.
+ * convert and one fma per activation row; whether the tile takes two or four zmm (K >= 4.5) and
+ * whether gathers are shared are compile-time cases, not tests per row pair.
  *
- * Where the time goes (one thread, m = 1, K = 3, kernel alone, best of interleaved runs on a
- * 2-core Zen 4 EPYC VM, 5.83 GB/s of trellis, 2.1 ns per row pair): the ten vector operations
- * per row pair above; the trellis read is not (a pool in DRAM runs as fast as one in L3).
- * Ablations (results wrong, timing only): dropping the two vpmaddubsw is 1.54x, the three
- * multiplies 1.34x, the gather and vpmultishiftqb 1.20x, all three 2.4x. Trading a vpmaddubsw
- * for and + shift (or vpshufb) + add is 0.92x (0.88x): on Zen 4 the count of 512-bit
- * operations is the limit, and on Intel's server cores (uops.info's tables; not measured here)
- * every multiply above issues on port 0 alone (six per row pair), so neither a cheaper byte sum
- * nor 32-bit products (vpmulld: two port-0 uops there) cuts the per-weight cost on both. */
+ * Integer sums are exact, so the kernel's output is the scalar fast kernel's bit for bit, as the
+ * previous one's (gemv_avx512_fast_v1.c, kept for same-process A/B: `bench/micro_gemv.py --ab`).
+ *
+ * Where the time goes (one thread, K = 3, kernel alone, 2-core Zen 4 EPYC VM; docs/fast-mode.md):
+ * at one row 7 of the ~10 vector operations per row pair (the three multiplies, the two
+ * vpmaddubsw, vpdpwssd and vpmultishiftqb) issue on Zen 4's one 512-bit integer-multiply pipe,
+ * which is the limit (vpmultishiftqb replaced by an xor, or vpdpwssd by an add, results wrong:
+ * 1.12x and 1.11x). Measured and
+ * dropped (same-process A/B against this kernel's sequence): shift-based state extraction
+ * (vpermi2b + vpsrlvd + vpsllvd + blend instead of vpmultishiftqb) 0.996x, a vpmaddubsw traded
+ * for and + shift + add 0.95x (vpshufb instead of the shift, timed only: 0.91x), two
+ * accumulator chains per row 1.00x,
+ * -mtune variants 1.00x. This kernel against the previous one (`micro_gemv.py --ab`, package
+ * build): 1.01x at one row, 1.00x at 2-8 rows; a standalone harness showed up to 1.2x at 8 rows
+ * that moved with code layout (one more instantiation of tiles_m cost 12 % at one row), so
+ * compare kernels only inside the package build. On Intel's server cores vpermi2b is, as far as
+ * we know (uops.info's Ice Lake table, from memory: not checked or measured here), three uops,
+ * so the shared gather would save 1.5 per row pair there: the H200 A/B in docs/fast-mode.md. */
 #include <immintrin.h>
 #include <pthread.h>
 #include <string.h>
@@ -40,6 +53,9 @@
 typedef struct {
     _Alignas(64) uint8_t idx[8][64];   /* per row pair: byte of the tile for each qword byte */
     _Alignas(64) uint8_t shift[8][64]; /* per row pair: vpmultishiftqb control (bit offsets) */
+    _Alignas(64) uint8_t gidx[4][64];   /* shared gather of row pairs p and p + 4 */
+    _Alignas(64) uint8_t gshift[8][64]; /* row pair p's vpmultishiftqb control in its shared gather */
+    int shared; /* every shared gather's windows fit their 64-bit lane (K <= 6) */
 } fast_tables;
 
 static fast_tables tables[17]; /* by k2 */
@@ -72,31 +88,62 @@ static void build_tables(void)
             }
         }
         (void)ring_bits;
+        tables[k2].shared = 1;
+        for (int p = 0; p < 4; p++) /* shared gather p: row pairs p and p + 4 */
+            for (int j = 0; j < 8; j++) {
+                /* lane j: pair p's states t0, +1, +4, +5; pair p + 4's t0 + 2, +3, +6, +7 */
+                int t0 = 32 * j + 8 * p;
+                int first = floor_div(gemv_state_end(k2, t0) - 16, 8);
+                if (gemv_state_end(k2, t0 + 7) - 8 * first > 64)
+                    tables[k2].shared = 0;
+                for (int b = 0; b < 8; b++) {
+                    int qs = ((first + 7 - b) % ring_bytes + ring_bytes) % ring_bytes;
+                    tables[k2].gidx[p][8 * j + b] = (uint8_t)gemv_stream_byte(qs);
+                }
+                for (int half = 0; half < 2; half++) {
+                    int tp = t0 + 2 * half, ts[4] = {tp, tp + 1, tp + 4, tp + 5};
+                    for (int u = 0; u < 4; u++) { /* bit 0..48 where a fitting window starts */
+                        int bit = gemv_state_end(k2, ts[u]) - 16 - 8 * first;
+                        uint8_t *c = &tables[k2].gshift[p + 4 * half][8 * j + 2 * u];
+                        c[0] = (uint8_t)((48 - bit) & 63), c[1] = (uint8_t)((56 - bit) & 63);
+                    }
+                }
+            }
     }
 }
 
-/* Row pair p's byte sums s (0..1020) as 16-bit lanes, from the tile in two (or four) zmm. */
-static inline __attribute__((always_inline)) __m512i pair_sums(const fast_tables *tab, int p,
-                                                               __m512i t0, __m512i t1, __m512i t2,
-                                                               __m512i t3, const int wide)
+/* The byte sums s (0..1020) of 32 states, as 16-bit lanes. */
+static inline __attribute__((always_inline)) __m512i state_sums(__m512i state)
 {
     const __m512i mlo = _mm512_set1_epi16((short)(GEMV_MUL1_MULT & 0xFFFF));
     const __m512i mhi = _mm512_set1_epi16((short)(GEMV_MUL1_MULT >> 16));
     const __m512i ones8 = _mm512_set1_epi8(1);
-    __m512i idx = _mm512_load_si512(tab->idx[p]);
-    __m512i raw = _mm512_permutex2var_epi8(t0, idx, t1);
-    if (wide)
-        raw = _mm512_mask_blend_epi8(_mm512_movepi8_mask(idx), raw,
-                                     _mm512_permutex2var_epi8(t2, idx, t3));
-    __m512i state = _mm512_multishift_epi64_epi8(_mm512_load_si512(tab->shift[p]), raw);
     __m512i lo = _mm512_mullo_epi16(state, mlo);
     __m512i hi = _mm512_add_epi16(_mm512_mulhi_epu16(state, mlo), _mm512_mullo_epi16(state, mhi));
     return _mm512_add_epi16(_mm512_maddubs_epi16(lo, ones8), _mm512_maddubs_epi16(hi, ones8));
 }
 
+/* Tile bytes picked by idx, from the tile in two (or four) zmm. */
+static inline __attribute__((always_inline)) __m512i gather(const uint8_t *idx_table, __m512i t0,
+                                                            __m512i t1, __m512i t2, __m512i t3,
+                                                            const int wide)
+{
+    __m512i idx = _mm512_load_si512(idx_table);
+    __m512i raw = _mm512_permutex2var_epi8(t0, idx, t1);
+    if (wide)
+        raw = _mm512_mask_blend_epi8(_mm512_movepi8_mask(idx), raw,
+                                     _mm512_permutex2var_epi8(t2, idx, t3));
+    return raw;
+}
+
+static inline __attribute__((always_inline)) __m512i pick(const uint8_t *shift_table, __m512i raw)
+{
+    return _mm512_multishift_epi64_epi8(_mm512_load_si512(shift_table), raw);
+}
+
 static inline __attribute__((always_inline)) void
 tiles_m(const uint8_t *trellis, int n_tiles, int k2, int kt0, int kt1, const float *xh,
-        int x_stride, const int m, float *acc, const int wide)
+        int x_stride, const int m, float *acc, const int wide, const int shared)
 {
     const fast_tables *tab = &tables[k2];
     const size_t tile_bytes = (size_t)gemv_tile_bytes(k2), n = 16 * (size_t)n_tiles;
@@ -145,15 +192,25 @@ tiles_m(const uint8_t *trellis, int n_tiles, int k2, int kt0, int kt1, const flo
                            : _mm512_maskz_loadu_epi8(tail, tile + 128);
                 t3 = full2 ? _mm512_maskz_loadu_epi8(tail, tile + 192) : _mm512_setzero_si512();
             }
-            __m512i a[GEMV_MAX_ROWS];
+            __m512i a[GEMV_MAX_ROWS], sums[8]; /* per activation row, per row pair */
             for (int i = 0; i < m; i++)
                 a[i] = _mm512_set1_epi32(-centre[i]);
+            if (shared) {
+#pragma GCC unroll 4
+                for (int p = 0; p < 4; p++) {
+                    __m512i raw = gather(tab->gidx[p], t0, t1, t2, t3, wide);
+                    sums[p] = state_sums(pick(tab->gshift[p], raw));
+                    sums[p + 4] = state_sums(pick(tab->gshift[p + 4], raw));
+                }
+            } else {
 #pragma GCC unroll 8
-            for (int p = 0; p < 8; p++) {
-                __m512i s = pair_sums(tab, p, t0, t1, t2, t3, wide);
-                for (int i = 0; i < m; i++)
-                    a[i] = _mm512_dpwssd_epi32(a[i], s, _mm512_set1_epi32(xpair[i][p]));
+                for (int p = 0; p < 8; p++)
+                    sums[p] = state_sums(pick(tab->shift[p], gather(tab->idx[p], t0, t1, t2, t3, wide)));
             }
+            for (int i = 0; i < m; i++)
+#pragma GCC unroll 8
+                for (int p = 0; p < 8; p++)
+                    a[i] = _mm512_dpwssd_epi32(a[i], sums[p], _mm512_set1_epi32(xpair[i][p]));
             for (int i = 0; i < m; i++) {
                 float *y = acc + (size_t)i * n + 16 * (size_t)nt;
                 __m512 v = _mm512_cvtepi32_ps(a[i]);
@@ -177,13 +234,18 @@ void gemv_tiles_avx512_fast(const uint8_t *trellis, int n_tiles, int k2, int kt0
 {
     pthread_once(&tables_once, build_tables);
     const int wide = gemv_tile_bytes(k2) > 128; /* K >= 4.5: the tile takes four zmm */
+    /* gathers shared where the windows fit (K <= 4 here; K 5 and 6 would fit too, but a fourth
+     * instantiation moved the one-row loop's code and cost 12 % at one row on Zen 4) */
+    const int shared = !wide && tables[k2].shared;
     switch (m) {
 #define CASE(M)                                                                                \
     case M:                                                                                    \
-        if (wide)                                                                              \
-            tiles_m(trellis, n_tiles, k2, kt0, kt1, xh, x_stride, M, acc, 1);                  \
+        if (wide)                                                                         \
+            tiles_m(trellis, n_tiles, k2, kt0, kt1, xh, x_stride, M, acc, 1, 0);               \
+        else if (shared)                                                                       \
+            tiles_m(trellis, n_tiles, k2, kt0, kt1, xh, x_stride, M, acc, 0, 1);               \
         else                                                                                   \
-            tiles_m(trellis, n_tiles, k2, kt0, kt1, xh, x_stride, M, acc, 0);                  \
+            tiles_m(trellis, n_tiles, k2, kt0, kt1, xh, x_stride, M, acc, 0, 0);               \
         break;
         CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
 #undef CASE

@@ -37,6 +37,11 @@ void gemv_tiles_avx2_fast(const uint8_t *trellis, int n_tiles, int k2, int kt0, 
                           const float *xh, int x_stride, int m, float *acc);
 void gemv_tiles_avx512_fast(const uint8_t *trellis, int n_tiles, int k2, int kt0, int kt1,
                             const float *xh, int x_stride, int m, float *acc);
+/* The previous kernel of a variant at a precision, kept for same-process A/B benchmarks (never
+ * dispatched to by a job); NULL where there is none. Today: the avx512 fast kernel of 2026-12-04. */
+gemv_tiles_fn gemv_kernel_previous(int variant, int precision);
+void gemv_tiles_avx512_fast_v1(const uint8_t *trellis, int n_tiles, int k2, int kt0, int kt1,
+                               const float *xh, int x_stride, int m, float *acc);
 
 #define GEMV_MUL1_MULT 0x83DCD12Du
 /* mul1 weight = fp16(KINV * byte_sum + C0): the fp32 product and sum are exact (every term is a

@@ -90,6 +90,13 @@ gemv_tiles_fn gemv_kernel(int variant, int precision)
     }
 }
 
+gemv_tiles_fn gemv_kernel_previous(int variant, int precision)
+{
+    if (precision == GEMV_FAST && (variant == GEMV_AVX512 || variant == GEMV_AVX512_FP16))
+        return gemv_tiles_avx512_fast_v1;
+    return NULL;
+}
+
 /* ---- checks ----------------------------------------------------------------------------- */
 
 static int fail(char *msg, size_t len, int code, const char *fmt, ...)

@@ -28,12 +28,20 @@ def run_bench(name: str, *args: str) -> dict:
 
 
 def test_micro_gemv_contract():
-    pytest.importorskip("glm53._gemv")
+    gemv = pytest.importorskip("glm53._gemv")
+    # the fast kernel's A/B against its previous one runs where the CPU has a kept previous kernel
+    ab = gemv.has_previous(gemv.best_variant(), gemv.FAST)
     r = run_bench(
         "micro_gemv", "--threads", "1", "--jobs", "1", "--pool-mb", "64", "--no-calibrate",
-        "--no-exllamav3",
+        "--no-exllamav3", *(("--ab", "1,2", "--ab-reps", "2") if ab else ()),
     )  # fmt: skip
     f, ratios, cfg = r["figures"], r["ratios"], r["config"]
+    if ab:
+        assert set(f["ab"]) == {"1", "2"} and f["ab"]["2"]["pairs"] == 2
+        assert ratios["fast_vs_previous_one_thread"] == f["ab"]["1"]["ratio_median"] > 0
+        assert f["ab"]["1"]["new_gbps_p10"] > 0 and "alternating pairs" in cfg["ab"]
+    else:
+        assert f["ab"] is None and ratios["fast_vs_previous_one_thread"] is None
     assert f["max_rel_err"] <= 1e-5
     assert 1e-5 < f["fast_max_rel_err"] <= f["fast_rel_tol"]  # the fast kernels are inexact
     for key in ("trellis_gbps_per_thread", "ms_per_expert", "dram_gbps",

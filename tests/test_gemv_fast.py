@@ -74,6 +74,49 @@ def test_fast_kernels_equal_the_scalar_one_and_follow_the_definition(variant, k2
         assert rel_err(got, fast_model(trellis, xh, kt0, kt1)) < MODEL_TOL
 
 
+# The previous kernels kept for same-process A/B (`bench/micro_gemv.py --ab`): each must still
+# equal the scalar one, so an A/B compares two right answers.
+PREVIOUS = [
+    pytest.param(
+        v,
+        marks=pytest.mark.skipif(
+            not _gemv.kernel_supported(v, _gemv.FAST),
+            reason=f"this CPU lacks the instructions of the {_gemv.variant_name(v)} kernels",
+        ),
+        id=_gemv.variant_name(v).split()[0],
+    )
+    for v in _gemv.VARIANTS
+    if _gemv.has_previous(v, _gemv.FAST)
+]
+
+
+def test_the_avx512_fast_kernel_keeps_its_previous_one_and_no_other_does():
+    assert [v for v in _gemv.VARIANTS if _gemv.has_previous(v, FAST)] == [
+        _gemv.AVX512,
+        _gemv.AVX512_FP16,
+    ]
+    assert not any(_gemv.has_previous(v, _gemv.EXACT) for v in _gemv.VARIANTS)
+    trellis = np.zeros((8, 1, 48), np.int16)
+    with pytest.raises(ValueError, match="no previous kernel"):
+        _gemv.tiles(
+            _gemv.SCALAR, trellis, np.ones((1, 128), np.float32), precision=FAST, previous=True
+        )
+
+
+@pytest.mark.parametrize("variant", PREVIOUS)
+@pytest.mark.parametrize("k2", RATES)
+def test_previous_fast_kernels_equal_the_scalar_one(variant, k2):
+    rng = np.random.default_rng(200 + k2)
+    trellis = random_trellis(rng, 16, 8, k2)
+    for m in (1, 3, 8):
+        xh = (rng.standard_normal((m, 256)) * rng.uniform(0.1, 10, (m, 1))).astype(np.float32)
+        for kt0, kt1 in ((0, 16), (3, 13)):
+            got = _gemv.tiles(variant, trellis, xh, kt0, kt1, precision=FAST, previous=True)
+            want = _gemv.tiles(_gemv.SCALAR, trellis, xh, kt0, kt1, precision=FAST)
+            assert np.array_equal(got, want)
+            assert np.array_equal(got, _gemv.tiles(variant, trellis, xh, kt0, kt1, precision=FAST))
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("m", [1, 2, 5, 8])
 def test_fast_kernels_take_one_to_eight_rows_and_zero_blocks(variant, m):

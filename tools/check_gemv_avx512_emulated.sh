@@ -1,8 +1,8 @@
 #!/bin/sh
-# Check the fast AVX-512 tile kernel (pyx/gemv_avx512_fast.c) on a CPU without AVX-512: compile it
-# against SIMDe's portable AVX-512 (apt install libsimde-dev) and compare it bit for bit with the
-# scalar fast kernel, the twin it must equal, over every rate, 1..8 rows and partial tile-row
-# ranges. tests/test_gemv_fast.py runs the real instructions where the CPU has them; this is for
+# Check the fast AVX-512 tile kernels (pyx/gemv_avx512_fast.c, and the previous one kept for A/B,
+# gemv_avx512_fast_v1.c) on a CPU without AVX-512: compile each against SIMDe's portable AVX-512
+# (apt install libsimde-dev) and compare it bit for bit with the scalar fast kernel, the twin it
+# must equal, over every rate, 1..8 rows and partial tile-row ranges. tests/test_gemv_fast.py runs the real instructions where the CPU has them; this is for
 # editing the kernel on a machine that has not. Three intrinsics SIMDe 0.7 lacks are written out
 # below, and its fused multiply-add is replaced by fmaf (SIMDe rounds a*b+c twice).
 #   sh tools/check_gemv_avx512_emulated.sh
@@ -57,9 +57,11 @@ static inline simde__m512 fused_fmadd(simde__m512 a, simde__m512 b, simde__m512 
 #undef simde_mm512_fmadd_ps
 #define simde_mm512_fmadd_ps fused_fmadd
 C
-sed -e 's|#include <immintrin.h>|#include "prelude.h"|' -e 's/\b_mm512_/simde_mm512_/g' \
-    -e 's/\b__m512i\b/simde__m512i/g' -e 's/\b__m512\b/simde__m512/g' \
-    -e 's/\b__mmask64\b/simde__mmask64/g' "$root/pyx/gemv_avx512_fast.c" > "$work/avx512_fast.c"
+for name in avx512_fast avx512_fast_v1; do
+    sed -e 's|#include <immintrin.h>|#include "prelude.h"|' -e 's/\b_mm512_/simde_mm512_/g' \
+        -e 's/\b__m512i\b/simde__m512i/g' -e 's/\b__m512\b/simde__m512/g' \
+        -e 's/\b__mmask64\b/simde__mmask64/g' "$root/pyx/gemv_$name.c" > "$work/$name.c"
+done
 cat > "$work/main.c" <<'C'
 #include <stdio.h>
 #include <stdlib.h>
@@ -81,19 +83,24 @@ int main(void)
             for (int i = 0; i < m * 16 * kt; i++)
                 x[i] = ((float)rand() / RAND_MAX - 0.5f) * (float)(1 + i % 7);
             gemv_tiles_scalar_fast(trellis, nt, k2, kt0, kt1, x, 16 * kt, m, a);
-            gemv_tiles_avx512_fast(trellis, nt, k2, kt0, kt1, x, 16 * kt, m, b);
+            KERNEL(trellis, nt, k2, kt0, kt1, x, 16 * kt, m, b);
             if (memcmp(a, b, sizeof(float) * m * 16 * nt)) {
                 bad++;
                 printf("k2 %d, %d rows: differs from the scalar fast kernel\n", k2, m);
             }
             free(trellis), free(x);
         }
-    printf("avx512 fast (SIMDe) vs scalar fast: %d of %d cases bit-identical\n", cases - bad, cases);
+    printf("%s (SIMDe) vs scalar fast: %d of %d cases bit-identical\n", NAME, cases - bad, cases);
     return bad != 0;
 }
 C
 flags="-O2 -ffp-contract=off -fno-strict-aliasing -Wno-psabi -I$root/pyx -I$work"
 cc $flags -c "$root/pyx/gemv_scalar.c" -o "$work/scalar.o"
-cc $flags -c "$work/avx512_fast.c" -o "$work/avx512_fast.o"
-cc $flags "$work/main.c" "$work/scalar.o" "$work/avx512_fast.o" -o "$work/check" -lm -lpthread
-"$work/check"
+status=0
+for name in avx512_fast avx512_fast_v1; do
+    cc $flags -c "$work/$name.c" -o "$work/$name.o"
+    cc $flags -DKERNEL="gemv_tiles_$name" -DNAME="\"$name\"" "$work/main.c" "$work/scalar.o" \
+        "$work/$name.o" -o "$work/check_$name" -lm -lpthread
+    "$work/check_$name" || status=1
+done
+exit $status
