@@ -46,3 +46,45 @@ def test_the_root_keeps_each_class_builtin_base():
     assert issubclass(PromptTooLong, ValueError) and issubclass(EngineError, RuntimeError)
     assert issubclass(ExpertReadError, OSError)
     assert all(issubclass(c, Glm53Error) for c in (ConfigurationError, EngineError))
+
+
+# the pure-Python twins of the native CLOCK table (glm53._clock: plain and policy="freq") raise
+# what it raises (tests/test_clock.py and tests/test_freq_clock.py compare them call by call)
+MIRRORS_NATIVE = {"glm53/tiers/clock_ref.py", "glm53/tiers/freq_clock_ref.py"}
+
+
+def _message_text(node) -> str:
+    """The literal parts of an exception's message: a string, an f-string or a concatenation."""
+    import ast
+
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        return "".join(_message_text(v) for v in node.values)
+    if isinstance(node, ast.BinOp):
+        return _message_text(node.left) + _message_text(node.right)
+    return ""
+
+
+def test_a_bare_runtime_error_is_an_internal_error():
+    """What a user causes or can fix raises a Glm53Error subclass whose message names the fix;
+    a bare RuntimeError is left only for an invariant of glm53's own, and says so."""
+    import ast
+    from pathlib import Path
+
+    root = Path(glm53.__file__).parent
+    bare = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root.parent).as_posix()
+        if rel in MIRRORS_NATIVE:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), rel)):
+            exc = node.exc if isinstance(node, ast.Raise) else None
+            if not (isinstance(exc, ast.Call) and isinstance(exc.func, ast.Name)):
+                continue
+            if exc.func.id != "RuntimeError":
+                continue
+            text = _message_text(exc.args[0]) if exc.args else ""
+            if not text.startswith("internal error"):
+                bare.append(f"{rel}:{node.lineno}: {text[:60]!r}")
+    assert not bare, "user-facing RuntimeErrors (use a Glm53Error subclass):\n" + "\n".join(bare)

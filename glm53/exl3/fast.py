@@ -61,7 +61,9 @@ def start_fast(
     pins every layer's wait for the lane (None: the router's predicted wait, per layer and
     step). GPU only."""
     if loaded.home is None or loaded.ec is None:
-        raise RuntimeError("fast mode needs an exact-mode load (the pinned home and VRAM cache)")
+        raise RuntimeError(
+            "internal error: fast mode needs an exact-mode load (the pinned home and VRAM cache)"
+        )
     key_lane = None
     if loaded.nvme is not None:
         from glm53.tiers.nvme_lane import ram_lane_tables

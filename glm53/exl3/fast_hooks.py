@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from glm53.exl3.errors import UnsupportedCheckpoint
 from glm53.exl3.hooks import (  # noqa: F401 (the prefill mark: fast.py uses it from here)
     DECODE_MAX_ROWS,
     NO_LANE,
@@ -67,7 +68,7 @@ class FastLayer:
 
         odd = [n for n in ("router_pre_norm", "routed_pre_norm", "latent_in") if getattr(module, n)]
         if odd or module.bc is None:
-            raise RuntimeError(
+            raise UnsupportedCheckpoint(
                 f"{module.key}: fast mode needs exllamav3's fused decode path with the router's "
                 f"input as the experts' ({', '.join(odd) or 'no bc'}); serve it in exact mode"
             )
@@ -101,11 +102,13 @@ class FastLayer:
         bsz, top_k = selected.shape
         if selected.dtype != torch.long or weights.dtype != torch.half:
             raise RuntimeError(
-                f"{self.module.key}: the router gave {selected.dtype} ids and {weights.dtype} "
+                f"internal error: {self.module.key}: the router gave {selected.dtype} ids and {weights.dtype} "
                 "weights; the lane's publish reads int64 ids and fp16 weights (exllamav3 1.6.5)"
             )
         if not (selected.is_contiguous() and weights.is_contiguous() and z.stride(1) == 1):
-            raise RuntimeError(f"{self.module.key}: the router's outputs must be contiguous")
+            raise RuntimeError(
+                f"internal error: {self.module.key}: the router's outputs must be contiguous"
+            )
         key_slot = key_score = 0
         key_base = 0
         if self.cache is not None:
@@ -190,7 +193,9 @@ def install_fast_hooks() -> None:
 
     prop = BlockSparseMLP.__dict__["routing_fn"]
     if not isinstance(prop, property):
-        raise RuntimeError("install glm53.exl3.hooks' hooks (install_hooks) before fast mode's")
+        raise RuntimeError(
+            "internal error: install glm53.exl3.hooks' hooks (install_hooks) before fast mode's"
+        )
     base_get = prop.fget
 
     def _get(self):

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from glm53.exl3.errors import Exl3Refused, UnsupportedCheckpoint
 from glm53.exl3.patches import patch_class, shadow, unshadow
 
 EXPERT_TRELLIS = re.compile(
@@ -73,7 +74,7 @@ class PinnedExpertHome:
         need = self.geo.n_keys * self.geo.record_bytes
         limit = memlock_limit()
         if 0 <= limit < need:
-            raise RuntimeError(
+            raise Exl3Refused(
                 f"the locked-memory limit is {limit} bytes, but pinning the routed experts needs "
                 f"{need} bytes: raise it (`ulimit -l unlimited`, or LimitMEMLOCK=infinity in the "
                 "systemd unit) and start again"
@@ -92,7 +93,7 @@ class PinnedExpertHome:
             view.ctypes.data, nbytes, 1 | 2
         )  # portable|mapped
         if int(rc) != 0:
-            raise RuntimeError(
+            raise Exl3Refused(
                 f"cudaHostRegister of {nbytes} bytes for MoE layer {layer} failed (error {int(rc)}): "
                 "check `ulimit -l` (LimitMEMLOCK) and free RAM"
             )
@@ -108,8 +109,8 @@ class PinnedExpertHome:
             if arena is None or len(arena.filled) != 3 * self.geo.n_experts:
                 got = 0 if arena is None else len(arena.filled)
                 raise RuntimeError(
-                    f"MoE layer {layer}: {got} of {3 * self.geo.n_experts} expert trellis tensors "
-                    "reached the pinned home; the loader bypassed the hook"
+                    f"internal error: MoE layer {layer}: {got} of {3 * self.geo.n_experts} expert "
+                    "trellis tensors reached the pinned home; the loader bypassed the hook"
                 )
             base = arena.view.ctypes.data
             out[i * self.geo.n_experts : (i + 1) * self.geo.n_experts] = (
@@ -157,14 +158,16 @@ def _locate(home, stc, key: str, m: re.Match):
     trellis, checked against the home's geometry."""
     layer, expert, proj = int(m["layer"]), int(m["expert"]), PROJ_INDEX[m["proj"]]
     if layer not in home.moe_index or not 0 <= expert < home.geo.n_experts:
-        raise RuntimeError(f"{key}: not a routed expert of the layers this home was built for")
+        raise RuntimeError(
+            f"internal error: {key}: not a routed expert of the layers this home was built for"
+        )
     filename = stc.tensor_file_map[key]
     header = stc.file_headers[filename]
     h = header[key]
     beg, end = h["data_offsets"]
     nbytes = end - beg
     if h["dtype"] != "I16" or nbytes != home.geo.part_bytes[proj]:
-        raise RuntimeError(
+        raise UnsupportedCheckpoint(
             f"{key}: expected I16 trellis of {home.geo.part_bytes[proj]} bytes, found "
             f"{h['dtype']} of {nbytes}: every routed expert of a layer must share its shape"
         )
@@ -192,7 +195,8 @@ class AbsentExpertHome:
         want = 3 * self.geo.n_keys
         if len(self.loaded) != want:
             raise RuntimeError(
-                f"{len(self.loaded)} of {want} expert trellis tensors reached the absent home; "
+                f"internal error: {len(self.loaded)} of {want} expert trellis tensors reached "
+                "the absent home; "
                 "the loader bypassed the hook"
             )
         return np.full(self.geo.n_keys, self.address, dtype=np.int64)
@@ -234,7 +238,8 @@ def install_hooks() -> None:
                 }
                 if odd or args:
                     raise RuntimeError(
-                        f"{key}: unexpected load options {odd or args} for a routed expert"
+                        f"internal error: {key}: unexpected load options {odd or args} for a "
+                        "routed expert"
                     )
                 return home.load(self, key, m, device)
         return original_get_tensor(self, key, device, *args, **kwargs)
@@ -333,8 +338,9 @@ def table_addresses(modules) -> list[int]:
         gate = mod.multi_gate if mod.multi_gate is not None else mod.multi_up
         for multi in (gate, mod.multi_up, mod.multi_down):
             if multi is None:
-                raise RuntimeError(
-                    f"{mod.key}: no pointer tables (the MoE layer is not fully EXL3)"
+                raise UnsupportedCheckpoint(
+                    f"{mod.key}: no pointer tables (the MoE layer is not fully EXL3): glm53 "
+                    "serves EXL3 checkpoints whose every expert projection is EXL3-quantized"
                 )
             out.append(multi.ptrs_trellis.data_ptr())
     return out
