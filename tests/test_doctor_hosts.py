@@ -50,7 +50,7 @@ def test_reference_host_runs_fast_with_exact_as_the_bit_exact_alternative():
     assert plan.mode == Mode.FAST and plan.planned is None
     assert plan.exact_alternative == Mode.EXACT
     assert plan.headline.startswith("fast: 21.7 tok/s decode at concurrency 1")
-    assert "does not serve it yet" not in plan.headline
+    assert "not yet run on a GPU" not in plan.headline
     assert plan.lane_cpus == list(range(2, 24))  # the seed's CPUs 2-23
     assert plan.store_location == "/nvx/glm53-store"  # the md RAID0, ~26.8 GB/s estimated
     assert plan.steps == [
@@ -94,10 +94,10 @@ def test_reference_host_predictions_land_near_the_seeds_measurements():
 def test_desktop_with_one_gen4_nvme_and_64_gb_runs_nvme_exact_and_shows_nvme_as_not_served():
     host, plan, checks = doctor("desktop-4090-gen4-64g")
     # exact and fast need 111 GiB of RAM; of the store modes, nvme is faster, but this build's
-    # GPU engine does not serve it yet: nvme-exact is what runs
+    # GPU engine runs it only with --allow-unrun-modes: nvme-exact is what runs
     assert plan.mode == Mode.NVME_EXACT and plan.planned == Mode.NVME
     assert plan.headline.startswith("nvme-exact: 9.0 tok/s decode at concurrency 1")
-    assert "nvme would give 11.3 tok/s, but this build's GPU engine does not serve it yet" in (
+    assert "nvme would give 11.3 tok/s, but it has not yet run on a GPU (serve runs it " in (
         plan.headline
     )
     assert plan.steps == [

@@ -42,7 +42,7 @@ from glm53.modes import recommended
 # the modes glm53 doctor recommends: those the GPU engine serves without --allow-unrun-modes
 # (glm53.modes' table)
 SERVED_MODES = recommended("gpu")
-NOT_SERVED = "this build's GPU engine does not serve it yet"
+NOT_SERVED = "it has not yet run on a GPU (serve runs it only with --allow-unrun-modes)"
 
 EB = expert_trellis_bytes(3)
 DEFAULT_CT_B_MS = 0.104  # the seed's lane ms per expert at 22 threads (--ct-b is unset by default)
@@ -158,8 +158,9 @@ class Plan(msgspec.Struct):
     comparison: Comparison | None = None
     geometry: Geometry = GLM53_FLASH  # what the predictions are for
     lane_layout: hi.LaneLayout | None = None  # how lane_cpus were chosen, and what is left out
-    # the fastest mode that fits when this build's GPU engine does not serve it yet (it is
-    # predicted and shown, never recommended: `glm53 serve` would refuse it)
+    # the fastest mode that fits when it has not yet run on a GPU (it is
+    # predicted and shown, never recommended: `glm53 serve` refuses it without
+    # --allow-unrun-modes)
     planned: Mode | None = None
     # two or more GPUs on the host, or --gpus: the layer split per GPU and its prediction
     multi_gpu: MultiGpuOutlook | None = None

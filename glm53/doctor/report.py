@@ -234,9 +234,7 @@ def _plan_tables(plan: Plan) -> list:
         t.add_column(col)
     for o in plan.options:
         p = o.prediction
-        mark = (
-            " *" if o.mode == plan.mode else (" (not served yet)" if o.mode == plan.planned else "")
-        )
+        mark = " *" if o.mode == plan.mode else (" (not yet run)" if o.mode == plan.planned else "")
         t.add_row(
             f"{o.mode}{mark}",
             f"{p.decode_tok_s:.1f}" if p else "-",
