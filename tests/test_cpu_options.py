@@ -66,13 +66,12 @@ def test_the_options_refuse_values_no_setting_can_give():
         CpuEngineOptions(cpu_threads=0)
 
 
-def test_the_options_are_frozen_and_resolved_once():
+def test_the_options_are_frozen_and_replace_checks_them_again():
     first = min(os.sched_getaffinity(0))
-    o = CpuEngineOptions(cpus=str(first), store=None)
+    o = CpuEngineOptions(cpus=str(first))
     assert o.lane.cpus == (first,) and o.lane.note == "from --cpus"
     with pytest.raises(dataclasses.FrozenInstanceError):
         o.max_batch = 8
-    # replace() builds and checks them again
     assert dataclasses.replace(o, max_batch=8).lane == o.lane
     with pytest.raises(ConfigurationError, match="^--cpu-threads 2 exceeds the 1 CPUs"):
         dataclasses.replace(o, cpu_threads=2)
