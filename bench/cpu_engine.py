@@ -41,10 +41,12 @@ def prompt_ids(tokenizer, length: int) -> list[int]:
 
 def run_once(checkpoint: Path, ram_cap: int | None, ids: list[int], new_tokens: int, args) -> dict:
     from glm53.engine.cpu import CpuEngine
+    from glm53.engine.cpu_options import CpuEngineOptions
 
-    engine = CpuEngine(
-        checkpoint, ram_cap=ram_cap, cpu_threads=args.lane_threads, torch_threads=args.torch_threads
+    options = CpuEngineOptions(
+        ram_cap=ram_cap, cpu_threads=args.lane_threads, torch_threads=args.torch_threads
     )
+    engine = CpuEngine(checkpoint, options)
     engine.load()
     cache = engine.new_cache()
     start = time.perf_counter()
@@ -76,10 +78,10 @@ def telemetry_overhead(checkpoint: Path, ids: list[int], pairs: int, args) -> di
     shared host), and their ratio."""
     from glm53.engine.base import StreamWork
     from glm53.engine.cpu import CpuEngine
+    from glm53.engine.cpu_options import CpuEngineOptions
 
-    engine = CpuEngine(
-        checkpoint, ram_cap=None, cpu_threads=args.lane_threads, torch_threads=args.torch_threads
-    )
+    options = CpuEngineOptions(cpu_threads=args.lane_threads, torch_threads=args.torch_threads)
+    engine = CpuEngine(checkpoint, options)
     engine.load()
     token = int(engine.step([StreamWork(0, ids, 0, True)])[0].argmax())
     pos = len(ids)

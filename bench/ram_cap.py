@@ -42,9 +42,12 @@ def child(args) -> int:
     import torch
 
     from glm53.engine.cpu import CpuEngine
+    from glm53.engine.cpu_options import CpuEngineOptions
 
     base_rss = status_bytes("VmRSS")
-    engine = CpuEngine(args.checkpoint, max_batch=1, ram_cap=args.cap, store=args.store)
+    engine = CpuEngine(
+        args.checkpoint, CpuEngineOptions(max_batch=1, ram_cap=args.cap, store=args.store)
+    )
     engine.load()
     ids = list(range(5, 5 + args.prompt))
     with torch.inference_mode():

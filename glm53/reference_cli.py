@@ -123,8 +123,9 @@ def _prompts(path: str | None, tokenizer) -> list[tuple[str, list[int]]]:
 
 def _cpu_logits(model_dir: str):
     from glm53.engine.cpu import CpuEngine
+    from glm53.engine.cpu_options import CpuEngineOptions
 
-    engine = CpuEngine(model_dir, max_batch=1)
+    engine = CpuEngine(model_dir, CpuEngineOptions(max_batch=1))
     engine.load()
 
     def logits(ids: list[int]):

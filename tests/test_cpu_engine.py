@@ -21,6 +21,7 @@ import torch
 
 from glm53.engine.base import EngineError, StreamWork
 from glm53.engine.cpu import CpuEngine
+from glm53.engine.cpu_options import CpuEngineOptions
 from glm53.models import hf_expand, hf_text
 from glm53.models.checkpoint import Checkpoint
 from glm53.synth.shapes import preset
@@ -43,7 +44,7 @@ def demo(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(demo):
-    eng = CpuEngine(demo, max_batch=2, cpu_threads=1)
+    eng = CpuEngine(demo, CpuEngineOptions(max_batch=2, cpu_threads=1))
     eng.load()
     yield eng
     eng.close()
@@ -90,7 +91,7 @@ def test_a_ram_cap_below_all_experts_gives_the_same_logits(demo, engine):
     record = engine.tier.slot_bytes
     # 10 records: more than one decode step's working set at 2 streams (top-4 x 2), far fewer
     # than a prefill touches, which runs in waves
-    small = CpuEngine(demo, max_batch=2, cpu_threads=1, ram_cap=10 * record)
+    small = CpuEngine(demo, CpuEngineOptions(max_batch=2, cpu_threads=1, ram_cap=10 * record))
     small.load()
     try:
         assert small.tier.num_slots == 10 < engine.tier.num_slots == 6 * 32
@@ -139,9 +140,10 @@ def test_experts_read_from_a_packed_store_give_the_same_logits(demo, engine, tmp
     from glm53.store.pack import pack
 
     pack(demo, tmp_path / "store", include_mtp=False, threads=1, io_threads=2)
-    stored = CpuEngine(
-        demo, cpu_threads=1, ram_cap=20 * engine.tier.slot_bytes, store=tmp_path / "store"
+    options = CpuEngineOptions(
+        cpu_threads=1, ram_cap=20 * engine.tier.slot_bytes, store=tmp_path / "store"
     )
+    stored = CpuEngine(demo, options)
     stored.load()
     try:
         assert stored.tier.source.describe().startswith(f"expert store {tmp_path / 'store'}")
@@ -188,7 +190,7 @@ def test_a_fast_lane_stays_near_transformers(demo, engine, reference):
     # 4.2e-4). Most positions' logits move by about as much; where a router's top-k sits on a
     # near tie the perturbation can flip a pick, and that position's logits move far more
     # (measured: median 4e-4, max 0.18, top-1 agreement 32 of 33 positions)
-    fast = CpuEngine(demo, cpu_threads=1, lane_precision="fast")
+    fast = CpuEngine(demo, CpuEngineOptions(cpu_threads=1, lane_precision="fast"))
     fast.load()
     try:
         assert " fast, " in fast.lane.describe()

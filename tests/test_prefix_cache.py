@@ -16,6 +16,7 @@ import torch
 
 from glm53.engine.base import StreamWork
 from glm53.engine.cpu import CpuEngine
+from glm53.engine.cpu_options import CpuEngineOptions
 from glm53.engine.prefix_cache import PrefixCache, Snapshot, chain_keys
 from glm53.engine.sampling import SamplingParams
 from glm53.engine.scheduler import GenerationRequest, Scheduler
@@ -71,7 +72,7 @@ def demo(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(demo):
-    eng = CpuEngine(demo, max_batch=2, cpu_threads=1)
+    eng = CpuEngine(demo, CpuEngineOptions(max_batch=2, cpu_threads=1))
     eng.load()
     yield eng
     eng.close()
@@ -173,7 +174,7 @@ class Served:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.engine = RecordingEngine(demo, max_batch=num_slots, cpu_threads=1)
+        self.engine = RecordingEngine(demo, CpuEngineOptions(max_batch=num_slots, cpu_threads=1))
         self.scheduler = Scheduler(
             self.engine,
             max_batch=num_slots,

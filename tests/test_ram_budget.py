@@ -9,6 +9,7 @@ from serving_kit import Server
 
 from glm53.config import ConfigurationError
 from glm53.engine.cpu import CpuEngine
+from glm53.engine.cpu_options import CpuEngineOptions
 from glm53.plan.host_memory import HostMemory, host_memory
 from glm53.plan.ram_cap import RamCapError, check_cap, planned_cap_bytes, working_set_records
 from glm53.synth.shapes import preset
@@ -133,7 +134,7 @@ def demo(tmp_path_factory):
 
 
 def test_the_engine_refuses_a_small_cap_before_loading_the_model(demo):
-    engine = CpuEngine(demo, max_batch=4, cpu_threads=1, ram_cap=3 * RECORD)
+    engine = CpuEngine(demo, CpuEngineOptions(max_batch=4, cpu_threads=1, ram_cap=3 * RECORD))
     # read from the shards, a record is the aligned span of the expert's tensors: 81,920 bytes
     with pytest.raises(
         ConfigurationError,

@@ -12,6 +12,7 @@ from store_kit import FailingReader, resident_records
 
 from glm53.engine.base import StreamWork
 from glm53.engine.cpu import CpuEngine
+from glm53.engine.cpu_options import CpuEngineOptions
 from glm53.tiers.heat import heat_path, read_heat
 
 RECORD = 77_824  # demo record bytes
@@ -20,9 +21,10 @@ PROMPT = [11, 12, 13]
 
 
 def _engine(demo, store, heat, records=NUM_RECORDS):
-    eng = CpuEngine(
-        demo, max_batch=1, cpu_threads=1, ram_cap=records * RECORD, store=store, heat_file=heat
+    options = CpuEngineOptions(
+        max_batch=1, cpu_threads=1, ram_cap=records * RECORD, store=store, heat_file=heat
     )
+    eng = CpuEngine(demo, options)
     eng.load()
     return eng
 

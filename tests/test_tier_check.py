@@ -13,6 +13,7 @@ from store_kit import direct_dir, flip_byte
 
 from glm53.engine.base import StreamWork
 from glm53.engine.cpu import CpuEngine
+from glm53.engine.cpu_options import CpuEngineOptions
 from glm53.store.reader import ExpertStore
 from glm53.tiers.check import BadRecord, TierCheck, check_tiers, check_vram
 from glm53.tiers.expert_source import record_views
@@ -34,7 +35,9 @@ def served_store(good_store, tmp_path_factory):
 @pytest.fixture(scope="module")
 def started(demo, served_store):
     """(an engine with room for 40 records over the store, the tier check it ran at start)."""
-    engine = CpuEngine(demo, max_batch=1, cpu_threads=1, ram_cap=40 * RECORD, store=served_store)
+    engine = CpuEngine(
+        demo, CpuEngineOptions(max_batch=1, cpu_threads=1, ram_cap=40 * RECORD, store=served_store)
+    )
     engine.load()
     yield engine, engine.tier_check
     engine.close()
@@ -147,7 +150,7 @@ def test_a_lane_entry_pointing_at_another_slot_is_a_table_fault(engine):
 
 
 def test_without_a_store_the_ram_copy_is_compared_with_the_shards(demo):
-    engine = CpuEngine(demo, max_batch=1, cpu_threads=1, ram_cap=40 * RECORD)
+    engine = CpuEngine(demo, CpuEngineOptions(max_batch=1, cpu_threads=1, ram_cap=40 * RECORD))
     engine.load()
     try:
         engine.step([StreamWork(0, PROMPT_IDS, 0, True)])

@@ -18,6 +18,7 @@ from store_kit import FailingReader, StallingReader, resident_records
 
 from glm53.engine.base import EngineError, StreamWork
 from glm53.engine.cpu import CpuEngine
+from glm53.engine.cpu_options import CpuEngineOptions
 
 RECORD = 77_824  # demo record bytes
 NUM_RECORDS = 192  # 6 MoE layers x 32 experts
@@ -29,9 +30,10 @@ PROMPT_B = [901, 902]
 def engine(demo, good_store):
     """One engine for the in-process tests (room for every record); each test starts it cold
     and puts the real reader back."""
-    eng = CpuEngine(
-        demo, max_batch=2, cpu_threads=1, ram_cap=NUM_RECORDS * RECORD, store=good_store
+    options = CpuEngineOptions(
+        max_batch=2, cpu_threads=1, ram_cap=NUM_RECORDS * RECORD, store=good_store
     )
+    eng = CpuEngine(demo, options)
     eng.load()
     real = eng.tier.source.reader
     yield eng
@@ -173,7 +175,7 @@ def test_a_read_that_never_answers_fails_its_request_at_the_timeout_and_never_ha
     while tier._stuck and time.monotonic() < deadline:  # the late reads finish; then freed
         tier._reap()
         time.sleep(0.01)
-    source.reader, tier.read_timeout_s = real, engine.read_timeout_s
+    source.reader, tier.read_timeout_s = real, engine.options.read_timeout_s
     assert not tier._stuck and tier.clock.lookup(bad) < 0  # unpinned and un-admitted
     engine.release(0)
     assert torch.equal(engine.step([StreamWork(0, PROMPT_B, 0, True)])[0], clean_runs["b"][1])

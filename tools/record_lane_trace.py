@@ -22,9 +22,10 @@ def record(demo: str, steps: int, share: float, streams: int = 4, seed: int = 0)
 
     from glm53.engine.base import StreamWork
     from glm53.engine.cpu import CpuEngine
+    from glm53.engine.cpu_options import CpuEngineOptions
     from glm53.tiers.clock_ref import ClockRef
 
-    engine = CpuEngine(demo, context=4096, max_batch=streams)
+    engine = CpuEngine(demo, CpuEngineOptions(context=4096, max_batch=streams))
     engine.load()
     picks_log: list[tuple[int, list[list[int]]]] = []
     hooks = []

@@ -1,7 +1,8 @@
 """The CPU engine (the embedded default without a GPU): transformers' glm5_next text model on the
 CPU in fp32, with every non-expert EXL3 linear decoded once to a dense weight, and its MoE blocks
 replaced by glm53's tiered MoE (RAM tier + O_DIRECT reads + CLOCK + CPU lane).
-Implements glm53.engine.base.Engine.
+Implements glm53.engine.base.Engine. Its settings come in one CpuEngineOptions, validated when
+it is built (glm53.engine.cpu_options).
 
 Each slot owns one transformers cache (its DSA latents, indexer keys, KDA conv and recurrent
 state, and the DSA keys/values already expanded from the latents, see glm53.models.hf_expand).
@@ -13,10 +14,11 @@ stored snapshot is never written by later steps. Kept with the memo, a restored 
 only its new positions, exactly as the cold stream does at that point.
 
 KDA prefill runs transformers' chunked torch path (its `chunk_size` argument) with chunks of
-KDA_CHUNK tokens instead of its default 64: the intra-chunk decay tensor grows with the chunk,
-and on the CPU 16 is about 3.5x faster for a 512-token prompt. It is no less accurate: against
-the token-by-token recurrence in fp64 on the demo's 512-token bench prompt, the fp32 logits of
-chunk 16 are within 2.5e-6 of the largest logit, chunk 64's within 4.4e-6.
+KDA_CHUNK tokens (glm53.engine.cpu_options) instead of its default 64: the intra-chunk decay
+tensor grows with the chunk, and on the CPU 16 is about 3.5x faster for a 512-token prompt. It
+is no less accurate: against the token-by-token recurrence in fp64 on the demo's 512-token bench
+prompt, the fp32 logits of chunk 16 are within 2.5e-6 of the largest logit, chunk 64's within
+4.4e-6.
 """
 
 from __future__ import annotations
@@ -32,13 +34,13 @@ from typing import Any
 
 import torch
 
-from glm53.config import ConfigurationError, cache_dir
+from glm53.config import ConfigurationError
 from glm53.engine.base import EngineError, EngineUnavailable, StreamUsage, StreamWork
+from glm53.engine.cpu_options import CpuEngineOptions, engine_options
 from glm53.plan.host_memory import host_memory
 from glm53.plan.ram_cap import RamCapError, check_cap, planned_cap_bytes, working_set_records
-from glm53.tiers.heat import heat_path, read_heat, write_heat
+from glm53.tiers.heat import read_heat, write_heat
 
-KDA_CHUNK = 16
 # Records the tier check reads at start: 0.6 GB at the full model's 9.4 MB record (0.3 s from a
 # 2 GB/s disk), a fraction of the load.
 STARTUP_CHECK_SAMPLES = 64
@@ -52,37 +54,18 @@ class CpuEngine:
     drives_jobs = False  # a step engine: the scheduler plans its steps and samples
     fast = None  # no fast-mode lane: the CPU lane shares the host with torch, nothing is pinned
 
-    def __init__(
-        self,
-        checkpoint_dir: str | Path,
-        *,
-        context: int = 131072,
-        max_batch: int = 4,
-        ram_cap: int | None = None,
-        cpus: str | None = None,
-        cpu_threads: int | None = None,
-        lane_precision: str = "exact",
-        torch_threads: int | None = None,
-        store: str | Path | None = None,
-        kda_chunk: int = KDA_CHUNK,
-        read_timeout_s: float | None = 30.0,
-        heat_file: str | None = None,
-    ):
+    def __init__(self, checkpoint_dir: str | Path, options: CpuEngineOptions | None = None):
+        """`options` (glm53.engine.cpu_options.CpuEngineOptions) were checked when they were
+        built; None: every default."""
         self.checkpoint_dir = Path(checkpoint_dir)
-        self.requested_context = context
-        self.num_slots = max_batch
-        self.ram_cap = ram_cap
-        self.read_timeout_s = read_timeout_s
-        self.heat_file = heat_file  # the RAM tier's warm start; None: start cold, keep none
+        self.options = options = options if options is not None else CpuEngineOptions()
+        self.num_slots = options.max_batch
+        self.heat_file = options.heat_file  # None after a failed tier check: keep no list
         self.warm_start: dict = {}
-        self.cpus, self.cpu_threads, self.torch_threads = cpus, cpu_threads, torch_threads
-        self.lane_precision = lane_precision
-        self.store = store
-        self.kda_chunk = kda_chunk
         self.description = (
             f"CPU engine (transformers glm5_next + tiered experts) on {checkpoint_dir}"
         )
-        self.context_length = context
+        self.context_length = options.context
         self.generation_defaults: dict[str, float] = {}
         self.model = None
         self.count_streams = True  # per-stream tier counts (bench/cpu_engine.py turns it off)
@@ -101,7 +84,7 @@ class CpuEngine:
         from glm53.models.checkpoint import Checkpoint
         from glm53.models.hf_expand import memoize_expansion
         from glm53.models.hf_text import build_text_model, lm_head_weight
-        from glm53.tiers.cpu_lane import CpuLane, lane_layout
+        from glm53.tiers.cpu_lane import CpuLane
         from glm53.tiers.expert_source import SafetensorsSource
         from glm53.tiers.moe import TallyTarget, TieredMoE
         from glm53.tiers.ram_tier import RamTier
@@ -109,27 +92,28 @@ class CpuEngine:
         ckpt = Checkpoint(self.checkpoint_dir)
         self.tokenizer = CheckpointTokenizer.from_dir(self.checkpoint_dir)
         self.generation_defaults = read_generation_defaults(self.checkpoint_dir)
-        limit = int(ckpt.text_config.get("max_position_embeddings", self.requested_context))
-        self.context_length = min(self.requested_context, limit)
-        if self.store is not None:
+        opts = self.options
+        limit = int(ckpt.text_config.get("max_position_embeddings", opts.context))
+        self.context_length = min(opts.context, limit)
+        if opts.store is not None:
             from glm53.store.reader import ExpertStore
 
-            source = ExpertStore(self.store, ckpt)  # refuses a store of another checkpoint
+            source = ExpertStore(opts.store, ckpt)  # refuses a store of another checkpoint
         else:
             source = SafetensorsSource(ckpt)
         top_k = int(ckpt.text_config["num_experts_per_tok"])
         working_set = working_set_records(top_k, self.num_slots, source.num_experts)
         try:
-            if self.ram_cap is not None:  # before anything loads
-                check_cap(self.ram_cap, source.record_bytes, working_set, top_k, self.num_slots)
+            if opts.ram_cap is not None:  # before anything loads
+                check_cap(opts.ram_cap, source.record_bytes, working_set, top_k, self.num_slots)
         except RamCapError as exc:
             source.close()
             raise ConfigurationError(str(exc)) from None
-        self.lane = CpuLane(lane_layout(self.cpus, self.cpu_threads), precision=self.lane_precision)
+        self.lane = CpuLane(opts.lane, precision=opts.lane_precision)
         # torch gets the CPUs the lane leaves: decode-sized ops gain nothing from more threads,
         # and threads that spin on the lane's core slow both (2-core host: 1 torch thread)
         free_cpus = len(os.sched_getaffinity(0)) - self.lane.layout.threads
-        torch.set_num_threads(self.torch_threads or max(1, free_cpus))
+        torch.set_num_threads(opts.torch_threads or max(1, free_cpus))
         act_limit = float(ckpt.text_config.get("swiglu_limit", 0.0))
 
         self.tally_target = TallyTarget()
@@ -142,7 +126,7 @@ class CpuEngine:
         self.lm_head = lm_head_weight(ckpt)
         self.moe = {i: self.model.layers[i].mlp for i in ckpt.moe_layers}
         # The tier is sized after the non-expert weights are in memory (glm53.plan.ram_cap)
-        cap = self.ram_cap
+        cap = opts.ram_cap
         if cap is None:
             memory = host_memory()
             num_records = len(source.moe_layers) * source.num_experts
@@ -161,7 +145,7 @@ class CpuEngine:
             except RamCapError as exc:
                 source.close()
                 raise ConfigurationError(str(exc)) from None
-        self.tier = RamTier(source, cap, self.read_timeout_s)
+        self.tier = RamTier(source, cap, opts.read_timeout_s)
         for moe in self.moe.values():
             moe.tier = self.tier
         if self.heat_file is not None:
@@ -189,9 +173,10 @@ class CpuEngine:
         if not result.is_ok:
             self.heat_file = None  # a tier that failed its check leaves no heat list behind
             self.close()
+            store = self.options.store
             fix = (
-                f"check the store with `glm53 store verify --store {self.store}` and repack it"
-                if self.store is not None
+                f"check the store with `glm53 store verify --store {store}` and repack it"
+                if store is not None
                 else f"check the checkpoint's files in {self.checkpoint_dir}"
             )
             raise EngineUnavailable(
@@ -221,7 +206,7 @@ class CpuEngine:
         [vocab], or of every position [len(token_ids), vocab] with `all_positions`."""
         ids = torch.tensor([list(token_ids)], dtype=torch.long)
         hidden = self.model(
-            input_ids=ids, cache=cache, use_cache=True, chunk_size=self.kda_chunk
+            input_ids=ids, cache=cache, use_cache=True, chunk_size=self.options.kda_chunk
         ).last_hidden_state
         if all_positions:
             return hidden[0].float() @ self.lm_head.T
@@ -232,7 +217,10 @@ class CpuEngine:
         """float32 logits of every position [len(token_ids), vocab] (for tests and calibration)."""
         ids = torch.tensor([list(token_ids)], dtype=torch.long)
         hidden = self.model(
-            input_ids=ids, cache=cache, use_cache=cache is not None, chunk_size=self.kda_chunk
+            input_ids=ids,
+            cache=cache,
+            use_cache=cache is not None,
+            chunk_size=self.options.kda_chunk,
         ).last_hidden_state
         return hidden[0].float() @ self.lm_head.T
 
@@ -422,19 +410,7 @@ def tensor_bytes(root: Any) -> int:
 
 
 def create(settings, checkpoint_dir: Path) -> CpuEngine:
-    """The CPU engine for these Settings (not loaded). Routed experts come from --store when
-    given, else straight from the checkpoint's safetensors shards."""
-    from glm53.tiers.cpu_lane import lane_precision
-
-    return CpuEngine(
-        checkpoint_dir,
-        context=settings.context,
-        max_batch=settings.max_batch,
-        ram_cap=settings.ram_cap,
-        cpus=settings.cpus,
-        cpu_threads=settings.cpu_threads,
-        lane_precision=lane_precision(settings.ct_precision, "cpu", settings.mode),
-        store=settings.store,
-        read_timeout_s=settings.read_timeout,
-        heat_file=heat_path(str(checkpoint_dir), "ram", settings.store, cache_dir(settings)),
-    )
+    """The CPU engine for these Settings (not loaded), its options checked first
+    (glm53.engine.cpu_options). Routed experts come from --store when given, else straight from
+    the checkpoint's safetensors shards."""
+    return CpuEngine(checkpoint_dir, engine_options(settings, checkpoint_dir))
