@@ -86,6 +86,8 @@ def _shared(spec: HostSpec) -> list[InputValue]:
         pcie,
         _fig("vram_gbps", g.vram_gbps),
         _fig("gpu_fp16_tflops", g.fp16_tflops),
+        *([_fig("prefill_chunk_ms", g.prefill_chunk_ms)] if g.prefill_chunk_ms else []),
+        *([_fig("prefill_token_us", g.prefill_token_us)] if g.prefill_token_us else []),
         _fig("vram_plan_mib", vram),
         _fig("cores", spec.cpu.cores),
         InputValue("lane_isa", spec.cpu.lane_isa, spec.cpu.lane_isa_source),
@@ -117,6 +119,9 @@ def _mode_inputs(spec: HostSpec, mode: Mode, shared: dict, budget: int, geo: Geo
         "vram_gbps": float(shared["vram_gbps"]),
         "gpu_fp16_tflops": float(shared["gpu_fp16_tflops"]),
     }
+    for name in ("prefill_chunk_ms", "prefill_token_us"):  # measured all-VRAM prefill, if any
+        if name in shared:
+            fields[name] = float(shared[name])
     own = [InputValue("vram_slots", slots, why)]
     ram = all_ram_bytes()
     if mode in LANE_MODES:
