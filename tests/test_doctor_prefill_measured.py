@@ -87,3 +87,40 @@ def test_slice_prefill_is_predicted_from_the_all_vram_compute_and_the_staged_lin
     # and every shape is nearer to measured than before
     for name, old in OLD[run].items():
         assert abs(math.log(r["exact"][name])) < abs(math.log(old)), (name, r, old)
+
+
+def test_h200_host_file_prefill_inputs_are_the_committed_runs_mean():
+    """glm53/doctor/hosts/h200-test.toml's measured prefill compute is the mean of the two
+    runs' fits, to its stated digits; the slice is real-width, so per-layer costs carry to the
+    full model's 45 layers."""
+    from glm53.doctor.hostfile import load
+
+    gpu = load("h200-test").gpu
+    fits = [slice_ratios(run)["fit"] for run in sorted(STAGING)]
+    assert gpu.prefill_chunk_ms.value == pytest.approx(sum(f[0] for f in fits) / 2, abs=0.005)
+    assert gpu.prefill_token_us.value == pytest.approx(sum(f[1] for f in fits) / 2, abs=0.005)
+
+
+def test_a_host_file_gives_both_prefill_compute_figures_or_neither():
+    from glm53.doctor.hostfile import HOSTS_DIR, HostFileError, parse
+
+    text = (HOSTS_DIR / "h200-test.toml").read_text()
+    one = "\n".join(ln for ln in text.splitlines() if not ln.startswith("prefill_token_us"))
+    with pytest.raises(
+        HostFileError, match="prefill_chunk_ms and gpu.prefill_token_us go together"
+    ):
+        parse(one, "h200-test.toml")
+
+
+def test_a_measured_compute_replaces_the_seed_rate_and_adds_a_cost_per_chunk():
+    from glm53.doctor.costmodel import _chunk_compute_s
+
+    geo = _slice_geometry()
+    x = msgspec.structs.replace(H200, prefill_chunk_ms=8.0, prefill_token_us=4.0)
+    # 8 layers x (8 ms + 2,048 x 4 us) = 129.5 ms; four chunks of 2,048 pay the 8 ms four times
+    assert _chunk_compute_s(x, geo, 2048) == pytest.approx(8 * (8e-3 + 2048 * 4e-6))
+    assert 4 * _chunk_compute_s(x, geo, 2048) - _chunk_compute_s(x, geo, 8192) == pytest.approx(
+        3 * 8 * 8e-3
+    )
+    with pytest.raises(ValueError, match="no positive cost per token and per chunk"):
+        prefill_compute_fit(geo, (512, 1000.0), (8192, 500.0))

@@ -36,8 +36,10 @@ SEED_NVME_CAP_GIB = 55.0  # seed-project.md §6.5: the shipped nvme cap
 PREFILL_TOKENS = 8192
 PREFILL_CHUNKS = (2048, 8192)  # serve's default chunk, and the seed's -chunk_size
 PREFILL_CAVEAT = (
-    "prefill is predicted 2-3x too fast today: on the H200 slice (issue 29, 2026-12-02) exact "
-    "prefill 512 measured 0.52 and 8k at 2k chunks 0.63 of the prediction"
+    "prefill is predicted from a measured all-VRAM compute only where the host file gives one "
+    "(gpu.prefill_chunk_ms, gpu.prefill_token_us; else the seed's rate scaled by fp16 TFLOPS); "
+    "on the H200 slice exact prefill measured 0.72-0.76 of the prediction at 512 tokens and "
+    "0.81-1.06 at 8k (issue 29, docs/performance.md)"
 )
 
 

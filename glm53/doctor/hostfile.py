@@ -81,10 +81,10 @@ class HostFileError(ValueError, Glm53Error):
 
 POSITIVE = (
     "gpu.vram_mib", "gpu.vram_free_mib", "gpu.vram_gbps", "gpu.fp16_tflops", "gpu.pcie_gen",
-    "gpu.pcie_lanes", "gpu.pcie_gbps", "gpu.vram_budget_mib", "gpu.ec_max_slots", "gpu.prefill_chunk_ms",
-    "gpu.prefill_token_us", "cpu.cores",
-    "memory.ram_gib", "memory.dram_channels", "memory.dram_read_gbps", "disk.read_gbps",
-    "disk.latency_ms", "nvme_ram_cap_gib",
+    "gpu.pcie_lanes", "gpu.pcie_gbps", "gpu.vram_budget_mib", "gpu.ec_max_slots",
+    "gpu.prefill_chunk_ms", "gpu.prefill_token_us", "cpu.cores", "memory.ram_gib",
+    "memory.dram_channels", "memory.dram_read_gbps", "disk.read_gbps", "disk.latency_ms",
+    "nvme_ram_cap_gib",
 )  # fmt: skip
 
 
