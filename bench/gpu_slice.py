@@ -41,7 +41,9 @@ offload rows keep as many experts per layer in VRAM as exact's cache and staging
 row the cost model covers (stock: all slots, zerocopy: none, exact: its slots) gets doctor's
 prediction for this checkpoint's geometry (glm53.doctor.costmodel.exact_rows) and the ratio
 measured / predicted; exact's ratio then scales doctor's full GLM-5.3-Flash prediction at the
-same budget ("full_model").
+same budget ("full_model"). Prefill predictions take the GPU's compute from the run's stock row
+when it has p512 and p8192_c8192 (every expert in VRAM: compute alone) and exact's staging as
+it ran (row stage_dma; issue 29, docs/performance.md "Prefill: where the time goes").
 
     python bench/gpu_slice.py --model DIR [--json] [--plot out.png] [--modes stock,exact]
                               [--vram-budget 24G] [--rows-dir DIR]  # one row per file
@@ -389,6 +391,8 @@ def measure_mode(args, mode) -> dict:
             row["slots"] = loaded.ec.n_slots
             row["freq_window"] = loaded.ec.freq_window
             row["stage_slots"] = loaded.stager.buf_slots if loaded.stager is not None else 0
+            if loaded.stager is not None:  # copy-engine DMA of layer ranges, or an SM gather
+                row["stage_dma"] = bool(loaded.stager.dma)
             if loaded.nvme is not None and loaded.stager is None:  # a finding, not a failure
                 row["staging_off"] = "the VRAM plan left no room for staging buffers"
         if loaded.nvme is not None:
@@ -504,6 +508,33 @@ def prediction_inputs(args, slots: int) -> costmodel.CostInputs:
     )
 
 
+def prefill_inputs(rows: dict, mode: str, geo: Geometry, target: Geometry | None = None) -> dict:
+    """CostInputs fields for a row's prefill prediction: the GPU's compute fitted on this run's
+    stock row (every expert in VRAM, so no link: its p512 and p8192_c8192,
+    costmodel.prefill_compute_fit, per layer, so it carries to the full model's widths), and
+    an exact row's staging as it ran (stage_dma: the copy engine moves the whole layer, the rest
+    of a part-layer buffer read in place; an SM gather runs after the compute). {} where the
+    rows do not say (no stock row, a shape missing). `target`: the geometry predicted for, when
+    not the run's own (full_model)."""
+    fields: dict = {}
+    p = (rows.get("stock") or {}).get("prefill") or {}
+    if p.get("p512") and p.get("p8192_c8192"):
+        try:
+            chunk_ms, token_us = costmodel.prefill_compute_fit(
+                geo, (512, p["p512"]), (8192, p["p8192_c8192"])
+            )
+        except ValueError:
+            pass  # no straight line through them: keep the spec-scaled rate
+        else:
+            fields |= {"prefill_chunk_ms": chunk_ms, "prefill_token_us": token_us}
+    dma = (rows.get(mode) or {}).get("stage_dma")
+    if dma is True:
+        fields["stage_records"] = (target or geo).experts_per_layer
+    elif dma is False:
+        fields["stage_overlap"] = False
+    return fields
+
+
 def predicted_slots(mode: str, row: dict, geo: Geometry) -> int | None:
     """The VRAM slots the cost model gives a row: every expert for stock, none for zerocopy,
     the cache's for exact; None for rows it does not model (stock exllamav3's CPU offload)."""
@@ -533,7 +564,10 @@ def predictions(rows: dict, geo: Geometry, args) -> tuple[dict, dict]:
         slots = predicted_slots(mode, row, geo)
         if slots is None:
             continue
-        pred = costmodel.exact_rows(prediction_inputs(args, slots), geo)
+        x = msgspec.structs.replace(
+            prediction_inputs(args, slots), **prefill_inputs(rows, mode, geo)
+        )
+        pred = costmodel.exact_rows(x, geo)
         predicted[mode] = pred
         vs[mode] = {}
         for name, value in pred.items():
@@ -542,10 +576,10 @@ def predictions(rows: dict, geo: Geometry, args) -> tuple[dict, dict]:
     return predicted, vs
 
 
-def full_model(args, vs_exact: dict | None) -> dict | None:
+def full_model(args, vs_exact: dict | None, prefill: dict | None = None) -> dict | None:
     """doctor's GLM-5.3-Flash figures at the same budget (or share), and those figures times
     exact's measured / predicted on this checkpoint: the measured per-layer costs carried to the
-    real model's 288 experts per layer."""
+    real model's 288 experts per layer. `prefill`: prefill_inputs for GLM-5.3-Flash."""
     if not vs_exact:
         return None
     share = cache_share(args)
@@ -553,7 +587,8 @@ def full_model(args, vs_exact: dict | None) -> dict | None:
         slots = round(share * GLM53_FLASH.total_experts)
     else:
         slots = costmodel.vram_slots(args.vram_budget // 2**20, costmodel.Mode.EXACT)
-    pred = costmodel.exact_rows(prediction_inputs(args, slots), GLM53_FLASH)
+    x = msgspec.structs.replace(prediction_inputs(args, slots), **(prefill or {}))
+    pred = costmodel.exact_rows(x, GLM53_FLASH)
     scaled = {k: pred[k] * vs_exact[k] for k in pred if vs_exact.get(k)}
     return {"slots": slots, "predicted": pred, "scaled_by_measured": scaled}
 
@@ -642,11 +677,13 @@ def combine(results: list[dict], args) -> dict:
     }
     offload = [c1(m) for m in ("stock_offload", "stock_offload_arena") if c1(m)]
     predicted = vs_predicted = {}
+    full_prefill = None
     if "geometry" in info:  # rows measured before predictions were recorded have none
         geo = msgspec.convert(info["geometry"], Geometry)
         predicted, vs_predicted = predictions(rows, geo, args)
+        full_prefill = prefill_inputs(rows, "exact", geo, GLM53_FLASH)
     figures["predicted"] = predicted
-    figures["full_model"] = full_model(args, vs_predicted.get("exact"))
+    figures["full_model"] = full_model(args, vs_predicted.get("exact"), full_prefill)
     read_rates = {
         r["mode"]: r["info"]["store_read"]["bytes_per_s"]
         for r in results

@@ -531,3 +531,39 @@ def test_gpu_slice_nvme_rows_give_the_lanes_ratio_against_nvme_exact(tmp_path):
     assert r["ratios"]["nvme_vs_nvme_exact_ram70"] == pytest.approx(39.0 / 30.0)
     assert r["ratios"]["nvme_vs_nvme_exact_ram40"] == pytest.approx(22.0 / 20.0)
     assert r["figures"]["nvme_lane"] == {"nvme_ram70": lane, "nvme_ram40": lane}
+
+
+def test_gpu_slice_predicts_prefill_from_its_own_stock_row_and_exacts_staging(tmp_path):
+    """The committed H200 s4 run's stock and exact prefill (bench/results/, real figures; the
+    decode figures are copied too) through --combine: exact's prefill prediction takes the GPU's
+    compute from the stock row (costmodel.prefill_compute_fit) and the whole-layer stages its
+    copy-engine staging ran, so its measured / predicted are tests/test_doctor_prefill_measured's."""
+    from glm53.doctor import costmodel
+    from glm53.doctor.geometry import Geometry
+
+    run = json.loads((ROOT / "bench/results/h200-gpu_slice-2026-11-30-s4.json").read_text())
+    geo = Geometry("slice", 8, 6, 288, 8, 9_437_184, 713_091_196, 3)
+    info = {"moe_layers": 6, "experts": 288, "record_bytes": 9_437_184, "device": "H200",
+            "geometry": {f: getattr(geo, f) for f in geo.__struct_fields__}}  # fmt: skip
+    for mode in ("stock", "exact"):
+        src = run["config"]["rows"][mode]
+        row = {"decode": src["decode"], "prefill": src["prefill"]}
+        if mode == "exact":
+            row |= {"slots": 197, "decode_hit_rate": src["decode_hit_rate"], "stage_dma": True,
+                    "cache": {"layer_hit_rate": [0.4] * 6}}  # fmt: skip
+        (tmp_path / f"row-{mode}.json").write_text(
+            json.dumps({"mode": mode, "info": info, "row": row})
+        )
+    r = run_bench("gpu_slice", "--combine", str(tmp_path))
+    stock = run["config"]["rows"]["stock"]["prefill"]
+    fit = costmodel.prefill_compute_fit(geo, (512, stock["p512"]), (8192, stock["p8192_c8192"]))
+    x = costmodel.CostInputs(vram_slots=197, pcie_gbps=50.0, vram_gbps=4800.0,
+                             gpu_fp16_tflops=989.0, prefill_chunk_ms=fit[0],
+                             prefill_token_us=fit[1], stage_records=288)  # fmt: skip
+    want = costmodel.exact_rows(x, geo)
+    assert r["figures"]["predicted"]["exact"] == pytest.approx(want)
+    vs = r["ratios"]["measured_vs_predicted"]
+    assert vs["exact"]["prefill_512_tok_s"] == pytest.approx(0.76, abs=0.01)
+    assert vs["exact"]["prefill_8192_tok_s"] == pytest.approx(1.06, abs=0.01)
+    assert vs["exact"]["prefill_8192_chunk8192_tok_s"] == pytest.approx(0.81, abs=0.01)
+    assert vs["stock"]["prefill_8192_tok_s"] == pytest.approx(1.04, abs=0.01)  # held out

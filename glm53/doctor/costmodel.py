@@ -188,6 +188,16 @@ class CostInputs(msgspec.Struct, frozen=True):
     lane_b_ms: float | None = None
     store_gbps: float | None = None  # nvme modes only
     store_latency_ms: float | None = None
+    # prefill compute measured on this GPU with every expert in VRAM (no link traffic), per
+    # model layer: a fixed cost per chunk (launches, per-expert GEMM setup) and a cost per
+    # prompt token (prefill_compute_fit); None: the seed's rate scaled by fp16 TFLOPS
+    prefill_chunk_ms: float | None = None
+    prefill_token_us: float | None = None
+    # exact prefill staging: records one stage copies per MoE layer (PrefillStager's whole
+    # layer: every expert; None: the layer's experts not in VRAM), and whether the copy overlaps
+    # the previous layer's compute (copy-engine DMA) or runs after it (an SM gather kernel)
+    stage_records: int | None = None
+    stage_overlap: bool = True
 
 
 class Prediction(msgspec.Struct, frozen=True):
@@ -250,10 +260,34 @@ def non_moe_ms(x: CostInputs, geo: Geometry = GLM53_FLASH) -> float:
 
 
 def _chunk_compute_s(x: CostInputs, geo: Geometry, tokens: int) -> float:
-    """GPU time of a prefill chunk: the seed's 700 tok/s (full model, 3090) scaled by the
-    GPU's fp16 rate and by the share of the full model's layers the geometry has."""
+    """GPU time of a prefill chunk of `tokens` tokens through every layer of geo. Measured
+    (x.prefill_chunk_ms, x.prefill_token_us, per layer, from an all-VRAM prefill on this GPU):
+    layers x (fixed cost per chunk + tokens x cost per token). Else the seed's 700 tok/s (full
+    model, 3090, 8k chunks) scaled by the GPU's fp16 rate and the geometry's share of layers,
+    with no fixed cost per chunk."""
+    if x.prefill_chunk_ms is not None and x.prefill_token_us is not None:
+        return geo.num_layers * (x.prefill_chunk_ms / 1e3 + tokens * x.prefill_token_us / 1e6)
     rate = REF_PREFILL_TOK_S * x.gpu_fp16_tflops / REF_FP16_TFLOPS
     return tokens / rate * geo.num_layers / GLM53_FLASH.num_layers
+
+
+def prefill_compute_fit(
+    geo: Geometry, short: tuple[int, float], long: tuple[int, float]
+) -> tuple[float, float]:
+    """(prefill_chunk_ms, prefill_token_us) per layer from two all-VRAM prefills of one chunk
+    each, (tokens, tok/s) at two lengths (bench/gpu_slice.py's stock row: p512 and
+    p8192_c8192): the straight line through their times. An all-VRAM row moves no expert over
+    the link, so its time is compute alone."""
+    (n1, r1), (n2, r2) = sorted((short, long))
+    t1, t2 = n1 / r1, n2 / r2
+    per_token = (t2 - t1) / (n2 - n1)
+    fixed = t1 - n1 * per_token
+    if per_token <= 0 or fixed < 0:
+        raise ValueError(
+            f"all-VRAM prefill {n1} tok at {r1:.0f} tok/s and {n2} at {r2:.0f} tok/s give no "
+            "positive cost per token and per chunk; measure both lengths warm, one chunk each"
+        )
+    return fixed * 1e3 / geo.num_layers, per_token * 1e6 / geo.num_layers
 
 
 def predict(mode: Mode, x: CostInputs, geo: Geometry = GLM53_FLASH) -> Prediction:
@@ -330,17 +364,38 @@ def exact_decode_ms(x: CostInputs, geo: Geometry = GLM53_FLASH, batch: int = 1) 
     return non_moe_ms(x, geo) + geo.num_moe_layers * layer_ms
 
 
+def _staged_s(x: CostInputs, geo: Geometry) -> float:
+    """Seconds of one MoE layer's prefill stage: its staged records over PCIe. Nothing is
+    staged when every expert is in VRAM (stock exllamav3, or a cache that holds the model)."""
+    eb, _, _ = _expert_ms(x, geo)
+    missing = max(0.0, geo.experts_per_layer - x.vram_slots / geo.num_moe_layers)
+    if missing <= 0:
+        return 0.0
+    records = x.stage_records if x.stage_records is not None else missing
+    return records * eb / (x.pcie_gbps * 1e9)
+
+
+def exact_chunk_s(x: CostInputs, geo: Geometry, tokens: int) -> float:
+    """One chunk-major prefill chunk of exact mode (glm53.tiers.vram_cache.PrefillStager): the
+    dense layers compute; the first MoE layer's stage runs on the main stream after its
+    router, so it adds in full; each later MoE layer's stage was started after the previous
+    layer's router, so that layer costs the slower of its compute and its stage (copy-engine
+    DMA), or both one after the other (x.stage_overlap False: an SM gather kernel)."""
+    c = _chunk_compute_s(x, geo, tokens) / geo.num_layers
+    s = _staged_s(x, geo)
+    dense = geo.num_layers - geo.num_moe_layers
+    if not x.stage_overlap:
+        return geo.num_layers * c + geo.num_moe_layers * s
+    return dense * c + (s + c) + (geo.num_moe_layers - 1) * max(c, s)
+
+
 def exact_prefill_tok_s(
     x: CostInputs, geo: Geometry, prompt_tokens: int, chunk_tokens: int
 ) -> float:
-    """Exact mode's prefill rate: each chunk costs the slower of its GPU compute and streaming
-    every expert not in VRAM over PCIe once (a chunk of hundreds of tokens touches them all)."""
-    eb, _, _ = _expert_ms(x, geo)
-    stream_s = max(0, geo.total_experts - x.vram_slots) * eb / (x.pcie_gbps * 1e9)
+    """Exact mode's chunk-major prefill rate: exact_chunk_s over the prompt's chunks."""
     seconds = 0.0
     for start in range(0, prompt_tokens, chunk_tokens):
-        tokens = min(chunk_tokens, prompt_tokens - start)
-        seconds += max(_chunk_compute_s(x, geo, tokens), stream_s)
+        seconds += exact_chunk_s(x, geo, min(chunk_tokens, prompt_tokens - start))
     return prompt_tokens / seconds
 
 

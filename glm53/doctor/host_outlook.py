@@ -36,8 +36,10 @@ SEED_NVME_CAP_GIB = 55.0  # seed-project.md §6.5: the shipped nvme cap
 PREFILL_TOKENS = 8192
 PREFILL_CHUNKS = (2048, 8192)  # serve's default chunk, and the seed's -chunk_size
 PREFILL_CAVEAT = (
-    "prefill is predicted 2-3x too fast today: on the H200 slice (issue 29, 2026-12-02) exact "
-    "prefill 512 measured 0.52 and 8k at 2k chunks 0.63 of the prediction"
+    "prefill is predicted from a measured all-VRAM compute only where the host file gives one "
+    "(gpu.prefill_chunk_ms, gpu.prefill_token_us; else the seed's rate scaled by fp16 TFLOPS); "
+    "on the H200 slice exact prefill measured 0.72-0.76 of the prediction at 512 tokens and "
+    "0.81-1.06 at 8k (issue 29, docs/performance.md)"
 )
 
 
@@ -86,6 +88,8 @@ def _shared(spec: HostSpec) -> list[InputValue]:
         pcie,
         _fig("vram_gbps", g.vram_gbps),
         _fig("gpu_fp16_tflops", g.fp16_tflops),
+        *([_fig("prefill_chunk_ms", g.prefill_chunk_ms)] if g.prefill_chunk_ms else []),
+        *([_fig("prefill_token_us", g.prefill_token_us)] if g.prefill_token_us else []),
         _fig("vram_plan_mib", vram),
         _fig("cores", spec.cpu.cores),
         InputValue("lane_isa", spec.cpu.lane_isa, spec.cpu.lane_isa_source),
@@ -117,6 +121,9 @@ def _mode_inputs(spec: HostSpec, mode: Mode, shared: dict, budget: int, geo: Geo
         "vram_gbps": float(shared["vram_gbps"]),
         "gpu_fp16_tflops": float(shared["gpu_fp16_tflops"]),
     }
+    for name in ("prefill_chunk_ms", "prefill_token_us"):  # measured all-VRAM prefill, if any
+        if name in shared:
+            fields[name] = float(shared[name])
     own = [InputValue("vram_slots", slots, why)]
     ram = all_ram_bytes()
     if mode in LANE_MODES:

@@ -32,6 +32,9 @@ class GpuSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pcie_gbps: Figure | None = None  # the rate the GPU reads pinned host memory; else estimated
     vram_budget_mib: Figure | None = None  # plan as on a card this size (gpu_slice --vram-budget)
     ec_max_slots: Figure | None = None
+    # prefill compute per model layer measured with every expert in VRAM (costmodel.CostInputs)
+    prefill_chunk_ms: Figure | None = None
+    prefill_token_us: Figure | None = None
 
 
 class CpuSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -78,9 +81,10 @@ class HostFileError(ValueError, Glm53Error):
 
 POSITIVE = (
     "gpu.vram_mib", "gpu.vram_free_mib", "gpu.vram_gbps", "gpu.fp16_tflops", "gpu.pcie_gen",
-    "gpu.pcie_lanes", "gpu.pcie_gbps", "gpu.vram_budget_mib", "gpu.ec_max_slots", "cpu.cores",
-    "memory.ram_gib", "memory.dram_channels", "memory.dram_read_gbps", "disk.read_gbps",
-    "disk.latency_ms", "nvme_ram_cap_gib",
+    "gpu.pcie_lanes", "gpu.pcie_gbps", "gpu.vram_budget_mib", "gpu.ec_max_slots",
+    "gpu.prefill_chunk_ms", "gpu.prefill_token_us", "cpu.cores", "memory.ram_gib",
+    "memory.dram_channels", "memory.dram_read_gbps", "disk.read_gbps", "disk.latency_ms",
+    "nvme_ram_cap_gib",
 )  # fmt: skip
 
 
@@ -109,6 +113,12 @@ def parse(text: str, origin: str) -> HostSpec:
             raise HostFileError(f"{origin}: {name} must be a positive number, got {fig.value}")
         if not fig.source.strip():
             raise HostFileError(f"{origin}: {name} has no source; say where the number is from")
+    if (spec.gpu.prefill_chunk_ms is None) != (spec.gpu.prefill_token_us is None):
+        raise HostFileError(
+            f"{origin}: gpu.prefill_chunk_ms and gpu.prefill_token_us go together (both from "
+            "one all-VRAM prefill at two lengths, costmodel.prefill_compute_fit); give both or "
+            "neither"
+        )
     cores = spec.cpu.cores.value
     if cores != int(cores) or cores < 3:
         raise HostFileError(

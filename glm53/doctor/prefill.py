@@ -11,8 +11,11 @@ GLM-5.3-Flash's curve the coldest of the 288 experts is touched by 36 % of 512-t
 84 % of 2,048-token chunks (284.3 of the 288 on average), and an 8k prompt touches 287.99.
 
 Per layer (the staging copies layer l+1's experts while layer l computes, DESIGN §4), a step
-costs the slower of its GPU compute (costmodel._chunk_compute_s, spread evenly over the layers)
-and its host-to-device traffic: the touched experts not in VRAM (the hottest vram_slots /
+costs the slower of its GPU compute (costmodel._chunk_compute_s, spread evenly over the layers:
+measured per chunk and per token when the inputs carry an all-VRAM prefill) and its
+host-to-device traffic, except that a chunk-major chunk's first MoE layer pays its stage after
+its compute (it is staged on the main stream, with nothing before it to overlap), and every
+layer does so with an SM gather stage (x.stage_overlap False). The traffic is: the touched experts not in VRAM (the hottest vram_slots /
 num_moe_layers of each layer are resident, as in exact_decode_ms), plus, for layer-major
 prefill with its hidden states in pinned RAM, the states read back in; the states written out
 take the other direction of the (full-duplex) link, at the same rate. nvme modes read the
@@ -113,6 +116,8 @@ def _step_s(
     if x.ram_tier_slots is not None:
         near = (x.vram_slots + x.ram_tier_slots) / geo.num_moe_layers
     link = _moe_link(p, resident, near, eb)
+    if x.stage_records is not None and link.pcie_bytes > 0:  # the stage copies these records
+        link = _Link(x.stage_records * eb, link.store_bytes)
     rate = x.pcie_gbps * 1e9
     store = link.store_bytes / (x.store_gbps * 1e9) if x.store_gbps else 0.0
     first_moe = geo.num_layers - geo.num_moe_layers  # glm5_next: dense layers come first
@@ -123,7 +128,13 @@ def _step_s(
         if states is not None:
             h2d += states.h2d_bytes_per_layer if layer > 0 else 0
             d2h = states.d2h_bytes_per_layer if layer < geo.num_layers - 1 else 0
-        seconds += max(compute, h2d / rate, d2h / rate)
+        if states is None and (layer == first_moe or not x.stage_overlap):
+            # PrefillStager stages a chunk's first MoE layer on the main stream after its
+            # router (nothing ran before it to hide the copy behind); an SM gather stage
+            # (stage_overlap False) runs after the compute in every layer
+            seconds += compute + h2d / rate
+        else:
+            seconds += max(compute, h2d / rate, d2h / rate)
         seconds += store if layer >= first_moe else 0.0
     return seconds
 
