@@ -43,6 +43,11 @@ def _refuse_unrun(settings: Settings) -> None:
     # layer-major elsewhere than exact mode is refused as such (EngineOptions), flag or not
     if settings.prefill == "layer-major" and resolved("gpu", settings.mode) is Mode.EXACT:
         raise _unrun(UNRUN["layer-major"], "Leave --prefill out (chunk).")
+    if resolved("gpu", settings.mode) is Mode.NVME:
+        raise _unrun(
+            f"--mode nvme: {UNRUN['nvme']}",
+            "Use --mode nvme-exact (the store, bit-identical) or --mode fast (the CPU lane).",
+        )
 
 
 def _lane_precision(settings: Settings) -> str:
@@ -79,7 +84,6 @@ def _stage_gb(settings: Settings) -> float | None:
 def engine_options(settings: Settings) -> EngineOptions:
     """The GpuEngine's options for these Settings, every value checked once."""
     _refuse_unrun(settings)
-    _refuse_unrun_nvme(settings)
     stage_gb = _stage_gb(settings)
     lane = rule("gpu", settings.mode).served and rule("gpu", settings.mode).lane
     lane_kw = {}
@@ -112,17 +116,3 @@ def engine_options(settings: Settings) -> EngineOptions:
 def create(settings: Settings, checkpoint_dir) -> GpuEngine:
     """The GPU engine for these Settings (not loaded)."""
     return GpuEngine(str(checkpoint_dir), engine_options(settings))
-
-
-# --- nvme mode (nvme-exact + the CPU lane over the RAM tier), kept in one function ------------
-
-
-def _refuse_unrun_nvme(settings: Settings) -> None:
-    """nvme mode is written but has never run on a GPU (glm53.modes.UNRUN["nvme"]): only with
-    --allow-unrun-modes. Its store, one GPU and lane settings are the table's (glm53.modes)."""
-    if settings.allow_unrun_modes or resolved("gpu", settings.mode) is not Mode.NVME:
-        return
-    raise _unrun(
-        f"--mode nvme: {UNRUN['nvme']}",
-        "Use --mode nvme-exact (the store, bit-identical) or --mode fast (the CPU lane).",
-    )
