@@ -85,8 +85,11 @@ class MockExpertCache:
         return len(keys)
 
 
-@pytest.fixture
-def glue(demo, good_store, monkeypatch):
+def mock_nvme_home(demo, store_dir, monkeypatch, ram_slots: int, reader=None):
+    """nvme-exact's device glue (glm53.exl3.nvme_device.NvmeHome) over a real RAM tier of
+    `ram_slots` records on the real store at `store_dir`, with the device as named mocks
+    (MockCudaLib, MockExpertCache of 8 VRAM slots); `reader` wraps the store's reader. Returns
+    (home, ec, lib); the caller closes home."""
     from glm53.exl3 import nvme_device
 
     lib = MockCudaLib()
@@ -94,10 +97,18 @@ def glue(demo, good_store, monkeypatch):
     monkeypatch.setattr(glm53, "_cuda", lib, raising=False)  # once imported, the package has it
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(
         cuda_stream=0))  # fmt: skip
-    store = ExpertStore(good_store, Checkpoint(demo))
+    store = ExpertStore(store_dir, Checkpoint(demo))
+    if reader is not None:
+        store.reader = reader(store.reader)
     geo = CacheGeometry(LAYERS, EXPERTS, tuple(store.manifest.trellis_bytes))
     ec = MockExpertCache(geo, 8, lib.calls)
-    home = nvme_device.NvmeHome(ec, RamTier(store, 40 * RECORD), POISON, "cpu")
+    home = nvme_device.NvmeHome(ec, RamTier(store, ram_slots * RECORD), POISON, "cpu")
+    return home, ec, lib
+
+
+@pytest.fixture
+def glue(demo, good_store, monkeypatch):
+    home, ec, lib = mock_nvme_home(demo, good_store, monkeypatch, 40)
     yield home, ec, lib
     home.close()
 

@@ -11,16 +11,12 @@ kernel's choice (key_lane) runs on a GPU only: tests/gpu/test_lane_mailbox_gpu.p
 
 from __future__ import annotations
 
-import sys
-import types
-
 import numpy as np
 import pytest
 import torch
 from test_lane_mailbox import SETTLE_S, MockDevice, fp16_rows
-from test_nvme_device_glue import EXPERTS, POISON, RECORD, MockCudaLib, MockExpertCache
+from test_nvme_device_glue import EXPERTS, POISON, RECORD, mock_nvme_home
 
-import glm53
 from glm53 import _gemv
 from glm53.models.checkpoint import Checkpoint
 from glm53.store.reader import ExpertStore
@@ -29,7 +25,6 @@ from glm53.tiers.expert_source import record_views
 from glm53.tiers.lane_mailbox import MailboxLane
 from glm53.tiers.nvme_lane import lane_slots, ram_lane_tables
 from glm53.tiers.ram_tier import RamTier
-from glm53.tiers.vram_cache import CacheGeometry
 
 LAYERS, TOP_K = 6, 2
 
@@ -98,17 +93,7 @@ class MockLaneLayer:
 
 @pytest.fixture
 def glue(demo, good_store, monkeypatch):
-    from glm53.exl3 import nvme_device
-
-    lib = MockCudaLib()
-    monkeypatch.setitem(sys.modules, "glm53._cuda", lib)
-    monkeypatch.setattr(glm53, "_cuda", lib, raising=False)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(
-        cuda_stream=0))  # fmt: skip
-    store = ExpertStore(good_store, Checkpoint(demo))
-    geo = CacheGeometry(LAYERS, EXPERTS, tuple(store.manifest.trellis_bytes))
-    ec = MockExpertCache(geo, 8, lib.calls)
-    home = nvme_device.NvmeHome(ec, RamTier(store, 8 * RECORD), POISON, "cpu")
+    home, ec, lib = mock_nvme_home(demo, good_store, monkeypatch, 8)
     yield home, ec, lib
     home.close()
 

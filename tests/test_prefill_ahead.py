@@ -6,21 +6,16 @@ the bytes it would copy). The kernels and streams themselves run only on a GPU
 (tests/gpu/test_nvme_exact_gpu.py)."""
 
 import errno
-import sys
 import types
 
 import numpy as np
 import pytest
 import torch
-from test_nvme_device_glue import EXPERTS, LAYERS, POISON, RECORD, MockCudaLib, MockExpertCache
+from test_nvme_device_glue import EXPERTS, LAYERS, POISON, RECORD, mock_nvme_home
 
-import glm53
 from glm53._odirect import aligned_empty
-from glm53.models.checkpoint import Checkpoint
-from glm53.store.reader import ExpertStore
 from glm53.tiers.prefill_ahead import AheadReads
-from glm53.tiers.ram_tier import RamTier, ReadFault
-from glm53.tiers.vram_cache import CacheGeometry
+from glm53.tiers.ram_tier import ReadFault
 
 
 class RecordingReader:
@@ -101,18 +96,7 @@ def store_record(store, moe_index, expert):
 
 @pytest.fixture
 def staged(demo, good_store, monkeypatch):
-    from glm53.exl3 import nvme_device
-
-    lib = MockCudaLib()
-    monkeypatch.setitem(sys.modules, "glm53._cuda", lib)
-    monkeypatch.setattr(glm53, "_cuda", lib, raising=False)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(
-        cuda_stream=0))  # fmt: skip
-    store = ExpertStore(good_store, Checkpoint(demo))
-    store.reader = RecordingReader(store.reader)
-    geo = CacheGeometry(LAYERS, EXPERTS, tuple(store.manifest.trellis_bytes))
-    ec = MockExpertCache(geo, 8, lib.calls)
-    home = nvme_device.NvmeHome(ec, RamTier(store, 120 * RECORD), POISON, "cpu")
+    home, ec, lib = mock_nvme_home(demo, good_store, monkeypatch, 120, RecordingReader)
     stager = MockStager(home, ec, lib.calls)
     home.stager, home.ahead = stager, AheadReads(home.home, stager.buf_slots, working_set=32)
     yield home, ec, lib, stager

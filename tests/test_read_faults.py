@@ -12,16 +12,14 @@ forward would, and returns each job's token. tests/gpu/test_nvme_mode_gpu.py run
 from __future__ import annotations
 
 import errno
-import sys
 import types
 
 import numpy as np
 import pytest
 import torch
 from store_kit import FailingReader
-from test_nvme_device_glue import EXPERTS, POISON, RECORD, MockCudaLib, MockExpertCache
+from test_nvme_device_glue import EXPERTS, POISON, RECORD, mock_nvme_home
 
-import glm53
 from glm53.models.checkpoint import Checkpoint
 from glm53.store.reader import ExpertStore
 from glm53.tiers.gpu_home import RamHome
@@ -33,7 +31,6 @@ from glm53.tiers.read_faults import (
     jobs_to_fail,
     resolve_isolating,
 )
-from glm53.tiers.vram_cache import CacheGeometry
 
 LAYERS, TOP_K = 6, 2
 
@@ -104,17 +101,7 @@ def test_the_jobs_to_fail_are_those_of_the_faults_rows_with_the_layer_expert_and
 
 @pytest.fixture
 def glue(demo, good_store, monkeypatch):
-    from glm53.exl3 import nvme_device
-
-    lib = MockCudaLib()
-    monkeypatch.setitem(sys.modules, "glm53._cuda", lib)
-    monkeypatch.setattr(glm53, "_cuda", lib, raising=False)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(
-        cuda_stream=0))  # fmt: skip
-    store = ExpertStore(good_store, Checkpoint(demo))
-    geo = CacheGeometry(LAYERS, EXPERTS, tuple(store.manifest.trellis_bytes))
-    ec = MockExpertCache(geo, 8, lib.calls)
-    home = nvme_device.NvmeHome(ec, RamTier(store, 40 * RECORD), POISON, "cpu")
+    home, ec, lib = mock_nvme_home(demo, good_store, monkeypatch, 40)
     yield home, ec, lib
     home.close()
 
