@@ -150,6 +150,20 @@ class ClockRef:
 
     # --- batch ----------------------------------------------------------------------------
 
+    # the batch's hooks, which the frequency policy's twin (freq_clock_ref.FreqClockRef)
+    # overrides: plain CLOCK counts nothing, marks a hit's slot referenced, and fills the slot
+    # the free list or the hand gave
+    def _batch_start(self, distinct: list[int]) -> None:
+        """Before a batch's hits and misses (its distinct keys, hits first)."""
+
+    def _hit(self, s: int) -> None:
+        self.ref[s] = 1
+
+    def _admit_one(self, key: int, s: int, contest: bool) -> tuple[int, int]:
+        """(the slot `key` takes, the key it evicted or -1) for slot `s` (`contest`: the hand
+        chose it, rather than the free list)."""
+        return s, self._place(key, s)
+
     def batch(self, picks, admit_limit: int | None = None) -> RefBatch:
         limit = INT32_MAX if admit_limit is None else admit_limit
         if limit < 0:
@@ -159,22 +173,24 @@ class ClockRef:
         hits, misses = [], []
         for key in dict.fromkeys(picks):  # first-seen order
             (hits if self.slot_of_key[key] >= 0 else misses).append(key)
+        self._batch_start(hits + misses)
         keys, slots, evicted = list(hits), [self.slot_of_key[k] for k in hits], [-1] * len(hits)
         protected = set(slots)  # hit or filled by this batch: the hand skips them
         n_protected = 0  # of those, the unpinned ones
         for s in slots:
-            self.ref[s] = 1
+            self._hit(s)
             n_protected += self.pins[s] == 0
         n_admitted = 0
         for key in misses[:limit]:
             if self.free:
-                s = heapq.heappop(self.free)
+                s, contest = heapq.heappop(self.free), False
             elif self.n_active - self.n_pinned - n_protected > 0:
-                s = self._victim(protected)
+                s, contest = self._victim(protected), True
             else:
                 self.counters["no_victim"] += 1
                 break
-            evicted.append(self._place(key, s))
+            s, old = self._admit_one(key, s, contest)
+            evicted.append(old)
             keys.append(key)
             slots.append(s)
             protected.add(s)

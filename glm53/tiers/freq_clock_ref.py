@@ -8,7 +8,7 @@ leaves alone) and overrides what the frequency mode changes.
 
 from __future__ import annotations
 
-from glm53.tiers.clock_ref import INT32_MAX, ClockRef, RefBatch
+from glm53.tiers.clock_ref import ClockRef
 
 FREQ_COUNTER_NAMES = ("rejected", "probation_hits", "agings")
 UINT32_MAX = 2**32 - 1
@@ -116,49 +116,10 @@ class FreqClockRef(ClockRef):
 
     # --- batch ----------------------------------------------------------------------------
 
-    def batch(self, picks, admit_limit: int | None = None) -> RefBatch:
-        import heapq
-
-        limit = INT32_MAX if admit_limit is None else admit_limit
-        if limit < 0:
-            raise ValueError(f"admit_limit {limit} must be >= 0 or None")
-        for key in picks:
-            self._check_key(key)
-        hits, misses = [], []
-        for key in dict.fromkeys(picks):  # first-seen order
-            (hits if self.slot_of_key[key] >= 0 else misses).append(key)
-        for key in hits + misses:
+    def _batch_start(self, distinct: list[int]) -> None:
+        for key in distinct:
             self._count(key)
-        keys, slots, evicted = list(hits), [self.slot_of_key[k] for k in hits], [-1] * len(hits)
-        protected = set(slots)
-        n_protected = 0
-        for s in slots:
-            self._hit(s)
-            n_protected += self.pins[s] == 0
         self._batch_pushed = set()
-        n_admitted = 0
-        for key in misses[:limit]:
-            if self.free:
-                s, contest = heapq.heappop(self.free), False
-            elif self.n_active - self.n_pinned - n_protected > 0:
-                s, contest = self._victim(protected), True
-            else:
-                self.counters["no_victim"] += 1
-                break
-            s, old = self._admit_one(key, s, contest)
-            evicted.append(old)
-            keys.append(key)
-            slots.append(s)
-            protected.add(s)
-            n_protected += 1
-            n_admitted += 1
-        rest = misses[n_admitted:]
-        keys += rest
-        slots += [-1] * len(rest)
-        evicted += [-1] * len(rest)
-        self.counters["hits"] += len(hits)
-        self.counters["misses"] += len(misses)
-        return RefBatch(keys, slots, evicted, len(hits), n_admitted)
 
     # --- elastic capacity, warm start -----------------------------------------------------
 
