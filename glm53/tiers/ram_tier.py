@@ -155,6 +155,25 @@ class RamTier:
         """The record buffer of a slot (a view into the arena)."""
         return self.arena[slot * self.slot_bytes : (slot + 1) * self.slot_bytes]
 
+    def _refuse_stuck_hits(self, layer: int, base: int, keys: np.ndarray, n_hits: int) -> None:
+        """ReadFault when a hit of the wave (`keys[:n_hits]`) is a record whose read timed out
+        and has not finished; the wave's misses, admitted and not read, are taken back first."""
+        if not self._stuck_keys:
+            return
+        stuck = [int(k) for k in keys[:n_hits] if int(k) in self._stuck_keys]
+        if not stuck:
+            return
+        for key in keys[n_hits:]:
+            self.clock.remove(int(key))
+        expert = stuck[0] - base
+        raise ReadFault(
+            f"layer {layer} expert {expert}: its read from {self.source.describe()} has "
+            f"not finished since it timed out after {self.read_timeout_s:g} s (the disk "
+            "or mount under it stopped answering)",
+            layer,
+            expert,
+        )
+
     def make_resident(self, layer: int, experts: np.ndarray) -> Resident:
         """Make as many of `experts` (distinct ids, in first-seen order) resident as fit at once.
 
@@ -174,19 +193,7 @@ class RamTier:
             )
         keys = self._keys[:count].copy()
         slots = self._slots[:count].copy()
-        if self._stuck_keys:
-            stuck = [int(k) for k in keys[:n_hits] if int(k) in self._stuck_keys]
-            if stuck:
-                for key in keys[n_hits:]:  # admitted for this wave, not read: take them back
-                    self.clock.remove(int(key))
-                expert = stuck[0] - base
-                raise ReadFault(
-                    f"layer {layer} expert {expert}: its read from {self.source.describe()} has "
-                    f"not finished since it timed out after {self.read_timeout_s:g} s (the disk "
-                    "or mount under it stopped answering)",
-                    layer,
-                    expert,
-                )
+        self._refuse_stuck_hits(layer, base, keys, n_hits)
         loads = []
         for key, slot in zip(keys[n_hits:], slots[n_hits:], strict=True):
             loads.append((layer, int(key) - base, self.record(int(slot))))
@@ -213,19 +220,7 @@ class RamTier:
         count = n_hits + n_admitted
         keys = self._keys[:count].copy()
         slots = self._slots[:count].copy()
-        if self._stuck_keys:
-            stuck = [int(k) for k in keys[:n_hits] if int(k) in self._stuck_keys]
-            if stuck:
-                for key in keys[n_hits:]:
-                    self.clock.remove(int(key))
-                expert = stuck[0] - base
-                raise ReadFault(
-                    f"layer {layer} expert {expert}: its read from {self.source.describe()} has "
-                    f"not finished since it timed out after {self.read_timeout_s:g} s (the disk "
-                    "or mount under it stopped answering)",
-                    layer,
-                    expert,
-                )
+        self._refuse_stuck_hits(layer, base, keys, n_hits)
         for slot in slots:
             self.clock.pin(int(slot))
         loads = [(layer, int(k) - base, self.record(int(s)))
