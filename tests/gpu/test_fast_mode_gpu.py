@@ -85,12 +85,13 @@ def reference_specs():
     return [_spec(path)] if path else []
 
 
-@pytest.fixture(scope="module")
-def case(tmp_path_factory):
+def slice_case(tmp_path_factory, name) -> dict:
+    """The slice, its prompts (c1 each alone, c4 together), the stock reference's runs of them
+    and the VRAM slots of a 24 GB card (shared with test_nvme_mode_gpu.py)."""
     path = checkpoint_dir("GLM53_TEST_SLICE")
     if path is None:
         pytest.skip("no slice checkpoint (GLM53_TEST_SLICE)")
-    tmp = tmp_path_factory.mktemp("fast-mode")
+    tmp = tmp_path_factory.mktemp(name)
     vocab = text_config(path)["vocab_size"]
     prompts = single_prompts(vocab, LENGTHS)
     ref = stock_reference(_spec(path), tmp)
@@ -101,6 +102,11 @@ def case(tmp_path_factory):
         "ref": {1: ref[0], 4: ref[1]},
         "slots": expert_slots(path, VRAM_SHARE),
     }
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    return slice_case(tmp_path_factory, "fast-mode")
 
 
 def fast_engine(case, name, **kw):
@@ -171,6 +177,34 @@ def working(case):
 LANE_COUNTS = ("jobs", "lane_picks", "fallbacks")
 
 
+def lane_within_floor(case, e, batch, record_property, name, after=None) -> None:
+    """Teacher-forces engine e (a working lane) on the reference's tokens at batch 1 (each prompt
+    alone) or 4 (together) and asserts its KL and top-1 against the reference are no worse than
+    exllamav3's floor; `after(e)` runs once the Generator has been driven (nvme mode checks its
+    table there). Shared with test_nvme_mode_gpu.py."""
+    refs, prompts = case["ref"][batch], case["prompts"][batch]
+    before = {k: e.stats()["lane"][k] for k in LANE_COUNTS}
+    if batch == 1:
+        got = [teacher_forced(e, [p], [r["tokens"]])[0] for p, r in zip(prompts, refs, strict=True)]
+    else:
+        got = teacher_forced(e, prompts, [r["tokens"] for r in refs])
+    if after is not None:
+        after(e)
+    lane = e.stats()["lane"]
+    st = {k: lane[k] - before[k] for k in LANE_COUNTS}
+    assert st["jobs"] > 0 and st["lane_picks"] > 0, st
+    assert st["fallbacks"] == 0, st  # every lane result was used: this measures the lane
+    wants, tokens = [r["logits"] for r in refs], [r["tokens"] for r in refs]
+    kl, top1 = kl_top1(wants, got, tokens)
+    floor_kl, floor_top1 = kl_top1(wants, [r["floor_logits"] for r in refs], tokens)
+    for key, value in ((f"{name}_vs_exact_kl", kl), (f"{name}_vs_exact_top1", top1),
+                       ("floor_kl", floor_kl), ("floor_top1", floor_top1)):  # fmt: skip
+        record_property(key, value)
+    print(f"c{batch}: {name} vs exact mean KL {kl:.3e}, top-1 {top1:.4f}; exllamav3's floor "
+          f"(c{batch} against c{5 - batch}) mean KL {floor_kl:.3e}, top-1 {floor_top1:.4f}")  # fmt: skip
+    assert kl <= floor_kl and top1 >= floor_top1, (kl, top1, floor_kl, floor_top1)
+
+
 @pytest.mark.parametrize("batch", [1, 4])
 def test_a_working_lane_stays_within_exllamav3s_floor_teacher_forced(
     case, working, batch, record_property
@@ -180,26 +214,7 @@ def test_a_working_lane_stays_within_exllamav3s_floor_teacher_forced(
     bound is the floor: the reference against stock exllamav3 at the other batch, forced on the
     same tokens. The lane's counters are this case's: differences across it on the shared
     engine."""
-    refs, prompts = case["ref"][batch], case["prompts"][batch]
-    e = working
-    before = {k: e.stats()["lane"][k] for k in LANE_COUNTS}
-    if batch == 1:
-        got = [teacher_forced(e, [p], [r["tokens"]])[0] for p, r in zip(prompts, refs, strict=True)]
-    else:
-        got = teacher_forced(e, prompts, [r["tokens"] for r in refs])
-    lane = e.stats()["lane"]
-    st = {k: lane[k] - before[k] for k in LANE_COUNTS}
-    assert st["jobs"] > 0 and st["lane_picks"] > 0, st
-    assert st["fallbacks"] == 0, st  # every lane result was used: this measures the lane
-    wants, tokens = [r["logits"] for r in refs], [r["tokens"] for r in refs]
-    kl, top1 = kl_top1(wants, got, tokens)
-    floor_kl, floor_top1 = kl_top1(wants, [r["floor_logits"] for r in refs], tokens)
-    for name, value in (("fast_vs_exact_kl", kl), ("fast_vs_exact_top1", top1),
-                        ("floor_kl", floor_kl), ("floor_top1", floor_top1)):  # fmt: skip
-        record_property(name, value)
-    print(f"c{batch}: fast vs exact mean KL {kl:.3e}, top-1 {top1:.4f}; exllamav3's floor "
-          f"(c{batch} against c{5 - batch}) mean KL {floor_kl:.3e}, top-1 {floor_top1:.4f}")  # fmt: skip
-    assert kl <= floor_kl and top1 >= floor_top1, (kl, top1, floor_kl, floor_top1)
+    lane_within_floor(case, working, batch, record_property, "fast")
 
 
 @pytest.fixture(scope="module")

@@ -45,15 +45,9 @@ from gpu_kit import (  # noqa: E402
     CHUNK,
     N_NEW,
     assert_same,
-    batch_prompts,
     checkpoint_dir,
-    expert_slots,
-    kl_top1,
     num_records,
     run_engine,
-    single_prompts,
-    stock_reference,
-    text_config,
 )
 from serving_kit import Server  # noqa: E402
 
@@ -61,15 +55,13 @@ from serving_kit import Server  # noqa: E402
 # with exllamav3's floor at the other batch), its teacher-forcing loop and its lane settings
 from test_fast_mode_gpu import (  # noqa: E402
     EAGER_CT_B,
-    LANE_COUNTS,
-    LENGTHS,
     SURE_WAIT_NS,
-    teacher_forced,
+    lane_within_floor,
+    slice_case,
 )
 from test_fast_mode_gpu import _spec as fast_spec  # noqa: E402
 
 CONTEXT = 8192
-VRAM_SHARE = 0.114  # the 24 GB RTX 3090's share of the experts
 RAM_SHARES = (0.4, 0.7)
 
 
@@ -84,23 +76,10 @@ def reference_specs():
 def case(tmp_path_factory, slice_store):
     import json
 
-    path = checkpoint_dir("GLM53_TEST_SLICE")
-    if path is None:
-        pytest.skip("no slice checkpoint (GLM53_TEST_SLICE)")
-    tmp = tmp_path_factory.mktemp("nvme-mode")
-    vocab = text_config(path)["vocab_size"]
-    prompts = single_prompts(vocab, LENGTHS)
-    ref = stock_reference(fast_spec(path), tmp)
+    case = slice_case(tmp_path_factory, "nvme-mode")
     record = json.loads(Path(slice_store, "manifest.json").read_text())["record_bytes"]
-    return {
-        "path": path,
-        "store": slice_store,
-        "tmp": tmp,
-        "prompts": {1: [prompts[n] for n in LENGTHS], 4: batch_prompts(vocab)},
-        "ref": {1: ref[0], 4: ref[1]},
-        "slots": expert_slots(path, VRAM_SHARE),
-        "cap": {s: int(s * num_records(path)) * record for s in RAM_SHARES},
-    }
+    n = num_records(case["path"])
+    return case | {"store": slice_store, "cap": {s: int(s * n) * record for s in RAM_SHARES}}
 
 
 def nvme_engine(case, name, share, **kw):
@@ -159,27 +138,9 @@ def test_a_working_lane_stays_within_exllamav3s_floor_teacher_forced(
 ):
     """As test_fast_mode_gpu's floor test, with the lane over the RAM tier: c1 each prompt
     alone, c4 the batch together, against the reference (exact's) and its floor."""
-    refs, prompts = case["ref"][batch], case["prompts"][batch]
-    e = working
-    before = {k: e.stats()["lane"][k] for k in LANE_COUNTS}
-    if batch == 1:
-        got = [teacher_forced(e, [p], [r["tokens"]])[0] for p, r in zip(prompts, refs, strict=True)]
-    else:
-        got = teacher_forced(e, prompts, [r["tokens"] for r in refs])
-    e.loaded.nvme.check_table_bad()  # teacher_forced drives the Generator itself
-    lane = e.stats()["lane"]
-    st = {k: lane[k] - before[k] for k in LANE_COUNTS}
-    assert st["jobs"] > 0 and st["lane_picks"] > 0, st
-    assert st["fallbacks"] == 0, st  # every lane result was used: this measures the lane
-    wants, tokens = [r["logits"] for r in refs], [r["tokens"] for r in refs]
-    kl, top1 = kl_top1(wants, got, tokens)
-    floor_kl, floor_top1 = kl_top1(wants, [r["floor_logits"] for r in refs], tokens)
-    for name, value in (("nvme_vs_exact_kl", kl), ("nvme_vs_exact_top1", top1),
-                        ("floor_kl", floor_kl), ("floor_top1", floor_top1)):  # fmt: skip
-        record_property(name, value)
-    print(f"c{batch}: nvme vs exact mean KL {kl:.3e}, top-1 {top1:.4f}; exllamav3's floor "
-          f"(c{batch} against c{5 - batch}) mean KL {floor_kl:.3e}, top-1 {floor_top1:.4f}")  # fmt: skip
-    assert kl <= floor_kl and top1 >= floor_top1, (kl, top1, floor_kl, floor_top1)
+    # teacher_forced drives the Generator itself: the table check GpuEngine.iterate makes
+    lane_within_floor(case, working, batch, record_property, "nvme",
+                      after=lambda e: e.loaded.nvme.check_table_bad())  # fmt: skip
 
 
 @pytest.fixture(scope="module")
