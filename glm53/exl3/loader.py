@@ -142,8 +142,8 @@ def load(model_dir: str, options: LoadOptions | None = None) -> Loaded:
     gc.collect()
     # the caching allocator's peak is reset below: in a process that has not touched CUDA yet
     # the allocator does not exist and torch raises "Invalid device argument" (H200,
-    # 2026-12-05: every in-process load of tests/gpu group a), so initialize it first
-    torch.cuda.init()
+    # 2026-12-05: every in-process load of tests/gpu group a): one allocation creates it
+    torch.empty(1, device=dev)
     torch.cuda.reset_peak_memory_stats(dev)
     vram_before = vram_use(dev)
     free, _ = torch.cuda.mem_get_info(dev)
