@@ -8,7 +8,7 @@
 # runs tools/exl3_warm.py on each synthesized checkpoint in the background, to overlap the
 # first-use compiles with the synthesis of the next. A Triton cache found at
 # DEVICE_DIR/triton-cache.tar.gz (or in its parts, .part-00 ...) is restored (and saved to
-# OUT_DIR in parts when GLM53_SAVE_TRITON is set).
+# OUT_DIR in parts when GLM53_SAVE_TRITON is set; only the autotuner's choices, DEVICE_DIR/triton-autotune.tar.gz, when it is "autotune").
 # GLM53_GPU_GROUP=a|b|c|d|e runs one group of tests/gpu (tests/gpu/groups.txt: its files, and the
 # checkpoints they need as the synth default); the groups together are the whole of tests/gpu,
 # each meant for one 10-minute device call (groups.txt has the times measured on the H200 on
@@ -66,6 +66,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pc
 if compgen -G "$DEV/triton-cache.tar.gz*" >/dev/null; then
   mkdir -p "$TRITON_CACHE_DIR"
   cat "$DEV"/triton-cache.tar.gz* | tar -xzf - -C "$TRITON_CACHE_DIR" && log "Triton cache restored"
+fi
+# only the autotuner's choices (exllamav3's vendored fla kernels cache them: cache_results=True),
+# a few kB: with them a first use compiles the chosen configuration of each kernel, not all
+if [ -f "$DEV/triton-autotune.tar.gz" ]; then
+  mkdir -p "$TRITON_CACHE_DIR"
+  tar -xzf "$DEV/triton-autotune.tar.gz" -C "$TRITON_CACHE_DIR" &&
+    log "Triton autotune choices restored: $(tar -tzf "$DEV/triton-autotune.tar.gz" | grep -c json) files"
 fi
 
 # shellcheck disable=SC1091
@@ -165,7 +172,13 @@ fi
 # the Triton cache is large (about 150 MB packed); save it only when asked, with what a later
 # load needs (the compiled kernels, their metadata and launchers, not the IR), in parts of at
 # most 15 MiB (the device tool brings back files of up to 16 MiB)
-if [ -n "${GLM53_SAVE_TRITON:-}" ] && [ -d "$TRITON_CACHE_DIR" ]; then
+# The whole cache does not fit the 64 MiB that a call can carry; the autotuner's choices always
+# do (GLM53_SAVE_TRITON=autotune saves only those, with a breakdown of the cache in the log)
+if [ "${GLM53_SAVE_TRITON:-}" = autotune ] && [ -d "$TRITON_CACHE_DIR" ]; then
+  (cd "$TRITON_CACHE_DIR" && find . -type f -name '*autotune*.json' | tar -czf - -T -) \
+    >"$OUT/triton-autotune.tar.gz"
+  log "Triton autotune choices saved: $(tar -tzf "$OUT/triton-autotune.tar.gz" | grep -c json) files, $(du -h "$OUT/triton-autotune.tar.gz" | cut -f1); cache: $(find "$TRITON_CACHE_DIR" -type f | sed 's/.*\.//' | sort | uniq -c | tr '\n' ' ')$(du -sh "$TRITON_CACHE_DIR" | cut -f1)"
+elif [ -n "${GLM53_SAVE_TRITON:-}" ] && [ -d "$TRITON_CACHE_DIR" ]; then
   (cd "$TRITON_CACHE_DIR" && find . -type f \( -name '*.cubin' -o -name '*.json' -o -name '*.so' \) |
     tar -czf - -T -) | split -b 15m -d -a 2 - "$OUT/triton-cache.tar.gz.part-"
   log "Triton cache saved: $(du -ch "$OUT"/triton-cache.tar.gz.part-* | tail -1 | cut -f1)"
