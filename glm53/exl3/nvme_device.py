@@ -46,7 +46,9 @@ import threading
 
 import numpy as np
 
-from glm53.exl3.hooks import NO_LANE
+from glm53.exl3.hooks import DECODE_MAX_ROWS, NO_LANE
+from glm53.tiers.decode_prefetch import MODES as PREFETCH_MODES
+from glm53.tiers.decode_prefetch import DecodePrefetch
 from glm53.tiers.gpu_home import HomeUpdate, RamHome, rows_picking, verify_home
 from glm53.tiers.nvme_lane import lane_slots
 from glm53.tiers.prefill_ahead import AheadReads
@@ -60,7 +62,7 @@ class NvmeHome:
     """Owns the RAM tier's CUDA registration, the RamHome and the table_bad counter."""
 
     def __init__(self, ec, tier: RamTier, absent_address: int, device, stager=None,
-                 working_set: int = 0):  # fmt: skip
+                 working_set: int = 0, prefetch: str = "off"):  # fmt: skip
         import torch
 
         from glm53 import _cuda
@@ -94,14 +96,21 @@ class NvmeHome:
             self.ahead = AheadReads(self.home, stager.buf_slots, working_set)
         self._next_staged = -1
         self.staged_layers = 0
+        # decode prefetch (--nvme-prefetch next-layer, glm53.tiers.decode_prefetch)
+        if prefetch not in PREFETCH_MODES:
+            raise TierError(f"--nvme-prefetch {prefetch!r}: one of {', '.join(PREFETCH_MODES)}")
+        self.prefetch = DecodePrefetch(self.home) if prefetch == "next-layer" else None
 
     # --- per layer, from the routing hook --------------------------------------------------
     def route(
-        self, layer: int, selected, decode: bool, params: dict, weights=None, lane=None
-    ) -> None:
+        self, layer: int, selected, decode: bool, params: dict, weights=None, lane=None,
+        predicted=None,
+    ) -> None:  # fmt: skip
         """Make every pick of MoE `layer` resident (VRAM slot or RAM home) and point exllamav3's
         tables at it. `lane` (nvme mode, decode): the layer's FastLayer after its publish; its
-        `orig_sel` holds the selection as routed, `selected` the rest (lane picks are -1)."""
+        `orig_sel` holds the selection as routed, `selected` the rest (lane picks are -1).
+        `predicted` (decode prefetch): layer + 1's picks as its router makes them from this
+        layer's MoE input (a device int64 tensor), brought to the host in the same copy."""
         import torch
 
         n_exp = self.ec.geo.n_experts
@@ -123,13 +132,26 @@ class NvmeHome:
         if staged:  # the VRAM slots of the next two layers' experts, for their waves
             hi = min(layer + 3, self.ec.geo.n_layers)
             parts.append(self._key_slot[(layer + 1) * n_exp : hi * n_exp].long())
+        pf, plain_decode = self.prefetch, (
+            decode and not all_experts and not params.get(NO_LANE) and num_rows <= DECODE_MAX_ROWS
+        )  # fmt: skip
+        m = 0
+        if pf is not None and plain_decode and predicted is not None:
+            if layer + 1 < self.ec.geo.n_layers:  # layer + 1's picks and their VRAM slots
+                m = self._predicted_parts(layer + 1, predicted, parts)
         host = torch.cat(parts).cpu().numpy()  # the one sync of this layer
         picks, in_vram = host[:n], host[n : 2 * n] >= 0
-        ahead_slots = host[2 * n :].reshape(-1, n_exp)
+        pred, pred_vram = host[2 * n : 2 * n + m], host[2 * n + m : 2 * n + 2 * m] >= 0
+        ahead_slots = host[2 * n + 2 * m :].reshape(-1, n_exp)
         if self.ahead is not None and not self.ahead.idle() and not staged:
             self._drain()
         elif staged and layer != self._next_staged:
             self._drain()  # a new forward (or one after a fault): start the pipeline afresh
+        prefetched = ()  # the experts of this layer a prefetch wave made resident (pinned)
+        if pf is not None and plain_decode:
+            prefetched = pf.take(layer)
+        elif pf is not None and not pf.idle():
+            pf.drain()  # a prefill or an all-experts call: nothing of a wave left pinned
         isolate = (
             decode and self.row_keys is not None and weights is not None
             and not all_experts and not params.get(NO_LANE)
@@ -138,12 +160,13 @@ class NvmeHome:
         try:
             if isolate:
                 update, faults, kept = resolve_isolating(
-                    self.home, self.moe_layers[layer], picks, in_vram, num_rows
+                    self.home, self.moe_layers[layer], picks, in_vram, num_rows, prefetched
                 )
             else:
                 # a staged hook: the experts L's wave made resident (pinned) are not looked up
-                # again, so a prefill chunk counts each access once, as without staging
-                ahead = self.ahead.staged(layer) if staged else ()
+                # again, so a prefill chunk counts each access once, as without staging (and a
+                # decode prefetch wave's experts the same way)
+                ahead = self.ahead.staged(layer) if staged else prefetched
                 update, faults, kept = (
                     self.home.resolve(self.moe_layers[layer], picks, in_vram, ahead),
                     [],
@@ -160,6 +183,12 @@ class NvmeHome:
             self._write(self.home.take_pending())
             raise
         self._write(update)
+        if pf is not None and plain_decode:
+            pf.settle(layer, kept)
+            if m:  # layer + 1's predicted misses queued; the slots they take go absent now
+                ram = kept[(kept >= 0) & (kept < n_exp) & ~in_vram]
+                pf.begin(layer + 1, pred, pred_vram, ram, selected.shape[-1] * num_rows)
+                self._write(self.home.take_pending())
         if lane is not None and self.home.counters["ram_reads"] != reads:
             lane.skip_timing()  # the host's wait for the store is not the GPU's time
         if faults:
@@ -183,6 +212,26 @@ class NvmeHome:
         self._cuda.ec_point_picks(ptr, run.data_ptr(), run.numel(), layer, self.absent, stream)
         if staged:
             self._after_point(layer, ahead_slots)
+
+    def _predicted_parts(self, nxt: int, predicted, parts: list) -> int:
+        """Append MoE layer `nxt`'s predicted picks and the VRAM slot of each to the layer's
+        one copy; returns how many there are."""
+        import torch
+
+        n_exp = self.ec.geo.n_experts
+        pred = predicted.reshape(-1).to(torch.int64)
+        ok = (pred >= 0) & (pred < n_exp)
+        keys = torch.where(ok, pred + nxt * n_exp, torch.zeros_like(pred))
+        parts += [pred, torch.where(ok, self._key_slot[keys].long(), torch.full_like(pred, -1))]
+        return pred.numel()
+
+    def end_forward(self) -> None:
+        """After a forward (each Generator iteration, a scoring forward): a decode prefetch wave
+        left over (the forward ended or failed after the hook that began it) is collected and
+        every pin it held dropped, its home writes made (glm53.tiers.decode_prefetch)."""
+        if self.prefetch is not None and not self.prefetch.idle():
+            self.prefetch.drain()
+            self._write(self.home.take_pending())
 
     # --- prefill staging (glm53.tiers.prefill_ahead has the design and the ordering) ---------
     def _staging(self, layer, decode, all_experts, num_rows, params, lane) -> bool:
@@ -322,6 +371,7 @@ class NvmeHome:
         home table; call it under `lock`."""
         if self.ahead is not None and not self.ahead.idle():
             self._drain()  # a forward cut short by a fault may have left a wave out
+        self.end_forward()  # and a decode prefetch wave
         table = self._home_t.cpu().numpy()
         return verify_home(
             self.home, num_samples, table, vram=VramSlots(self.ec, self.moe_layers), seed=seed
@@ -337,7 +387,15 @@ class NvmeHome:
             "table_bad": self.table_bad,
             "faults_isolated": self.faults_isolated,
             **self.staging_stats(),
+            **self.prefetch_stats(),
         }
+
+    def prefetch_stats(self) -> dict:
+        """Decode prefetch's counters (glm53.tiers.decode_prefetch), `prefetch_` prefixed;
+        zeros when it is off."""
+        if self.prefetch is None:
+            return dict.fromkeys(DecodePrefetch.COUNTERS, 0)
+        return dict(self.prefetch.counters)
 
     def staging_stats(self) -> dict:
         """Prefill staging's counters (glm53.tiers.prefill_ahead), `stage_` prefixed."""
@@ -350,6 +408,8 @@ class NvmeHome:
     def close(self) -> None:
         if self.ahead is not None and not self.ahead.idle():
             self._drain()  # no read may still be landing in the arena
+        if self.prefetch is not None and not self.prefetch.idle():
+            self.prefetch.drain()
         if self.registered:
             self._cuda.host_unregister(self.arena_host)
             self.registered = False

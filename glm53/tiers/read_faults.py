@@ -47,19 +47,20 @@ class FaultRecord:
 
 
 def resolve_isolating(
-    home: RamHome, layer: int, picks, in_vram, num_rows: int
+    home: RamHome, layer: int, picks, in_vram, num_rows: int, read_ahead=()
 ) -> tuple[HomeUpdate, list[ReadFault], np.ndarray]:
     """RamHome.resolve of MoE `layer`'s picks ([num_rows, top-k] expert ids, any shape of that
     size), failing no row that does not need a faulted record. Returns (every home-table write
     the resolves made, one ReadFault per faulted expert with the rows that picked it, the picks
     with every faulted expert's picks set to -1). A fault whose expert is not among the picks
-    (nothing to mask) is raised as it is."""
+    (nothing to mask) is raised as it is. `read_ahead`: as RamHome.resolve's (a decode
+    prefetch wave's experts, glm53.tiers.decode_prefetch)."""
     picks = np.array(picks, dtype=np.int64).reshape(-1)
     in_vram = np.asarray(in_vram, dtype=bool).reshape(-1)
     update, faults = HomeUpdate.empty(), []
     while True:
         try:
-            got = home.resolve(layer, picks, in_vram)
+            got = home.resolve(layer, picks, in_vram, read_ahead)
         except ReadFault as exc:
             hit = picks == exc.expert
             if not hit.any():
