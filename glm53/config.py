@@ -49,6 +49,7 @@ EngineKind = Literal["auto", "cpu", "gpu", "scripted"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 LanePrecision = Literal["auto", "exact", "fast"]
 PrefillOrder = Literal["chunk", "layer-major"]
+NvmePrefetch = Literal["off", "next-layer"]  # glm53.tiers.decode_prefetch.MODES
 
 
 class Settings(msgspec.Struct, kw_only=True, frozen=True):
@@ -183,6 +184,17 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
             group="tiers",
         ),
     ] = 30.0
+    nvme_prefetch: Annotated[
+        NvmePrefetch,
+        _s(
+            "Decode prefetch in --mode nvme-exact and nvme (GPU engine): next-layer runs each "
+            "MoE layer's router for the next layer on this layer's input and reads the "
+            "predicted experts the RAM tier lacks from the store while this layer computes (a "
+            "hint: the output is unchanged). It has not yet run on a GPU, so it needs "
+            "--allow-unrun-modes; off until measured.",
+            group="tiers",
+        ),
+    ] = "off"
     cpus: Annotated[
         str | None,
         _s(
@@ -311,10 +323,11 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     allow_unrun_modes: Annotated[
         bool,
         _s(
-            "GPU engine: also run the four paths that have never run on a GPU: --mode nvme (the "
+            "GPU engine: also run the five paths that have never run on a GPU: --mode nvme (the "
             "store and its RAM tier with the CPU lane), the layer split over two or more GPUs "
-            "(--gpus 0,1), --prefill layer-major, and prefill staging from the store in the "
-            "store modes (--ec-stage-gb, off there without this flag); for their GPU tests "
+            "(--gpus 0,1), --prefill layer-major, prefill staging from the store in the "
+            "store modes (--ec-stage-gb, off there without this flag) and --nvme-prefetch "
+            "next-layer; for their GPU tests "
             "(tests/gpu/test_nvme_mode_gpu.py, test_multi_gpu.py, test_layer_major_gpu.py, "
             "test_nvme_exact_gpu.py). Without it the GPU engine refuses them (store staging is off "
             "by default, and a size for it refused). Every other mode and path runs without it.",

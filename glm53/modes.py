@@ -118,6 +118,11 @@ def lane_runs_beside_gpu(engine: str, mode: Mode | str) -> bool:
     return engine == "gpu" and Mode(mode) is not Mode.AUTO and RULES["gpu", Mode(mode)].lane
 
 
+# --nvme-prefetch: the store modes' decode prefetch (glm53.tiers.decode_prefetch); next-layer
+# only where the load is nvme-exact (nvme-exact and nvme)
+NVME_PREFETCH = ("off", "next-layer")
+
+
 # What has never run on a GPU: served only with --allow-unrun-modes (for its GPU tests).
 # key -> what it is, for the refusal.
 UNRUN = {
@@ -129,6 +134,9 @@ UNRUN = {
     "store-staging": "prefill staging from the store in nvme-exact and nvme (--ec-stage-gb: "
     "a layer's misses read ahead into the RAM tier and staged while the layer before computes, "
     "glm53.tiers.prefill_ahead)",
+    "nvme-prefetch": "decode prefetch in nvme-exact and nvme (--nvme-prefetch next-layer: the "
+    "next MoE layer's router run on this layer's input, its predicted experts read from the "
+    "store ahead, glm53.tiers.decode_prefetch)",
 }
 
 

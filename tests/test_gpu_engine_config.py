@@ -438,3 +438,56 @@ def test_the_gpus_pci_address_is_written_as_sysfs_names_it():
     props = SimpleNamespace(pci_domain_id=0, pci_bus_id=0x3B, pci_device_id=0)
     assert pci_address_of(props) == "0000:3b:00.0"
     assert pci_address_of(SimpleNamespace(pci_bus_id=0x3B)) is None
+
+
+def test_nvme_prefetch_is_gated_as_unrun_and_reaches_the_load_in_the_store_modes(tmp_path):
+    """--nvme-prefetch next-layer (glm53.tiers.decode_prefetch) has never run on a GPU: refused
+    without --allow-unrun-modes (UNRUN["nvme-prefetch"]), off by default; with the flag it
+    reaches the load in nvme-exact and nvme, and it is refused in every mode that reads no
+    store, flag or not, naming the option and the fix."""
+    from glm53.modes import UNRUN
+
+    store = ["--store", str(tmp_path)]
+    base = create(settings("--mode", "nvme-exact", *store), tmp_path).options
+    assert (base.nvme_prefetch, base.load.nvme_prefetch) == ("off", "off")
+    with pytest.raises(ConfigurationError) as info:
+        create(settings("--mode", "nvme-exact", *store, "--nvme-prefetch", "next-layer"), tmp_path)
+    assert str(info.value).startswith(f"--nvme-prefetch next-layer: {UNRUN['nvme-prefetch']}")
+    assert "--allow-unrun-modes runs it anyway" in str(info.value)
+    assert "Leave --nvme-prefetch out (off)" in str(info.value)
+    for mode in ("nvme-exact", "nvme"):
+        argv = ("--mode", mode, *store, "--nvme-prefetch", "next-layer", "--allow-unrun-modes")
+        e = create(settings(*argv), tmp_path)
+        assert (e.options.nvme_prefetch, e.options.load.nvme_prefetch) == ("next-layer",) * 2
+        assert "decode prefetch next-layer (not yet run on a GPU)" in e.description
+    for mode in ("exact", "fast", "auto"):
+        for flag in ([], ["--allow-unrun-modes"]):
+            with pytest.raises(ConfigurationError) as info:
+                create(settings("--mode", mode, "--nvme-prefetch", "next-layer", *flag), tmp_path)
+            msg = str(info.value)
+            assert msg.startswith("--nvme-prefetch next-layer: it reads the store ahead")
+            assert "leave --nvme-prefetch out (off), or serve --mode nvme-exact or nvme" in msg
+    with pytest.raises(SystemExit):  # argparse: the choices are off and next-layer
+        settings("--nvme-prefetch", "two-layers")
+
+
+def test_nvme_prefetch_is_refused_by_the_other_engines_and_checked_in_the_load_options():
+    import typing
+
+    from glm53.config import NvmePrefetch
+    from glm53.engine import create_engine
+    from glm53.exl3.options import LoadMode, LoadOptions
+    from glm53.modes import NVME_PREFETCH
+
+    assert typing.get_args(NvmePrefetch) == NVME_PREFETCH  # the one list of values
+    for engine in ("cpu", "scripted"):
+        s = settings("--engine", engine, "--mode", "nvme-exact", "--nvme-prefetch", "next-layer")
+        with pytest.raises(ConfigurationError, match=f"the {engine} engine would ignore it"):
+            create_engine(s)
+    assert LoadOptions(mode=LoadMode.NVME_EXACT, nvme_prefetch="next-layer").nvme_prefetch
+    with pytest.raises(ConfigurationError, match="--nvme-prefetch next-layer: it reads the store"):
+        LoadOptions(mode=LoadMode.EXACT, nvme_prefetch="next-layer")
+    with pytest.raises(ConfigurationError, match="--nvme-prefetch 'x': one of off, next-layer"):
+        LoadOptions(mode=LoadMode.NVME_EXACT, nvme_prefetch="x")
+    with pytest.raises(ConfigurationError, match="--nvme-prefetch 'x': one of off, next-layer"):
+        EngineOptions(mode="nvme-exact", store="/x", nvme_prefetch="x")

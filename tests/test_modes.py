@@ -70,7 +70,7 @@ def test_the_unrun_flag_gates_only_what_never_ran(tmp_path):
     need --allow-unrun-modes (staging: tests/test_gpu_engine_config.py)."""
     from glm53.engine.gpu_create import create
 
-    assert set(modes.UNRUN) == {"split", "layer-major", "nvme", "store-staging"}
+    assert set(modes.UNRUN) == {"split", "layer-major", "nvme", "store-staging", "nvme-prefetch"}
     create(settings("--mode", "fast")[0], tmp_path)
     create(settings("--mode", "nvme-exact", "--store", str(tmp_path))[0], tmp_path)
     nvme = ["--mode", "nvme", "--store", str(tmp_path)]

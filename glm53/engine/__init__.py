@@ -142,6 +142,18 @@ def refuse_layer_major_off_gpu(settings: Settings, kind: str) -> None:
     )
 
 
+def refuse_prefetch_off_gpu(settings: Settings, kind: str) -> None:
+    """--nvme-prefetch is the GPU engine's (glm53.tiers.decode_prefetch, driven by its routing
+    hook); the other engines would ignore it, so a value is refused."""
+    if settings.nvme_prefetch == "off" or kind == "gpu":
+        return
+    raise ConfigurationError(
+        f"--nvme-prefetch {settings.nvme_prefetch}: only the GPU engine (--mode nvme-exact or "
+        f"nvme) prefetches decode picks from the store; the {kind} engine would ignore it. "
+        "Leave --nvme-prefetch (GLM53_NVME_PREFETCH) out"
+    )
+
+
 def _refuse_gpus_off_gpu(settings: Settings, kind: str) -> None:
     if settings.gpus is not None and kind != "gpu":
         raise ConfigurationError(
@@ -229,6 +241,7 @@ def create_engine(settings: Settings) -> Engine:
     kind = engine_kind(settings)
     refuse_ct_b(settings, kind)
     refuse_layer_major_off_gpu(settings, kind)
+    refuse_prefetch_off_gpu(settings, kind)
     _refuse_gpus_off_gpu(settings, kind)
     if kind == "scripted":
         from glm53.engine.scripted import ScriptedEngine, read_script

@@ -63,6 +63,8 @@ class GpuEngine:
             self.description += " (nvme mode: not yet run on a GPU)"
         if self.prefill == "layer-major":
             self.description += ", layer-major prefill (not yet run on a GPU)"
+        if o.nvme_prefetch != "off":
+            self.description += f", decode prefetch {o.nvme_prefetch} (not yet run on a GPU)"
         self.generation_defaults: dict[str, float] = {}
         self.loaded = None
         self.generator = None
@@ -214,7 +216,12 @@ class GpuEngine:
         try:
             with nvme.lock if nvme is not None else contextlib.nullcontext():
                 ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
-                logits = self.loaded.model.forward(ids, params)[0, :, : self.tokenizer.vocab_size]
+                try:
+                    logits = self.loaded.model.forward(ids, params)
+                finally:
+                    if nvme is not None:  # a decode prefetch wave left over (a short prompt)
+                        nvme.end_forward()
+                logits = logits[0, :, : self.tokenizer.vocab_size]
                 if nvme is not None:
                     nvme.check_table_bad()
             return logits.float().cpu()

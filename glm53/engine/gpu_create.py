@@ -48,6 +48,12 @@ def _refuse_unrun(settings: Settings) -> None:
             f"--mode nvme: {UNRUN['nvme']}",
             "Use --mode nvme-exact (the store, bit-identical) or --mode fast (the CPU lane).",
         )
+    # prefetch outside the store modes is refused as such (EngineOptions), flag or not
+    if settings.nvme_prefetch != "off" and rule("gpu", settings.mode).load == "nvme-exact":
+        raise _unrun(
+            f"--nvme-prefetch {settings.nvme_prefetch}: {UNRUN['nvme-prefetch']}",
+            "Leave --nvme-prefetch out (off).",
+        )
 
 
 def _lane_precision(settings: Settings) -> str:
@@ -107,6 +113,7 @@ def engine_options(settings: Settings) -> EngineOptions:
         store=settings.store,
         ram_cap=settings.ram_cap,
         read_timeout_s=settings.read_timeout,
+        nvme_prefetch=settings.nvme_prefetch,
         prefill=settings.prefill,
         cache_dir=str(cache_dir(settings)),
         **lane_kw,

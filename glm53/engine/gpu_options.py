@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from glm53.config import ConfigurationError
 from glm53.exl3.options import LoadMode, LoadOptions
 from glm53.exl3.prefix import PAGE
+from glm53.modes import NVME_PREFETCH as PREFETCH_MODES
 from glm53.modes import Mode, ReferenceMode, resolved, rule, served
 
 PREFILL_ORDERS = ("chunk", "layer-major")
@@ -39,6 +40,23 @@ def check_mode(mode: Mode | ReferenceMode, store: str | None, gpus) -> None:
         )
     if r.one_gpu and gpus is not None and len(gpus) > 1:
         raise ConfigurationError(f"--gpus {_gpus_text(gpus)}: {r.name} runs on one GPU; name one")
+
+
+def check_prefetch(mode: Mode | ReferenceMode, prefetch: str) -> None:
+    """--nvme-prefetch: a known value, and next-layer only where the store is read (the modes
+    whose load is nvme-exact: nvme-exact and nvme)."""
+    if prefetch not in PREFETCH_MODES:
+        raise ConfigurationError(
+            f"--nvme-prefetch {prefetch!r}: one of {', '.join(PREFETCH_MODES)}"
+        )
+    if prefetch == "off":
+        return
+    if isinstance(mode, ReferenceMode) or rule("gpu", mode).load != "nvme-exact":
+        raise ConfigurationError(
+            f"--nvme-prefetch {prefetch}: it reads the store ahead, and --mode {mode} reads no "
+            "store; leave --nvme-prefetch out (off), or serve --mode nvme-exact or nvme with "
+            "--store DIR"
+        )
 
 
 def _engine_mode(mode) -> Mode | ReferenceMode:
@@ -79,6 +97,7 @@ class EngineOptions:
     store: str | None = None  # nvme-exact: the store, --ram-cap, the read timeout
     ram_cap: int | None = None
     read_timeout_s: float | None = 30.0
+    nvme_prefetch: str = "off"  # the store modes' decode prefetch (glm53.tiers.decode_prefetch)
     lane_cpus: str | None = None  # fast: the lane's CPUs, threads, precision; --ct-b
     lane_threads: int | None = None
     lane_precision: str = "fast"
@@ -92,6 +111,7 @@ class EngineOptions:
         set_ = object.__setattr__
         set_(self, "mode", mode)
         check_mode(mode, self.store, self.gpus)
+        check_prefetch(mode, self.nvme_prefetch)
         if self.prefill not in PREFILL_ORDERS:
             raise ConfigurationError(
                 f"--prefill {self.prefill!r}: chunk, or layer-major in exact mode"
@@ -124,4 +144,5 @@ class EngineOptions:
             ec_freq_window=self.ec_freq_window, allow_unsupported=self.allow_unsupported,
             vram_budget=self.vram_budget, gpus=self.gpus, store=self.store,
             ram_cap=self.ram_cap, read_timeout_s=self.read_timeout_s,
+            nvme_prefetch=self.nvme_prefetch,
         ))  # fmt: skip

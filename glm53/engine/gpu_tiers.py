@@ -80,6 +80,7 @@ def iterate_nvme(engine, generator, nvme) -> tuple[list, dict]:
             nvme.check_table_bad()
         finally:
             nvme.row_keys = None
+            nvme.end_forward()  # a decode prefetch wave left over: collected, unpinned
             faults = nvme.take_faults()
     for r in results:
         if r.get("stage") == "error" and isinstance(r.get("error"), ReadFault):

@@ -33,6 +33,7 @@ from glm53.exl3.hooks import (  # noqa: F401 (the prefill mark: fast.py uses it 
     DECODE_MAX_ROWS,
     NO_LANE,
     mark_prefill_exact,
+    predict_next,
     unmark_prefill_exact,
 )
 from glm53.exl3.patches import patch_class, shadow, unshadow
@@ -206,14 +207,17 @@ def install_fast_hooks() -> None:
             return routed
         cache = self.__dict__.get("_g53_cache")
         nvme = self.__dict__.get("_g53_nvme")  # nvme mode: glm53.exl3.nvme_device.NvmeHome
+        nxt = self.__dict__.get("_g53_next") if nvme is not None else None  # decode prefetch
 
         def fast_routed(bsz, cfg, z, params):
             if exact_call(bsz, params):
                 return routed(bsz, cfg, z, params)
+            predicted = predict_next(nxt, bsz, z, params)  # before this layer's own routing
             selected, weights = fn(bsz, cfg, z, params)
             fast.publish(z.view(bsz, -1), selected, weights)
             if nvme is not None:  # resolve + point the picks as routed, admit the GPU's
-                nvme.route(fast.moe_index, selected, True, params, weights, lane=fast)
+                nvme.route(fast.moe_index, selected, True, params, weights, lane=fast,
+                           predicted=predicted)  # fmt: skip
             elif cache is not None:
                 cache.route(fast.moe_index, selected.reshape(-1), admit=True)
             return selected, weights

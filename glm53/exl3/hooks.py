@@ -256,11 +256,14 @@ def install_hooks() -> None:
 
         stager = self.__dict__.get("_g53_stager")
         nvme = self.__dict__.get("_g53_nvme")  # nvme-exact: glm53.exl3.nvme_device.NvmeHome
+        nxt = self.__dict__.get("_g53_next")  # decode prefetch: the next MoE module
 
         def routed(bsz, cfg, z, params):
+            predicted = predict_next(nxt, bsz, z, params)  # first: see predict_next
             selected, weights = fn(bsz, cfg, z, params)
             if nvme is not None:  # every pick's home made resident first (one sync per layer)
-                nvme.route(layer, selected, bsz <= DECODE_MAX_ROWS, params, weights)
+                decode = bsz <= DECODE_MAX_ROWS
+                nvme.route(layer, selected, decode, params, weights, predicted=predicted)
                 return selected, weights
             if params.get("activate_all_experts"):
                 return selected, weights
@@ -277,6 +280,29 @@ def install_hooks() -> None:
 
     patch_class(BlockSparseMLP, "BlockSparseMLP.routing_fn", property(_get, _set))
     _installed = True
+
+
+def predict_next(nxt, bsz: int, z, params: dict):
+    """nvme decode prefetch (glm53.tiers.decode_prefetch): the picks the next MoE module's own
+    router (its un-hooked routing function and its config) makes from this layer's MoE input
+    `z`, as a tensor of its own; None outside a decode call (more than DECODE_MAX_ROWS rows,
+    marked NO_LANE, or reading every expert) or without prefetch (`nxt` None).
+
+    Called before this layer's own routing, on the same stream: exllamav3's routers write their
+    multi-row results into workspaces shared by every MoE layer (block_sparse_mlp_routing.
+    _routing_buffers) and their one-row results into the config's own buffers, so the
+    prediction is copied out (`clone`) before this layer's routing overwrites the shared ones,
+    and this layer's picks are never touched. The router gets a copy of `params`: nothing is
+    written back into the live forward's."""
+    if nxt is None or bsz > DECODE_MAX_ROWS:
+        return None
+    if params.get(NO_LANE) or params.get("activate_all_experts"):
+        return None
+    fn, cfg = nxt.__dict__.get("_g53_routing_fn"), nxt.routing_cfg
+    if fn is None or cfg is None:
+        return None
+    selected, _ = fn(bsz, cfg, z, dict(params))
+    return selected.clone()
 
 
 def mark_prefill_exact(model) -> None:
@@ -353,13 +379,18 @@ def attach_cache(modules, cache, stager=None) -> None:
         shadow(mod, "BlockSparseMLP._g53_stager", stager)
 
 
-def attach_nvme(modules, nvme) -> None:
-    """nvme-exact: route every call's picks through `nvme` (after attach_cache)."""
-    for mod in modules:
+def attach_nvme(modules, nvme, prefetch: bool = False) -> None:
+    """nvme-exact: route every call's picks through `nvme` (after attach_cache). `prefetch`
+    (--nvme-prefetch next-layer): each module also gets the next one, whose router predicts
+    the next layer's picks in decode (predict_next)."""
+    for i, mod in enumerate(modules):
         shadow(mod, "BlockSparseMLP._g53_nvme", nvme)
+        nxt = modules[i + 1] if prefetch and i + 1 < len(modules) else None
+        shadow(mod, "BlockSparseMLP._g53_next", nxt)
 
 
 def detach_cache(modules) -> None:
     for mod in modules:
         unshadow(mod, "BlockSparseMLP._g53_cache")
         unshadow(mod, "BlockSparseMLP._g53_nvme")
+        unshadow(mod, "BlockSparseMLP._g53_next")

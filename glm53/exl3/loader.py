@@ -234,9 +234,10 @@ def load(model_dir: str, options: LoadOptions | None = None) -> Loaded:
         loaded.ec, loaded.stager = ec, stager
     if nvme_src is not None:
         loaded.nvme = _start_nvme(
-            loaded, nvme_src, o.ram_cap, o.read_timeout_s, o.rows, loaded.stager
-        )
-        hooks.attach_nvme(moe, loaded.nvme)
+            loaded, nvme_src, o.ram_cap, o.read_timeout_s, o.rows, loaded.stager,
+            o.nvme_prefetch,
+        )  # fmt: skip
+        hooks.attach_nvme(moe, loaded.nvme, prefetch=o.nvme_prefetch != "off")
         # prefill and scoring forwards carry NO_LANE: a read fault there fails its one request
         # (raised); in a decode forward it fails only the rows that needed it (read_faults)
         hooks.mark_prefill_exact(loaded.model)
@@ -280,10 +281,12 @@ def _check_store_geometry(store, geo: MoeGeometry) -> None:
         )
 
 
-def _start_nvme(loaded: Loaded, nvme_src, ram_cap, read_timeout_s, rows, stager=None):
+def _start_nvme(loaded: Loaded, nvme_src, ram_cap, read_timeout_s, rows, stager=None,
+                prefetch="off"):  # fmt: skip
     """The RAM tier (planned from free memory when --ram-cap is not set), registered with CUDA
     as the experts' home (glm53.exl3.nvme_device.NvmeHome), with prefill staging when a
-    stager was planned (glm53.tiers.prefill_ahead)."""
+    stager was planned (glm53.tiers.prefill_ahead) and decode prefetch when asked
+    (glm53.tiers.decode_prefetch)."""
     from glm53.exl3.nvme_device import NvmeHome
     from glm53.plan.host_memory import host_memory
     from glm53.plan.ram_cap import planned_cap_bytes
@@ -304,7 +307,8 @@ def _start_nvme(loaded: Loaded, nvme_src, ram_cap, read_timeout_s, rows, stager=
             "systemd unit) or lower --ram-cap"
         )
     return NvmeHome(loaded.ec, RamTier(source, cap, read_timeout_s), loaded.home.address,
-                    loaded.ec.device, stager=stager, working_set=working_set)  # fmt: skip
+                    loaded.ec.device, stager=stager, working_set=working_set,
+                    prefetch=prefetch)  # fmt: skip
 
 
 def heat_path(model_dir: str, cache_dir: str | None = None) -> str:

@@ -10,6 +10,7 @@ from enum import StrEnum
 
 from glm53.config import ConfigurationError
 from glm53.exl3.prefix import PAGE
+from glm53.modes import NVME_PREFETCH
 
 
 class LoadMode(StrEnum):
@@ -35,7 +36,7 @@ class LoadOptions:
     """glm53.exl3.load's settings. vram_budget (bytes; None: the device's free VRAM) plans the
         expert cache and staging as on a card with that much free. `gpus` with two or more entries
         splits the layers over them (glm53.exl3.split; `device` is then unused); None is the one-GPU
-        load on `device`. store (required), ram_cap and read_timeout_s are nvme-exact's (one GPU;
+        load on `device`. store (required), ram_cap, read_timeout_s and nvme_prefetch are nvme-exact's (one GPU;
     the GPU engine's mode table, glm53.modes, requires the store)."""
 
     mode: LoadMode = LoadMode.EXACT
@@ -56,6 +57,7 @@ class LoadOptions:
     store: str | None = None
     ram_cap: int | None = None
     read_timeout_s: float | None = 30.0
+    nvme_prefetch: str = "off"  # off or next-layer (glm53.tiers.decode_prefetch): nvme-exact's
 
     def __post_init__(self):
         try:
@@ -69,6 +71,15 @@ class LoadOptions:
             object.__setattr__(self, "gpus", tuple(self.gpus))
         if self.is_split and self.mode is LoadMode.NVME_EXACT:
             raise ConfigurationError("nvme-exact runs on one GPU: --gpus names more than one")
+        if self.nvme_prefetch not in NVME_PREFETCH:
+            raise ConfigurationError(
+                f"--nvme-prefetch {self.nvme_prefetch!r}: one of {', '.join(NVME_PREFETCH)}"
+            )
+        if self.nvme_prefetch != "off" and self.mode is not LoadMode.NVME_EXACT:
+            raise ConfigurationError(
+                f"--nvme-prefetch {self.nvme_prefetch}: it reads the store ahead, and load "
+                f"mode {self.mode} reads no store; leave it off, or load nvme-exact"
+            )
         if self.is_split and self.mode is LoadMode.STOCK:
             raise ConfigurationError(
                 "--gpus with two or more entries runs modes exact and zerocopy (routed experts "

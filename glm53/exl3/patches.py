@@ -61,6 +61,10 @@ POINTS: tuple[PatchPoint, ...] = (
     PatchPoint(_MLP, "BlockSparseMLP", "_g53_cache", "slot", None, "hooks", _SLOT),
     PatchPoint(_MLP, "BlockSparseMLP", "_g53_stager", "slot", None, "hooks", _SLOT),
     PatchPoint(_MLP, "BlockSparseMLP", "_g53_nvme", "slot", None, "hooks", _SLOT),
+    PatchPoint(_MLP, "BlockSparseMLP", "_g53_next", "slot", None, "hooks",
+               "nvme decode prefetch: the next MoE module, whose router predicts its picks"),
+    PatchPoint(_MLP, "BlockSparseMLP", "routing_cfg", "read", None, "hooks",
+               "nvme decode prefetch: the next layer's router config, for its prediction"),
     # fast mode (glm53.exl3.fast_hooks)
     PatchPoint(_MLP, "BlockSparseMLP", "cpu_split_combine", "class",
                ("self", "final_hidden_states", "cpu_partial", "cpu_pending", "shape"),

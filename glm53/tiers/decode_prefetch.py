@@ -54,13 +54,14 @@ import logging
 
 import numpy as np
 
+from glm53.modes import NVME_PREFETCH
 from glm53.tiers.gpu_home import RamHome
 from glm53.tiers.prefill_ahead import AheadReads
 from glm53.tiers.ram_tier import PendingWave, ReadFault
 
 log = logging.getLogger("glm53.tiers")
 
-MODES = ("off", "next-layer")  # --nvme-prefetch
+MODES = NVME_PREFETCH  # --nvme-prefetch
 
 
 class DecodePrefetch:
