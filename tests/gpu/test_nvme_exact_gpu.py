@@ -29,14 +29,17 @@ from gpu_kit import (  # noqa: E402
     CHUNK,
     N_NEW,
     assert_same,
+    batch_prompts,
     checkpoint_dir,
     expert_slots,
     num_records,
+    reference_spec,
     run_engine,
     single_prompts,
     singles_spec,
     stock_reference,
     text_config,
+    together_generator,
 )
 from serving_kit import Server  # noqa: E402
 from store_kit import flip_byte  # noqa: E402
@@ -54,10 +57,19 @@ def _spec(path):
     return singles_spec(path, LENGTHS)
 
 
+def _batch_spec(path):
+    """The shared set's prompts admitted together (test_generator_parity.py's batch run: the
+    same reference unit, computed once): decode forwards of several rows."""
+    prompts = batch_prompts(text_config(path)["vocab_size"])
+    return reference_spec(
+        path, [{"prompts": prompts, "together": True, "generator": together_generator()}]
+    )
+
+
 def reference_specs():
     """The stock runs this file asks for (conftest.py declares them)."""
     path = checkpoint_dir("GLM53_TEST_SLICE")
-    return [_spec(path)] if path else []
+    return [_spec(path), _batch_spec(path)] if path else []
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +121,44 @@ def test_in_process_nvme_exact_equals_stock_exllamav3(case, share, stage_gb):
         check = e.verify_tiers(64)
         assert check.is_ok, check.summary()
         assert check.vram_checked > 0 and check.table_checked > 0
+    finally:
+        e.close()
+
+
+@pytest.mark.parametrize("share", RAM_SHARES)
+def test_in_process_nvme_exact_with_decode_prefetch_equals_stock_exllamav3(case, share):
+    """--nvme-prefetch next-layer (glm53.tiers.decode_prefetch; NOT YET RUN ON A GPU): each
+    decode MoE hook also runs the next layer's router on this layer's input and reads the
+    predicted misses ahead. That moves only when bytes are read from the store, never the
+    bytes, the picks or the kernels, and the prediction runs before the layer's own routing
+    (exllamav3's routers share their multi-row workspaces), so tokens and logits stay
+    torch.equal to stock exllamav3's, alone (one-row decode: the routers' one-row buffers) and
+    with the batch admitted together (multi-row decode: the shared workspaces). The waves ran,
+    their reads did not fault, and nothing stays pinned after the run."""
+    e = GpuEngine(case["path"], EngineOptions(
+        mode="nvme-exact", context=CONTEXT, max_batch=4, chunk_size=CHUNK,
+        ec_max_slots=case["slots"], heat_file=str(case["tmp"] / f"heat-{share}-prefetch.json"),
+        store=case["store"], ram_cap=case["cap"][share], nvme_prefetch="next-layer",
+    ))  # fmt: skip
+    e.load()
+    try:
+        assert e.loaded.nvme.prefetch is not None
+        for n in LENGTHS:
+            (got,) = run_engine(e, [case["prompts"][n]], N_NEW)
+            assert_same(got, case["ref"][n], f"RAM {share:.0%}, prefetch, prompt of {n}")
+        (batch,) = stock_reference(_batch_spec(case["path"]), case["tmp"])
+        prompts = batch_prompts(text_config(case["path"])["vocab_size"])
+        got = run_engine(e, prompts, N_NEW)
+        for i, (g, w) in enumerate(zip(got, batch, strict=True)):
+            assert_same(g, w, f"RAM {share:.0%}, prefetch, batch job {i}")
+        ram = e.stats()["tiers"]["ram"]
+        assert ram["table_bad"] == 0 and ram["read_errors"] == 0
+        assert ram["prefetch_waves"] > 0 and ram["prefetch_keys"] > 0
+        assert ram["prefetch_faults"] == 0
+        assert ram["prefetch_hits"] + ram["prefetch_wasted"] == ram["prefetch_keys"]
+        assert e.loaded.nvme.prefetch.idle() and e.loaded.nvme.tier.clock.n_pinned == 0
+        check = e.verify_tiers(64)
+        assert check.is_ok, check.summary()
     finally:
         e.close()
 
@@ -225,11 +275,11 @@ def _spy_reads(e, log: list) -> None:
     tier, home = nvme.tier, nvme.home
     make_resident, resolve = tier.make_resident, home.resolve
 
-    def spied_resolve(layer, picks, in_vram):
+    def spied_resolve(layer, picks, in_vram, read_ahead=()):
         rows = nvme.row_keys() if nvme.row_keys is not None else None
         entry = {"layer": layer, "rows": rows, "picks": picks.copy(), "read": []}
         log.append(entry)
-        return resolve(layer, picks, in_vram)
+        return resolve(layer, picks, in_vram, read_ahead)
 
     def spied_make_resident(layer, experts):
         base = tier.moe_index[layer] * tier.num_experts
