@@ -35,6 +35,13 @@ run on a GPU): nvme mode, the nvme_exact row's load with the CPU lane over its R
 (as `glm53 serve --mode nvme` builds it); figures.nvme_lane has each row's lane counts and
 ratios.nvme_vs_nvme_exact_ramNN its decode c1 over the nvme_exact row's at the same cap.
 
+nvme_exact prefetch rows (nvme_exact_ram70_prefetch, nvme_exact_ram40_prefetch:
+`--modes ...,nvme_exact_ram70,nvme_exact_ram70_prefetch` with --store, not yet run on a GPU): the
+nvme_exact row's load with decode prefetch on (--nvme-prefetch next-layer,
+glm53.tiers.decode_prefetch); figures.nvme_prefetch has every nvme_exact row's prefetch counters
+(keys submitted, hits, wasted, faults; zeros where it is off) and
+ratios.nvme_exact_ramNN_prefetch_vs_off its decode c1 over the row without prefetch, same cap.
+
 --vram-budget SIZE plans exact mode within SIZE as on a card that size (glm53.exl3.loader.vram_plan_for);
 the expert cache is then as large as the budget allows unless --share caps it, and the stock
 offload rows keep as many experts per layer in VRAM as exact's cache and staging take. Every
@@ -238,13 +245,23 @@ def measure(loaded, vocab, quick=False, step=None, layer_major=None, shapes=PREF
 # is streamed to the GPU; unset, as in the other offload rows, exllamav3 scales it from 8)
 # nvme_ramNN: nvme mode, nvme_exact_ramNN + the same lane over the RAM tier (glm53.tiers.nvme_lane);
 # measured only when --modes names it and --store is given (not yet run on a GPU)
+# nvme_exact_ramNN_prefetch: nvme_exact_ramNN with decode prefetch (--nvme-prefetch next-layer,
+# glm53.tiers.decode_prefetch); measured only when --modes names it and --store is given (not
+# yet run on a GPU)
 ALL_MODES = ("stock", "zerocopy", "exact", "exact_clock", "stock_offload", "stock_offload_arena",
              "nvme_exact_ram70", "nvme_exact_ram40", "nvme_ram70", "nvme_ram40", "fast",
-             "exact_layer_major", "stock_offload_stream")  # fmt: skip
+             "exact_layer_major", "stock_offload_stream", "nvme_exact_ram70_prefetch",
+             "nvme_exact_ram40_prefetch")  # fmt: skip
 ON_REQUEST = ("fast", "exact_layer_major", "stock_offload_stream", "nvme_ram70",
-              "nvme_ram40")  # not in the default --modes  # fmt: skip
+              "nvme_ram40", "nvme_exact_ram70_prefetch",
+              "nvme_exact_ram40_prefetch")  # not in the default --modes  # fmt: skip
 NVME_RAM_SHARE = {"nvme_exact_ram70": 0.7, "nvme_exact_ram40": 0.4, "nvme_ram70": 0.7,
-                  "nvme_ram40": 0.4}  # fmt: skip
+                  "nvme_ram40": 0.4, "nvme_exact_ram70_prefetch": 0.7,
+                  "nvme_exact_ram40_prefetch": 0.4}  # fmt: skip
+PREFETCH_ROWS = ("nvme_exact_ram70_prefetch", "nvme_exact_ram40_prefetch")  # prefetch on
+# the RAM stats' prefetch counters each nvme_exact row reports (figures.nvme_prefetch)
+PREFETCH_COUNTERS = ("prefetch_waves", "prefetch_keys", "prefetch_hits", "prefetch_wasted",
+                     "prefetch_faults", "prefetch_cut", "prefetch_bytes")  # fmt: skip
 LANE_ROWS = ("fast", "nvme_ram70", "nvme_ram40")  # rows with the CPU lane on their load
 
 
@@ -360,6 +377,8 @@ def measure_mode(args, mode) -> dict:
         # prefill staging on, as exact's rows have it (--ec-stage-gb's default; nvme-exact
         # reads each layer into the RAM tier ahead of its stage: glm53.tiers.prefill_ahead)
         kw.update(store=args.store, ram_cap=nvme_ram_cap(args.store, mode))
+        if mode in PREFETCH_ROWS:
+            kw["nvme_prefetch"] = "next-layer"
         info["ram_share"] = NVME_RAM_SHARE[mode]
         info["store_read"] = store_read_rate(args)
     dev = torch.device("cuda:0")  # glm53.exl3.loader.load's default device
@@ -708,6 +727,11 @@ def combine(results: list[dict], args) -> dict:
         for m in ("nvme_ram70", "nvme_ram40")
         if m in rows and "lane" in rows[m]
     }
+    figures["nvme_prefetch"] = {  # every nvme_exact row's prefetch counters (zeros: off)
+        m: {k: rows[m]["ram"].get(k) for k in PREFETCH_COUNTERS}
+        for m in rows
+        if m.startswith("nvme_exact") and "ram" in rows[m]
+    }
     splits = (rows["fast"].get("fixed_splits") or {}) if "fast" in rows else {}
     figures["fast_fixed_split_c1_tok_s"] = {
         pct: s["decode"]["c1"]["per_stream_tok_s"] for pct, s in splits.items()
@@ -735,6 +759,12 @@ def combine(results: list[dict], args) -> dict:
         "fast_router_vs_best_fixed_split": ratio(c1("fast"), best_fixed),
         "nvme_vs_nvme_exact_ram70": ratio(c1("nvme_ram70"), c1("nvme_exact_ram70")),
         "nvme_vs_nvme_exact_ram40": ratio(c1("nvme_ram40"), c1("nvme_exact_ram40")),
+        "nvme_exact_ram70_prefetch_vs_off": ratio(c1("nvme_exact_ram70_prefetch"),
+                                                  c1("nvme_exact_ram70")),
+        "nvme_exact_ram40_prefetch_vs_off": ratio(c1("nvme_exact_ram40_prefetch"),
+                                                  c1("nvme_exact_ram40")),
+        "nvme_exact_ram70_prefetch_vs_disk_bound": vs_disk_bound("nvme_exact_ram70_prefetch"),
+        "nvme_exact_ram40_prefetch_vs_disk_bound": vs_disk_bound("nvme_exact_ram40_prefetch"),
         "fast_lane_fallback_share": fast_lane["fallbacks"] / fast_lane["jobs"]
         if fast_lane and fast_lane["jobs"] and fast_lane["fallbacks"] is not None
         else None,

@@ -533,6 +533,78 @@ def test_gpu_slice_nvme_rows_give_the_lanes_ratio_against_nvme_exact(tmp_path):
     assert r["figures"]["nvme_lane"] == {"nvme_ram70": lane, "nvme_ram40": lane}
 
 
+def test_gpu_slice_prefetch_rows_give_their_ratio_against_prefetch_off_and_counters(tmp_path):
+    """MOCK rows (made-up figures; decode prefetch has not run on a GPU): issue 27's
+    ratios.nvme_exact_ram70_prefetch_vs_off (and ram40), and figures.nvme_prefetch with every
+    nvme_exact row's prefetch counters (zeros where it is off); the prefetch rows run only when
+    asked for, only with --store, and load nvme-exact with --nvme-prefetch next-layer."""
+    gs = _gpu_slice()
+    default = gs.parse_args(["--model", "/x", "--store", "/s"]).modes.split(",")
+    assert "nvme_exact_ram70" in default and "nvme_exact_ram70_prefetch" not in default
+    with pytest.raises(SystemExit):
+        gs.parse_args(["--model", "/x", "--modes", "nvme_exact_ram70,nvme_exact_ram70_prefetch"])
+    modes = "nvme_exact_ram70,nvme_exact_ram70_prefetch,nvme_exact_ram40,nvme_exact_ram40_prefetch"
+    assert gs.parse_args(["--model", "/x", "--store", "/s", "--modes", modes]).modes == modes
+    assert gs.NVME_RAM_SHARE["nvme_exact_ram70_prefetch"] == 0.7
+    assert gs.NVME_RAM_SHARE["nvme_exact_ram40_prefetch"] == 0.4
+    assert set(gs.PREFETCH_ROWS) == {"nvme_exact_ram70_prefetch", "nvme_exact_ram40_prefetch"}
+    from glm53.doctor.geometry import Geometry
+    from glm53.tiers.decode_prefetch import DecodePrefetch
+
+    assert gs.PREFETCH_COUNTERS == DecodePrefetch.COUNTERS  # the counters the RAM stats report
+    geo = Geometry("slice", 8, 8, 288, 8, 9_437_184, 1_000_000_000, 3)
+    info = {"moe_layers": 8, "experts": 288, "record_bytes": 9_437_184, "device": "MOCK",
+            "geometry": {f: getattr(geo, f) for f in geo.__struct_fields__}}  # fmt: skip
+    off = dict.fromkeys(DecodePrefetch.COUNTERS, 0)
+    on70 = dict(off, prefetch_waves=900, prefetch_keys=4000, prefetch_hits=3000,
+                prefetch_wasted=1000, prefetch_bytes=4000 * 9_437_184)  # fmt: skip
+    on40 = dict(on70, prefetch_keys=6000, prefetch_wasted=3000)
+    rows = {
+        "exact": _mock_row(40.0, 30.0, 20.0, 80.0, 900.0, 3000.0, 6000.0, decode_hit_rate=0.5,
+                           cache={"layer_hit_rate": [0.5] * 8}, slots=262),
+        "nvme_exact_ram70": dict(_mock_row(30.0, 28.0, 18.0, 72.0, 800.0, 2500.0, 5000.0),
+                                 ram=dict(off, slots=100)),
+        "nvme_exact_ram40": dict(_mock_row(20.0, 16.0, 10.0, 40.0, 500.0, 1500.0, 3000.0),
+                                 ram=dict(off, slots=60)),
+        "nvme_exact_ram70_prefetch": dict(
+            _mock_row(33.0, 28.0, 18.0, 72.0, 800.0, 2500.0, 5000.0), ram=dict(on70, slots=100)),
+        "nvme_exact_ram40_prefetch": dict(
+            _mock_row(25.0, 16.0, 10.0, 40.0, 500.0, 1500.0, 3000.0), ram=dict(on40, slots=60)),
+    }  # fmt: skip
+    for mode, row in rows.items():
+        (tmp_path / f"row-{mode}.json").write_text(
+            json.dumps({"mode": mode, "info": info, "row": row})
+        )
+    r = run_bench("gpu_slice", "--combine", str(tmp_path))
+    assert r["ratios"]["nvme_exact_ram70_prefetch_vs_off"] == pytest.approx(33.0 / 30.0)
+    assert r["ratios"]["nvme_exact_ram40_prefetch_vs_off"] == pytest.approx(25.0 / 20.0)
+    assert r["ratios"]["nvme_exact_ram70_prefetch_vs_disk_bound"] is None  # no read rate here
+    assert r["figures"]["nvme_prefetch"] == {
+        "nvme_exact_ram70": off,
+        "nvme_exact_ram40": off,
+        "nvme_exact_ram70_prefetch": on70,
+        "nvme_exact_ram40_prefetch": on40,
+    }
+
+
+def test_gpu_slice_without_prefetch_rows_leaves_their_ratios_null(tmp_path):
+    """A MOCK nvme_exact row alone (made-up figures, no RAM stats): no prefetch ratio."""
+    from glm53.doctor.geometry import Geometry
+
+    geo = Geometry("slice", 8, 8, 288, 8, 9_437_184, 1_000_000_000, 3)
+    info = {"moe_layers": 8, "experts": 288, "record_bytes": 9_437_184, "device": "MOCK",
+            "geometry": {f: getattr(geo, f) for f in geo.__struct_fields__}}  # fmt: skip
+    rows = {"nvme_exact_ram70": _mock_row(30.0, 28.0, 18.0, 72.0, 800.0, 2500.0, 5000.0)}
+    for mode, row in rows.items():
+        (tmp_path / f"row-{mode}.json").write_text(
+            json.dumps({"mode": mode, "info": info, "row": row})
+        )
+    r = run_bench("gpu_slice", "--combine", str(tmp_path))
+    assert r["ratios"]["nvme_exact_ram70_prefetch_vs_off"] is None
+    assert r["ratios"]["nvme_exact_ram40_prefetch_vs_off"] is None
+    assert r["figures"]["nvme_prefetch"] == {}  # a row without its RAM stats reports none
+
+
 def test_gpu_slice_predicts_prefill_from_its_own_stock_row_and_exacts_staging(tmp_path):
     """The committed H200 s4 run's stock and exact prefill (bench/results/, real figures; the
     decode figures are copied too) through --combine: exact's prefill prediction takes the GPU's
