@@ -232,3 +232,36 @@ def test_prefetch_off_reports_zeros_and_reads_nothing_ahead(demo, good_store, mo
         } == dict.fromkeys(DecodePrefetch.COUNTERS, 0)
     finally:
         home.close()
+
+
+def test_predict_next_runs_the_next_routers_own_function_on_a_params_copy_and_copies_out():
+    """glm53.exl3.hooks.predict_next with a named mock of the next BlockSparseMLP (its routing
+    function and config, as the routing property keeps them): the prediction runs on a copy of
+    the params, and its picks are copied out of the router's workspace (exllamav3's multi-row
+    routers share one per device, which this layer's own routing writes next)."""
+    import types
+
+    from glm53.exl3.hooks import DECODE_MAX_ROWS, NO_LANE, predict_next
+
+    workspace = torch.zeros((2, 2), dtype=torch.int64)  # the routers' shared output (mock)
+    seen = []
+
+    def mock_router(bsz, cfg, z, params):
+        seen.append((bsz, cfg, z, dict(params)))
+        params["written"] = True  # a router writing into what it was given
+        workspace.copy_(torch.tensor([[3, 4], [5, 6]]))
+        return workspace, torch.ones((2, 2))
+
+    mock_next_module = types.SimpleNamespace(routing_cfg="cfg of the next layer")
+    mock_next_module.__dict__["_g53_routing_fn"] = mock_router
+    z, params = torch.ones((2, 8)), {"some": 1}
+    got = predict_next(mock_next_module, 2, z, params)
+    assert seen == [(2, "cfg of the next layer", z, {"some": 1})]
+    assert params == {"some": 1}  # the live params are untouched
+    assert got.tolist() == [[3, 4], [5, 6]]
+    workspace.fill_(-7)  # this layer's own routing rewrites the workspace next
+    assert got.tolist() == [[3, 4], [5, 6]]
+    for bsz, p in ((DECODE_MAX_ROWS + 1, {}), (1, {NO_LANE: True}),
+                   (1, {"activate_all_experts": True})):  # fmt: skip
+        assert predict_next(mock_next_module, bsz, z, p) is None
+    assert predict_next(None, 1, z, {}) is None and len(seen) == 1
