@@ -27,7 +27,7 @@ The pipeline, per decode hook of MoE layer L (glm53.exl3.nvme_device.NvmeHome.ro
    slots pinned) and their reads queued on the store's reader threads; the hook returns at once.
 
 Ownership and ordering: as glm53.tiers.prefill_ahead, whose machinery (RamTier.begin_resident /
-finish_resident / release_wave, AheadReads' unhoming of evicted keys) this reuses. The engine
+finish_resident / release_wave, prefill_ahead.unhome_evicted) this reuses. The engine
 thread owns the tier; reader threads write only the bytes of the slots a wave gave them.
 
 Eviction contract: a slot is never evicted while the device may read it, nor while it is read
@@ -35,7 +35,9 @@ into. Without prefetch a decode hook evicts only after its sync, when every earl
 done. A wave begun at hook L evicts before L's own MoE kernel and VRAM admissions run, so the
 RAM slots of L's picks are pinned first (`hold`) and stay pinned until hook L+1 (or the end of
 the forward); the slots a wave's misses take get `absent` homes at once, and their own homes
-only once their bytes are in (`take`). A wave is cut to the RAM tier's room: at most top-k x
+only once their bytes are in (`take`). The wave's admissions count one access each in the
+tier's frequency counts, as a demand miss does (a wasted prediction's too); L+1's resolve then
+counts the experts it picks from the wave as RAM hits without a second access. A wave is cut to the RAM tier's room: at most top-k x
 rows experts, and never more than leaves one layer's decode working set unpinned beside every
 slot pinned now (L's picks included), so it evicts none of them and L+1's resolve always has
 room.
@@ -56,7 +58,7 @@ import numpy as np
 
 from glm53.modes import NVME_PREFETCH
 from glm53.tiers.gpu_home import RamHome
-from glm53.tiers.prefill_ahead import AheadReads
+from glm53.tiers.prefill_ahead import unhome_evicted
 from glm53.tiers.ram_tier import PendingWave, ReadFault
 
 log = logging.getLogger("glm53.tiers")
@@ -77,7 +79,6 @@ class DecodePrefetch:
 
     def __init__(self, home: RamHome):
         self.home, self.tier = home, home.tier
-        self._unhome = AheadReads(home, 1, 0)  # its unhoming of the keys a wave evicts
         self.layer = -1  # the MoE layer of the wave below (begun at hook layer - 1)
         self.wave: PendingWave | None = None
         self.ready = False  # the wave was finished (its reads collected, its slots pinned)
@@ -154,7 +155,7 @@ class DecodePrefetch:
         self.wave, self.layer, self.ready = wave, layer, False
         self.counters["prefetch_waves"] += 1
         self.counters["prefetch_keys"] += len(wave.loads)
-        self._unhome._unhome_evicted(wave)  # the taken slots' keys absent, now (deferred)
+        unhome_evicted(self.home, wave)  # the taken slots' keys absent, now (deferred)
 
     # --- the end of a forward, a fault, a check ----------------------------------------------
     def drain(self) -> None:
