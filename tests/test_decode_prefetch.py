@@ -265,3 +265,40 @@ def test_predict_next_runs_the_next_routers_own_function_on_a_params_copy_and_co
                    (1, {"activate_all_experts": True})):  # fmt: skip
         assert predict_next(mock_next_module, bsz, z, p) is None
     assert predict_next(None, 1, z, {}) is None and len(seen) == 1
+
+
+def test_a_prefetch_read_past_the_timeout_fails_nobody_and_the_demand_read_reports_it(
+    demo, good_store, monkeypatch
+):
+    """A hung disk under a wave (store_kit.StallingReader, a stand-in: a real one cannot be
+    made here): the wave's wait gives up at the read timeout, nothing fails, the stuck record
+    stays absent with its slot pinned (RamTier's handling), and a later pick of it reports the
+    fault with its rows; once the read lands, the next read of it succeeds."""
+    from store_kit import StallingReader
+
+    home, ec, lib = _home(demo, good_store, monkeypatch, 40)
+    try:
+        home.tier.read_timeout_s = 0.05
+        real = home.tier.source.reader
+        stall = StallingReader(real, [(3 * EXPERTS + 4) * RECORD + 4096])
+        home.tier.source.reader = stall
+        home.route(2, sel([1, 2]), True, {}, predicted=sel([4, 30]))
+        home.route(3, sel([9, 8]), True, {})  # 4 not picked: nothing fails
+        stats = home.stats()
+        assert stats["prefetch_faults"] == 1 and stats["read_timeouts"] == 1
+        assert 3 * EXPERTS + 4 in home.tier.stuck_keys()
+        check_table(home, ec)
+        with pytest.raises(ReadFault, match="has not finished") as info:
+            home.route(3, sel([9, 8], [4, 8]), True, {})
+        assert info.value.rows == (1,)
+        home.end_forward()
+        stall.release()
+        home.tier.source.reader = real
+        for _ in range(10_000):  # the late read lands (each look waits up to 1 ms for it)
+            if all(stuck.finished() for stuck, _, _ in home.tier._stuck):
+                break
+        home.route(3, sel([4, 8]), True, {})  # reaped, then read afresh
+        assert home.tier.clock.contains(3 * EXPERTS + 4) and home.tier.clock.n_pinned == 0
+        check_table(home, ec)
+    finally:
+        home.close()
