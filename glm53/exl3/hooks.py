@@ -13,6 +13,11 @@ Two class-level hooks and pointer-table writes, nothing else:
 
 A table entry always points at a byte-exact copy of its expert (home or slot), so the
 output is bit-identical to stock exllamav3 with every expert in VRAM.
+
+nvme decode prefetch (`attach_nvme(..., prefetch=True)`): a decode call's hook first runs the
+next MoE module's own router on this layer's input (`predict_next`) and hands the predicted picks
+to glm53.exl3.nvme_device, which reads them from the store ahead; only where bytes are read
+from moves (NOT YET RUN ON A GPU).
 """
 
 from __future__ import annotations

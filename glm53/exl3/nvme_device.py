@@ -32,6 +32,14 @@ L+1 into a staging buffer on its side stream while L computes, and only the pick
 did not cover are pointed as above. Staging moves where a pick's bytes are read from, never the
 bytes, the picks or the kernels: the output is unchanged, bit for bit.
 
+Decode prefetch (--nvme-prefetch next-layer; glm53.tiers.decode_prefetch has the design and the
+eviction contract, NOT YET RUN ON A GPU): in a decode forward the hook hands `route` layer L+1's
+picks as L+1's router predicts them from L's MoE input (glm53.exl3.hooks.predict_next); they and
+their VRAM slots join L's one copy. After L's resolve the predicted store misses of L+1 are
+queued on the store's reader threads (L's RAM picks pinned meanwhile), and at L+1's hook that
+wave is collected before the resolve, so its experts are hits. `end_forward` (after each
+Generator iteration) collects a wave a forward left over.
+
 nvme mode (glm53.tiers.nvme_lane has the design and the ordering argument): the layer's
 glm53.exl3.fast_hooks.FastLayer publishes first, then `route(..., lane=layer)` resolves and
 points the selection as routed (the publish's saved copy, lane picks included) and admits into
