@@ -155,16 +155,16 @@ class NvmeHome:
             self._drain()
         elif staged and layer != self._next_staged:
             self._drain()  # a new forward (or one after a fault): start the pipeline afresh
+        reads = self.home.counters["ram_reads"]
         prefetched = ()  # the experts of this layer a prefetch wave made resident (pinned)
         if pf is not None and plain_decode:
-            prefetched = pf.take(layer)
+            prefetched = pf.take(layer)  # may wait for the wave's reads
         elif pf is not None and not pf.idle():
             pf.drain()  # a prefill or an all-experts call: nothing of a wave left pinned
         isolate = (
             decode and self.row_keys is not None and weights is not None
             and not all_experts and not params.get(NO_LANE)
         )  # fmt: skip
-        reads = self.home.counters["ram_reads"]
         try:
             if isolate:
                 update, faults, kept = resolve_isolating(

@@ -191,8 +191,11 @@ class DecodePrefetch:
         return True
 
     def _drop(self) -> None:
-        """Forget the wave, unpinning its slots if it was finished (a failed one holds none)."""
-        if self.wave is not None and self.wave.batch is None:
+        """Forget the wave, unpinning its slots (a failed one holds none); reads still out are
+        collected first, so none is left writing into a slot nobody pins."""
+        if self.wave is not None:
+            if self.wave.batch is not None:
+                self._finish()
             self.tier.release_wave(self.wave)
         self.wave, self.layer, self.ready = None, -1, False
 
