@@ -5,7 +5,9 @@ start and on demand (/admin/verify) clean, and a flipped store byte caught by it
 
 Passed 6 of 6 on an H200 (2026-12-02), with prefill staging off in nvme-exact. Staging is now on
 by default (glm53.tiers.prefill_ahead): every case below runs with it, plus one in-process case
-with it off (--ec-stage-gb 0); not yet run on a GPU since. Needs GLM53_TEST_SLICE (a `glm53 synth --preset slice`
+with it off (--ec-stage-gb 0); not yet run on a GPU since. Decode prefetch (--nvme-prefetch
+next-layer, glm53.tiers.decode_prefetch) has its own in-process case at both RAM caps, alone and
+with the batch admitted together: never run on a GPU. Needs GLM53_TEST_SLICE (a `glm53 synth --preset slice`
 checkpoint); the store is conftest.py's `slice_store`, packed once for the session unless
 GLM53_TEST_SLICE_STORE names one already packed from it (about 22 GB); the servers serve it too,
 and the flipped bytes are flipped back before the next server starts. The reference runs in a
