@@ -14,7 +14,7 @@ import os
 import numpy as np
 
 from glm53.exl3 import fast_hooks
-from glm53.tiers.fast_lane import FastLane
+from glm53.tiers.fast_lane import NVME_STATUS, STATUS, FastLane
 from glm53.tiers.lane_mailbox import MailboxLane
 from glm53.tiers.lane_router import LaneRouter
 
@@ -83,7 +83,7 @@ def start_fast(
         lane.close()
         raise
     router = LaneRouter(len(loaded.moe), loaded.home.geo.record_bytes, ct_b=ct_b)
-    return FastLane(lane, router, layers)
+    return FastLane(lane, router, layers, NVME_STATUS if loaded.nvme is not None else STATUS)
 
 
 def stop_fast(fast: FastLane, loaded) -> None:

@@ -20,18 +20,27 @@ from glm53.tiers.lane_mailbox import MAX_PICKS, MailboxLane
 from glm53.tiers.lane_router import LaneRouter
 
 STATUS = "served; device tests passed on an H200 (2026-12-02: 21 of 22, one fidelity bound)"
+# nvme mode's lane (the same FastLane over the RAM tier, glm53.tiers.nvme_lane): its GPU tests
+# (tests/gpu/test_nvme_mode_gpu.py) have not run yet
+NVME_STATUS = (
+    "nvme mode: the lane over the RAM tier, not yet run on a GPU (served with --allow-unrun-modes)"
+)
 
 
 class FastLane:
     """The lane, the router and (on the GPU path) the device layers of one fast-mode engine.
     Owned by the engine thread; `stats` may run on another thread under the engine's lock."""
 
-    def __init__(self, lane: MailboxLane, router: LaneRouter, layers: Sequence = ()):
+    def __init__(
+        self, lane: MailboxLane, router: LaneRouter, layers: Sequence = (), status: str = STATUS
+    ):
+        """`status` is what /stats says of this lane (STATUS: fast mode's; NVME_STATUS)."""
         if router.n_layers != len(lane.mailboxes):
             raise ValueError(
                 f"the router has {router.n_layers} layers, the lane {len(lane.mailboxes)}"
             )
         self.lane, self.router, self.layers = lane, router, list(layers)
+        self.status = status
         # the thread that built it: in the server, the engine thread (its load runs there),
         # which glm53.tiers.thread_pins pins to the cores the lane leaves
         self.owner_native_id = threading.get_native_id()
@@ -98,7 +107,7 @@ class FastLane:
                 entry.update(dev[i])
             layers.append(entry)
         return {
-            "status": STATUS,
+            "status": self.status,
             "kernel": self.lane.lane.kernel_name,
             "threads": self.lane.lane.layout.threads,
             "steps": self.steps,
