@@ -53,3 +53,47 @@ def test_a_pause_counts_only_between_two_iterations_that_gave_tokens(monkeypatch
     ctl.after_iterate(True)  # t=10.2: the first token after idle is no pause
     assert ctl.longest_pause_s == 1.5
     assert ctl.stats()["longest_decode_pause_s"] == 1.5
+
+
+class _SharedSelection:
+    """A mock of exllamav3 1.6.5's graph-captured decode-class DSA attention (the real one needs
+    a GPU): every forward of it writes its top-k selection into one workspace shared by all
+    forwards and publishes that workspace in params (bc_mla.py's "bcm_dsa_idx")."""
+
+    workspace = None
+
+    def __init__(self, key: str, full: bool):
+        self.key, self.full = key, full
+
+    def prepare_for_device(self, x, params):
+        return x
+
+    def forward(self, x, params):
+        import torch
+
+        if self.full:  # this chunk's selection, from its input
+            _SharedSelection.workspace.copy_(x.reshape(-1)[:4].to(torch.int32))
+            params["dsa_topk_indices"] = _SharedSelection.workspace
+            return x
+        return x + params["dsa_topk_indices"].to(x.dtype).sum()  # a "shared" layer reads it
+
+
+def test_a_chunk_keeps_its_own_dsa_selection_across_other_streams_forwards():
+    """Between two steps of a pass the Generator decodes other streams, whose forwards write the
+    decode-class attention's shared selection workspace; a chunk's "shared" indexer layer must
+    still read the selection its own "full" layer made."""
+    import torch
+
+    from glm53.exl3.layer_major_pass import LayerMajorPass, _Chunk
+
+    _SharedSelection.workspace = torch.zeros(4, dtype=torch.int32)
+    full, shared = _SharedSelection("layers.3", True), _SharedSelection("layers.4", False)
+    p = object.__new__(LayerMajorPass)  # _run only: no job, no placement (streams as allocated)
+    model = SimpleNamespace(last_kv_module_idx_instance=(9, 0))
+    p.ctl, p.layout, p.step_i, p.points = SimpleNamespace(model=model), None, 1, {}
+    x = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    chunk = _Chunk(None, {}, 4, 4, x)
+    chunk.x = p._run(chunk, chunk.x, [(full, 0, 3)])
+    _SharedSelection.workspace.fill_(-1)  # another stream's decode step ran the same attention
+    got = p._run(chunk, chunk.x, [(shared, 0, 4)])
+    assert torch.equal(got, x + 10.0)  # its own selection (1 + 2 + 3 + 4), not the other's

@@ -15,6 +15,8 @@ from glm53.plan.layer_major import PassLayout, StatePlacement, layout_pass, uses
 
 # params keys a module may leave for the next module: state that is not the streams
 DEFERRED_KEYS = ("hc_pending", "resid_pending", "gr_weighted")
+# a DSA "full" indexer layer's top-k selection, read by the "shared" layers after it
+SELECTION_KEY = "dsa_topk_indices"
 
 
 @dataclass
@@ -148,8 +150,10 @@ class LayerMajorPass:
             c.params["layer_instance"] = instance
             pf = (idx, instance) == model.last_kv_module_idx_instance
             c.params["prefill"] = pf
+            selection = c.params.get(SELECTION_KEY)
             x = module.prepare_for_device(x, c.params)
             y = module.forward(x, c.params)
+            _own_selection(c.params, selection)
             if y is not x and self.layout is not None and self.step_i > 0:
                 # the streams live in their home: a module that returns a new tensor has its
                 # result copied there, only where that changes nothing the next module sees
@@ -266,6 +270,19 @@ class LayerMajorPass:
     def abort(self) -> None:
         self._release()
         self.done = True
+
+
+def _own_selection(params: dict, before) -> None:
+    """Give a chunk its own copy of the DSA top-k selection a module just published in its
+    params. On exllamav3 1.6.5's graph-captured decode-class attention (a chunk of at most 16
+    tokens, MAX_DECODE_QLEN: a prompt's tail) the selection is a workspace that every such
+    forward writes ("bcm_dsa_idx" in modules/attention_fn/bc_mla.py, shared between layers and
+    bucketed by size), so another stream's decode step between two layers of the pass would
+    overwrite it before this chunk's "shared" indexer layers read it. Chunk-major order never
+    sees this: a chunk runs every layer before anything else runs."""
+    selection = params.get(SELECTION_KEY)
+    if selection is not None and selection is not before:
+        params[SELECTION_KEY] = selection.clone()
 
 
 def _module_steps(model) -> list[list]:
