@@ -97,3 +97,35 @@ def test_a_chunk_keeps_its_own_dsa_selection_across_other_streams_forwards():
     _SharedSelection.workspace.fill_(-1)  # another stream's decode step ran the same attention
     got = p._run(chunk, chunk.x, [(shared, 0, 4)])
     assert torch.equal(got, x + 10.0)  # its own selection (1 + 2 + 3 + 4), not the other's
+
+
+class _MockStager:
+    """A mock of PrefillStager (the real one needs CUDA streams): records order_unstage calls."""
+
+    def __init__(self):
+        self.ordered = 0
+
+    def order_unstage(self):
+        self.ordered += 1
+
+
+def test_each_pass_step_orders_the_stagers_unstage_before_decode_steps_may_run():
+    """Between two steps of a pass the Generator may decode other streams, whose admissions
+    rewrite table entries; the side stream's unstage (which rewrites the buffer's old layer's
+    entries from the slots it read) must come first on the main stream: every step ends with
+    PrefillStager.order_unstage."""
+    import torch
+
+    from glm53.exl3.layer_major_pass import LayerMajorPass, _Chunk
+
+    stager = _MockStager()
+    p = object.__new__(LayerMajorPass)
+    model = SimpleNamespace(last_kv_module_idx_instance=(9, 0))
+    p.ctl = SimpleNamespace(model=model, stager=stager, counters={"layers_run": 0})
+    p.layout, p.copy, p.points, p.step_i = None, None, {}, 1
+    block = _SharedSelection("layers.1", True)
+    _SharedSelection.workspace = torch.zeros(4, dtype=torch.int32)
+    p.steps = [[(block, 0, 0)], [(block, 0, 1)], [(block, 0, 2)], [(block, 0, 3)]]
+    p.chunks = [_Chunk(None, {}, 4, 4, torch.ones(1, 4))]
+    assert p.step() is False and stager.ordered == 1
+    assert p.step() is False and stager.ordered == 2

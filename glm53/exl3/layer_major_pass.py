@@ -137,6 +137,8 @@ class LayerMajorPass:
             else:
                 for c in self.chunks:
                     c.x = self._run(c, c.x, mods)
+            if self.ctl.stager is not None:  # decode steps may run before the next step
+                self.ctl.stager.order_unstage()
         self.step_i += 1
         self.ctl.counters["layers_run"] += 1
         if self.step_i == len(self.steps):

@@ -381,16 +381,22 @@ class PrefillStager:
         self.hold = False
         self.held: set = set()
         self.skips = 0
+        self.unstaged = None  # the side stream's last unstage, for order_unstage
 
     @property
     def nbytes(self) -> int:
         return 2 * self.buf_slots * self.cache.geo.record_bytes
 
     def _stage(self, layer: int, stream) -> None:
+        import torch
+
         c = self.cache._cuda
         b, ec, s = layer % 2, self.cache._ptr, stream.cuda_stream
         if self.owner[b] >= 0:
             c.ec_unstage(ec, self.owner[b], s)
+            if stream is self.side:  # see order_unstage
+                self.unstaged = torch.cuda.Event()
+                self.unstaged.record(stream)
         geo, buf = self.cache.geo, self.bufs[b].data_ptr()
         if self.dma:
             c.memcpy_async(buf, self.layer_home[layer], self.dma_count * geo.record_bytes, s)
@@ -420,6 +426,21 @@ class PrefillStager:
 
     def end_hold(self) -> None:
         self.hold, self.held = False, set()
+
+    def order_unstage(self) -> None:
+        """The main stream waits for the side stream's last unstage (not for its copy). An
+        unstage reads which slot holds each expert of the buffer's old layer and rewrites that
+        layer's table entries from it; a decode step's admissions rewrite entries too, so one
+        that ran between the read and the write could leave an entry at a slot the decode step
+        gave to another expert. A chunk-major prefill never lets a decode step in before its
+        stages are waited for; a layer-major pass does between two steps, and calls this at the
+        end of each step. The unstage is a few microseconds queued after the step's first
+        chunk: the wait costs about nothing and makes the order certain."""
+        import torch
+
+        if self.unstaged is not None:
+            torch.cuda.current_stream(self.cache.device).wait_event(self.unstaged)
+            self.unstaged = None
 
     def on_layer(self, layer: int) -> None:
         """Called after MoE layer `layer`'s router, before its MoE kernel, on a prefill chunk."""
