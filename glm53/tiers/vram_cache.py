@@ -453,23 +453,13 @@ class PrefillStager:
         ):  # fmt: skip
             self.skips += 1
             return
-        ready = self.pending.pop(layer, None)
-        if ready is None:
+        if self.wait_staged(layer) is None:  # not staged ahead: staged now, on the main stream
             self._stage(layer, main)
-        else:
-            main.wait_event(ready)
-        nxt = layer + 1
-        if nxt < self.cache.geo.n_layers:
-            started = torch.cuda.Event()
-            started.record(main)
-            self.side.wait_event(started)
-            self._stage(nxt, self.side)
-            done = torch.cuda.Event()
-            done.record(self.side)
-            self.pending[nxt] = done
+        if layer + 1 < self.cache.geo.n_layers:
+            self.stage_ahead(layer + 1)
 
-    # nvme-exact (glm53.exl3.nvme_device): the host decides when a layer can be staged (once
-    # its records are resident in the RAM tier), so it drives these two halves of on_layer
+    # the two halves of on_layer; nvme-exact (glm53.exl3.nvme_device) calls them itself, since
+    # the host decides when a layer can be staged (once its records are resident in the RAM tier)
     def wait_staged(self, layer: int):
         """The main stream waits for `layer`'s side-stream stage; its event (None: none)."""
         import torch
