@@ -148,7 +148,8 @@ if stage tests; then
   fi
   # --durations=0: every test's time in tests.log, to replace groups.txt's estimates;
   # GLM53_GPU_STRICT: a file skipped for a module it cannot import fails (tests/gpu/conftest.py)
-  export GLM53_GPU_STRICT=1
+  # GLM53_GPU_LIVE_LOG: each outcome and failure written as the test ends (a cut run keeps them)
+  export GLM53_GPU_STRICT=1 GLM53_GPU_LIVE_LOG=$OUT/tests-live.log
   run tests "${limit[@]}" python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" \
     --continue-on-collection-errors --durations=0 --junitxml="$OUT/gpu-tests.xml" -o junit_family=legacy "${tests[@]}"
 fi

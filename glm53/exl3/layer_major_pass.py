@@ -270,8 +270,31 @@ class LayerMajorPass:
             ctl.stager.end_hold()
 
     def abort(self) -> None:
+        self._unhash_unwritten_pages()
         self._release()
         self.done = True
+
+    def _unhash_unwritten_pages(self) -> None:
+        """A pass ended before its last step (a cancel, a failure) leaves pages that the
+        recording hashed as complete (exllamav3's `Job.prefill` hashes a page once its chunk is
+        recorded) while their K/V were written by the first steps' layers only. The job's
+        deallocation would keep them as prompt-cache hits under those hashes; a later prompt
+        with the same tokens would then skip prefilling them. Each such page the job alone
+        holds gets a placeholder hash instead (exllamav3's own `random_hash`, which no content
+        hash equals), so it is reused only as a free page. On GLM's hybrid cache a page is
+        resumed only below a recurrent checkpoint, which the pass publishes at its end only; this
+        holds the prompt cache right without leaning on that."""
+        from exllamav3.constants import PAGE_SIZE
+        from exllamav3.generator.pagetable import is_content_hash, random_hash
+
+        if not self.chunks:
+            return
+        first = self.chunks[0]
+        start = (first.end - first.tokens) // PAGE_SIZE
+        for seq in self.job.sequences:
+            for page in (seq.allocated_pages or [])[start:]:
+                if page.ref_count == 1 and is_content_hash(page.phash):
+                    page.update_hash(random_hash())
 
 
 def _own_selection(params: dict, before) -> None:

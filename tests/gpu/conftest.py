@@ -2,7 +2,11 @@
 reported as skipped with the reason. On the GPU machine (tools/gpu-check.sh sets
 GLM53_GPU_STRICT=1) a file skipped because a module it needs cannot be imported fails instead:
 a group that silently left out its server tests (openai missing there on 2026-12-04) passed
-without running them."""
+without running them.
+
+GLM53_GPU_LIVE_LOG (tools/gpu-check.sh sets it) names a file that gets each test's outcome, and a
+failure's whole report, the moment the test ends: on 2026-12-05 a group cut by its deadline died
+without pytest's summary or junit, and only the progress line ("FF.FF.....F") said what failed."""
 
 import os
 from pathlib import Path
@@ -10,6 +14,20 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).parent
+
+
+def pytest_runtest_logreport(report):
+    path = os.environ.get("GLM53_GPU_LIVE_LOG")
+    if not path or (report.when != "call" and report.passed):
+        return
+    import time
+
+    line = f"{time.strftime('%H:%M:%S')} {report.outcome.upper()} {report.when} "
+    line += f"{report.duration:.1f}s {report.nodeid}\n"
+    if report.failed:
+        line += report.longreprtext + "\n" + "-" * 80 + "\n"
+    with open(path, "a") as f:
+        f.write(line)
 
 
 def _have_gpu() -> bool:

@@ -4,7 +4,13 @@ the logits of the prompt's last position (the first decode row) and every decode
 its logits are torch.equal, on the slice (GLM53_TEST_SLICE) in exact mode at the 24 GB card's
 11.4 % expert share. Then: each MoE layer is staged once per pass, the recurrent checkpoints a
 pass publishes serve a later prompt's prefix exactly, a cancel mid-prefill frees the pass within
-one layer, and a decoding stream keeps getting tokens between the layers of a long prefill.
+one layer and the same prompt then prefills to the Generator's output, and a decoding stream keeps
+getting tokens between the layers of a long prefill.
+
+Each test that needs a pass has a prompt no earlier test ran: the prefix cache would serve a
+repeated prompt up to its last checkpoint and leave less than a chunk to prefill, so no pass would
+start (on the H200 on 2026-12-05 the staging test saw no pass, and the cancel test, waiting for a
+pass to reach its third step, looped until the group's deadline).
 
 The chunk is 1,024 tokens so that the 2,049-token prompt (2,048 prefilled, its last token
 decoded) takes two chunks; 8,192 and 32,768 take 9 and 33 forwards (the Generator cuts the
@@ -43,16 +49,22 @@ CACHE_TOKENS = 2 * CONTEXT
 SHARE = 0.114
 
 
+FRESH = {"staged": 8192, "cancel": 32768, "stream": 32768}  # one prompt each, run first there
+REFERENCED = [*LENGTHS, SHORT, "follow", "staged", "cancel"]  # "stream": only its companion's
+
+
 def _prompts(vocab: int) -> dict:
     out = {n: random_ids(vocab, n, 3000 + n) for n in (*LENGTHS, SHORT)}
     # shares 5,000 tokens with the 8,192-token prompt: its pass's checkpoint at 4,096 serves it
     out["follow"] = out[8192][:5000] + random_ids(vocab, 300, 3001)
+    for i, (key, n) in enumerate(FRESH.items()):
+        out[key] = random_ids(vocab, n, 4000 + i)
     return out
 
 
 def _spec(path) -> dict:
     p = _prompts(text_config(path)["vocab_size"])
-    runs = [{"prompts": [p[n] for n in LENGTHS] + [p[SHORT], p["follow"]]}]
+    runs = [{"prompts": [p[k] for k in REFERENCED]}]
     return dict(reference_spec(path, runs, N_NEW), cache_tokens=CACHE_TOKENS,
                 max_chunk_size=CHUNK)  # fmt: skip
 
@@ -69,9 +81,8 @@ def case(tmp_path_factory):
         pytest.skip(f"no slice checkpoint ({ENV})")
     tmp = tmp_path_factory.mktemp("layer-major")
     (ref,) = stock_reference(_spec(path), tmp)
-    keys = [*LENGTHS, SHORT, "follow"]
     return {"path": path, "tmp": tmp, "prompts": _prompts(text_config(path)["vocab_size"]),
-            "ref": dict(zip(keys, ref, strict=True))}  # fmt: skip
+            "ref": dict(zip(REFERENCED, ref, strict=True))}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -124,9 +135,10 @@ def test_each_moe_layer_is_staged_once_per_pass(case, engine):
     stager = engine.loaded.stager
     if stager is None:
         pytest.skip("staging is off at this VRAM share")
-    stages, skips = stager.stages, stager.skips
-    (got,) = run_engine(engine, [case["prompts"][8192]], N_NEW)
-    assert_same(got, case["ref"][8192], "8k, staged once per layer")
+    stages, skips, passes = stager.stages, stager.skips, _lm(engine)["passes"]
+    (got,) = run_engine(engine, [case["prompts"]["staged"]], N_NEW)
+    assert_same(got, case["ref"]["staged"], "8k, staged once per layer")
+    assert _lm(engine)["passes"] == passes + 1, _lm(engine)
     moe = len(engine.loaded.moe)
     # chunk-major would stage every layer for each of the 7 full chunks
     assert stager.stages - stages == moe
@@ -150,11 +162,15 @@ def test_cancel_mid_prefill_frees_the_pass_within_one_layer(case, engine):
 
     p = case["prompts"]
     before = _lm(engine)
-    req = GenerationRequest(prompt_ids=p[32768], sampling=SamplingParams(temperature=0.0))
+    req = GenerationRequest(prompt_ids=p["cancel"], sampling=SamplingParams(temperature=0.0))
     engine.start("long", req, N_NEW, return_logits=True)
-    while _lm(engine).get("active", {}).get("step", 0) < 3:
+    for _ in range(20):  # the pass starts in the first iteration or so, then one step each
+        if _lm(engine).get("active", {}).get("step", 0) >= 3:
+            break
         for o in engine.iterate():
             assert o.finish != "error", o.error
+    else:
+        raise AssertionError(f"no pass reached its third step: {_lm(engine)}")
     layers = _lm(engine)["layers_run"]
     engine.cancel("long")
     after = _lm(engine)
@@ -163,9 +179,13 @@ def test_cancel_mid_prefill_frees_the_pass_within_one_layer(case, engine):
     assert engine.loaded.ec.lent == 0
     assert engine.loaded.stager is None or not engine.loaded.stager.hold
     assert not engine.has_work()
-    # nothing it left behind changes the next prompt
-    (got,) = run_engine(engine, [p[8192]], N_NEW)
-    assert_same(got, case["ref"][8192], "8k after a cancelled 32k pass")
+    # nothing it left behind changes the next prompt, the same one included: its pages were
+    # hashed when recorded but hold the first layers' K/V only (LayerMajorPass.abort)
+    (got,) = run_engine(engine, [p["cancel"]], N_NEW)
+    assert_same(got, case["ref"]["cancel"], "the cancelled 32k prompt, run again")
+    after = _lm(engine)
+    assert after["passes"] == before["passes"] + 2, after
+    assert after["last_pass"]["tokens"] == len(p["cancel"]) - 1, after["last_pass"]
 
 
 def test_a_decoding_stream_keeps_going_during_a_long_prefill(case, engine):
@@ -185,7 +205,7 @@ def test_a_decoding_stream_keeps_going_during_a_long_prefill(case, engine):
     while len(got["short"]) < 2:
         for o in engine.iterate():
             got[o.key] += o.token_ids
-    start("long", p[32768])
+    start("long", p["stream"])
     during, passes = 0, _lm(engine)["passes"]
     while engine.has_work():
         outs = engine.iterate()
