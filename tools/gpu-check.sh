@@ -9,7 +9,7 @@
 # first-use compiles with the synthesis of the next. A Triton cache found at
 # DEVICE_DIR/triton-cache.tar.gz (or in its parts, .part-00 ...) is restored (and saved to
 # OUT_DIR in parts when GLM53_SAVE_TRITON is set; only the autotuner's choices, DEVICE_DIR/triton-autotune.tar.gz, when it is "autotune").
-# GLM53_GPU_GROUP=a|b|c|d|e runs one group of tests/gpu (tests/gpu/groups.txt: its files, and the
+# GLM53_GPU_GROUP=a|b|c|d|e|f runs one group of tests/gpu (tests/gpu/groups.txt: its files, and the
 # checkpoints they need as the synth default); the groups together are the whole of tests/gpu,
 # each meant for one 10-minute device call (groups.txt has the times measured on the H200 on
 # 2026-12-02: a 8.6 min, b 8.3 min; c not yet measured). With a group,
