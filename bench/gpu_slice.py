@@ -441,10 +441,32 @@ def fixed_split_sweep(loaded, fast, percents: list[int], quick: bool) -> dict:
             after = fast.stats()
             lane = {k: (after[k] - before[k]) if after[k] is not None else None
                     for k in LANE_COUNTS}  # fmt: skip
+            lane.update(where_the_time_goes(before, after))
             out[str(pct)] = {"decode": decode, "lane": lane}
     finally:
         fast.router.set_forced_share(None)
     return out
+
+
+def where_the_time_goes(before: dict, after: dict) -> dict:
+    """Between two FastLane.stats(): the lane's ms a job, and, over the device's timed decode
+    calls (every glm53.exl3.fast_hooks.TIME_EVERY-th of each layer), the mean GPU share (from
+    the lane's publish to the wait: the MoE call on the GPU's picks and the cache's route) and
+    the mean wait for the lane after it, in ms a layer call. A share's cost beyond exact mode
+    is in these two and in the calls' fixed work (the publish, the fallback launch, select)."""
+    jobs = after["jobs"] - before["jobs"]
+    lane_ms = after["lane_ms"] - before["lane_ms"]
+    pairs = list(zip(before["layers"], after["layers"], strict=True))
+    waits = sum(a["waits"] - b["waits"] for b, a in pairs)
+    gpu_ms = sum(a["gpu_ms"] - b["gpu_ms"] for b, a in pairs)
+    waited_ms = sum(a["waited_ms"] - b["waited_ms"] for b, a in pairs)
+    return {
+        "lane_ms": lane_ms,
+        "lane_ms_per_job": lane_ms / jobs if jobs else None,
+        "timed_calls": waits,
+        "gpu_ms_per_timed_call": gpu_ms / waits if waits else None,
+        "wait_ms_per_timed_call": waited_ms / waits if waits else None,
+    }
 
 
 def start_fast_row(args, loaded):
@@ -722,6 +744,12 @@ def combine(results: list[dict], args) -> dict:
         if "fast" in rows and "lane" in rows["fast"]
         else None
     )
+    if fast_lane is not None:  # the router's row: its lane's ms a job, GPU share and wait
+        lane = rows["fast"]["lane"]
+        zero = {"jobs": 0, "lane_ms": 0.0,
+                "layers": [dict.fromkeys(("waits", "gpu_ms", "waited_ms"), 0)
+                           for _ in lane.get("layers", [])]}  # fmt: skip
+        figures["fast_lane_time"] = where_the_time_goes(zero, lane)
     figures["nvme_lane"] = {  # the nvme rows' lane: as fast_lane, per row
         m: {k: rows[m]["lane"].get(k) for k in ("jobs", "fallbacks", "lane_picks", "lane_ms")}
         for m in ("nvme_ram70", "nvme_ram40")

@@ -310,7 +310,28 @@ def test_gpu_slice_fast_row_gives_issue_16s_and_26s_ratios(tmp_path):
     assert figures["fast_fixed_split_lane"]["30"] == {"jobs": 600, "fallbacks": 30,
                                                       "lane_picks": 1200}  # fmt: skip
     assert ratios["fast_router_vs_best_fixed_split"] == 52.0 / 54.0
+    assert figures["fast_lane_time"]["lane_ms_per_job"] == 120.0 / 500
+    assert figures["fast_lane_time"]["wait_ms_per_timed_call"] is None  # no timed layers
     assert "fast" not in figures["predicted"]  # the cost model has no fast row here
+
+
+def test_gpu_slice_says_where_a_lane_shares_time_goes():
+    """Between two FastLane.stats(): the lane's ms a job and, over the device's timed layer
+    calls, the mean GPU share and wait (issue 26: any lane use cost ~0.5 ms a layer on the
+    H200 on 2026-12-05, and the sweep did not say which part)."""
+    gs = _gpu_slice()
+
+    def stats(jobs, lane_ms, layers):
+        return {"jobs": jobs, "lane_ms": lane_ms,
+                "layers": [dict(zip(("waits", "gpu_ms", "waited_ms"), v, strict=True))
+                           for v in layers]}  # fmt: skip
+
+    before = stats(10, 5.0, [(2, 1.0, 0.0), (1, 0.5, 0.0)])
+    after = stats(30, 15.0, [(6, 5.0, 1.0), (4, 2.5, 2.0)])
+    got = gs.where_the_time_goes(before, after)
+    assert got == {"lane_ms": 10.0, "lane_ms_per_job": 0.5, "timed_calls": 7,
+                   "gpu_ms_per_timed_call": 6.0 / 7, "wait_ms_per_timed_call": 3.0 / 7}  # fmt: skip
+    assert gs.where_the_time_goes(after, after)["lane_ms_per_job"] is None
 
 
 def test_gpu_slice_layer_major_rows_give_issue_28s_ratios(tmp_path):

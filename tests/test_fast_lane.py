@@ -157,6 +157,9 @@ def test_timed_layers_teach_the_router_the_gpus_rates_and_each_layer_gets_its_wa
         fast.step()
         assert list(fast.router.gpu.samples) == [((3.0, 3.0), 1.5)]  # 5 misses, 2 on the lane
         assert fast.router.layers[0].waited_ms == 0.0
+        layer0 = fast.stats()["layers"][0]  # the timed call's parts, for where the time goes
+        assert (layer0["waits"], layer0["gpu_ms"], layer0["waited_ms"]) == (1, 1.5, 0.0)
+        assert fast.stats()["layers"][1]["waits"] == 0
         assert fast.rows_per_miss == [1.5, 1.0]  # expert 3 had two rows, expert 4 one
         assert fast.budgets[0] > 0 and devs[0].wait_ns == fast.waits_ns[0] > 0
         assert devs[1].wait_ns == 0  # no report: no step, no wait

@@ -66,7 +66,7 @@ class FastLane:
             if timing is not None and rep.n_hit + rep.n_miss:
                 gpu_ms, waited_ms = timing
                 self.router.observe_gpu(rep.n_hit, rep.n_miss - len(rep.sent_rows), gpu_ms)
-                self.router.observe_wait(i, waited_ms)
+                self.router.observe_wait(i, waited_ms, gpu_ms)
             if rep.n_hit == 0 and rep.n_miss == 0:
                 continue
             k = self.router.split(i, rep.n_hit, [self.rows_per_miss[i]] * rep.n_miss)
@@ -96,6 +96,8 @@ class FastLane:
                 "budget": self.budgets[i],
                 "wait_ns": self.waits_ns[i],
                 "waited_ms": r["waited_ms"],
+                "waits": r["waits"],
+                "gpu_ms": r["gpu_ms"],
                 "probes": r["probes"],
                 "to_lane": r["to_lane"],
                 "misses": r["misses"],

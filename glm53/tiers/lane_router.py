@@ -153,6 +153,8 @@ class LayerStats:
     lane_ms: float = 0.0
     predicted_ms: float = 0.0
     waited_ms: float = 0.0  # the device's measured waits for the lane (timed steps)
+    waits: int = 0  # the timed steps behind waited_ms and gpu_ms
+    gpu_ms: float = 0.0  # the GPU's share of those steps: from the publish to the wait
     since_lane: int = 0  # steps with misses since this layer last sent the lane anything
     owed: float = 0.0  # forced_share: the share's fractional experts not sent yet
     wait_ns: int = 0  # the newest wait budget
@@ -315,9 +317,13 @@ class LaneRouter:
         if ms > 0 and n_hit + n_zc > 0:
             self.gpu.add((n_hit, n_zc), ms)
 
-    def observe_wait(self, layer: int, ms: float) -> None:
-        """The device waited `ms` for the lane at the end of a timed layer."""
-        self.layers[layer].waited_ms += ms
+    def observe_wait(self, layer: int, ms: float, gpu_ms: float = 0.0) -> None:
+        """The device waited `ms` for the lane at the end of a timed layer, after `gpu_ms` of its
+        own share (the MoE call and the cache's route, from the publish to the wait)."""
+        st = self.layers[layer]
+        st.waited_ms += ms
+        st.gpu_ms += gpu_ms
+        st.waits += 1
 
     # --- introspection -------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -352,6 +358,8 @@ class LaneRouter:
                     "probes": st.probes,
                     "wait_ns": st.wait_ns,
                     "waited_ms": st.waited_ms,
+                    "waits": st.waits,
+                    "gpu_ms": st.gpu_ms,
                 }
                 for st in self.layers
             ],
