@@ -331,3 +331,31 @@ def test_a_forwards_first_staged_layer_keeps_its_picks_while_the_next_layers_wav
         home.route(layer, sel, decode=False, params={})
         check_pointed(home, ec, lib, layer)
     check_table(home, ec)
+
+
+@pytest.mark.parametrize(("ram_slots", "working_set", "buf_slots"), [(70, 16, 8), (120, 32, 32)])
+def test_mixed_prompts_and_decode_steps_keep_every_pointed_pick_resident_and_pinned(
+    demo, good_store, monkeypatch, ram_slots, working_set, buf_slots
+):
+    """Prefill chunks of random sizes and spreads, decode steps between them (seeded, no
+    timing): at every staged hook each pick pointed at a RAM home is that expert's record,
+    pinned; the tier check is clean at the end."""
+    home, ec, lib = mock_nvme_home(demo, good_store, monkeypatch, ram_slots, RecordingReader)
+    try:
+        stager = MockStager(home, ec, lib.calls, buf_slots=buf_slots)
+        home.stager, home.ahead = stager, AheadReads(home.home, buf_slots, working_set)
+        rng = np.random.default_rng(0)
+        for _ in range(12):
+            decode = rng.integers(0, 3) == 2
+            rows, hi = (
+                (2, EXPERTS) if decode else (rng.integers(4, 64), rng.integers(8, EXPERTS + 1))
+            )
+            for layer in range(LAYERS):
+                sel = torch.from_numpy(rng.integers(0, hi, (rows, 2))).long()
+                home.route(layer, sel, decode=bool(decode), params={})
+                if not decode:
+                    check_pointed(home, ec, lib, layer)
+        result = home.verify(16, seed=0)
+        assert result.is_ok, result.summary()
+    finally:
+        home.close()
