@@ -293,3 +293,69 @@ def test_a_wave_past_the_read_timeout_keeps_only_the_stuck_slots_pinned(staged):
         home.home.resolve(layer, np.array([5]), np.zeros(1, bool))
     stall.release()
     home.tier.source.reader = real
+
+
+def check_pointed(home, ec, lib, layer):
+    """What the device's MoE kernel of `layer` reads zero-copy once the hook returned: every pick
+    the hook pointed (its last point_picks call; the mock VRAM cache holds nothing) has a home
+    in the device table, that home is a RAM slot holding the expert's record, and the slot is
+    pinned (the eviction contract: held from hook L until hook L + 1)."""
+    pointed = next(c[2] for c in reversed(lib.calls) if c[0] == "point_picks" and c[1] == layer)
+    table, tier = ec._t["home"].numpy(), home.tier
+    for e in pointed:
+        key = layer * EXPERTS + e
+        addr = int(table[key])
+        assert addr != POISON, f"layer {layer} expert {e} pointed with no home (table_bad)"
+        slot = (addr - home.home.arena_address) // RECORD
+        assert tier.clock.key_of(slot) == key, f"layer {layer} expert {e}: its slot was reused"
+        assert tier.clock.pin_count(slot) > 0, f"layer {layer} expert {e}: its slot is not pinned"
+        assert np.array_equal(tier.record(slot)[:RECORD], store_record(tier.source, layer, e))
+
+
+def test_a_forwards_first_staged_layer_keeps_its_picks_while_the_next_layers_wave_is_read(staged):
+    """At a forward's first staged hook the wave of the next layer is begun after the layer's own
+    resolve. Its admissions must not take the slots of the picks that the layer's MoE kernel is
+    about to read zero-copy: frequency admission puts a key seen once on probation, in the slot
+    of the newest probation member placed before its batch, and those are exactly the misses
+    the layer's resolve has just read. A tier full of frequent keys, then a prompt's chunk."""
+    home, ec, lib, stager = staged
+    hot = {layer: np.r_[0:4, 16:32] for layer in range(LAYERS)}  # 20 a layer: the 120 slots
+    for _ in range(4):
+        for layer in range(LAYERS):
+            moe = home.tier.source.moe_layers[layer]
+            home._write(home.home.resolve(moe, hot[layer], np.zeros(20, bool)))
+    assert home.tier.clock.n_used == home.tier.num_slots  # full of keys seen 4 times
+    g = torch.Generator().manual_seed(0)
+    for layer in range(LAYERS):  # a chunk picking experts 0-15 (4-15 seen once) everywhere
+        sel = torch.randint(0, 16, (64, 2), generator=g, dtype=torch.int64)
+        home.route(layer, sel, decode=False, params={})
+        check_pointed(home, ec, lib, layer)
+    check_table(home, ec)
+
+
+@pytest.mark.parametrize(("ram_slots", "working_set", "buf_slots"), [(70, 16, 8), (120, 32, 32)])
+def test_mixed_prompts_and_decode_steps_keep_every_pointed_pick_resident_and_pinned(
+    demo, good_store, monkeypatch, ram_slots, working_set, buf_slots
+):
+    """Prefill chunks of random sizes and spreads, decode steps between them (seeded, no
+    timing): at every staged hook each pick pointed at a RAM home is that expert's record,
+    pinned; the tier check is clean at the end."""
+    home, ec, lib = mock_nvme_home(demo, good_store, monkeypatch, ram_slots, RecordingReader)
+    try:
+        stager = MockStager(home, ec, lib.calls, buf_slots=buf_slots)
+        home.stager, home.ahead = stager, AheadReads(home.home, buf_slots, working_set)
+        rng = np.random.default_rng(0)
+        for _ in range(12):
+            decode = rng.integers(0, 3) == 2
+            rows, hi = (
+                (2, EXPERTS) if decode else (rng.integers(4, 64), rng.integers(8, EXPERTS + 1))
+            )
+            for layer in range(LAYERS):
+                sel = torch.from_numpy(rng.integers(0, hi, (rows, 2))).long()
+                home.route(layer, sel, decode=bool(decode), params={})
+                if not decode:
+                    check_pointed(home, ec, lib, layer)
+        result = home.verify(16, seed=0)
+        assert result.is_ok, result.summary()
+    finally:
+        home.close()

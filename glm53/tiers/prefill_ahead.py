@@ -17,9 +17,11 @@ of the chunk picks is counted too (a chunk of hundreds of rows picks nearly ever
 The pipeline, per staged hook of MoE layer L (glm53.exl3.nvme_device.NvmeHome.route):
 
 1. L's picks are resolved as today (RamHome.resolve: hits for what the wave of L brought in;
-   anything else read synchronously, its faults raised with the rows named, as today).
-2. `finish(L+1)`: the wave of L+1, begun at hook L-1, is collected (the engine thread waits for
-   the reads the reader's threads did meanwhile) and its home-table writes handed back.
+   anything else read synchronously, its faults raised with the rows named, as today), and
+   the RAM homes of those the wave of L did not bring are pinned at once (`hold_picks`).
+2. `finish(L+1)`: the wave of L+1, begun at hook L-1 (at a forward's first staged hook: begun
+   here, after the pins of step 1), is collected (the engine thread waits for the reads the
+   reader's threads did meanwhile) and its home-table writes handed back.
 3. The device stages L+1 on the side stream while L computes; the picks of L that the stage of L
    did not cover (`staged(L)`) are pointed at their VRAM slot or RAM home as today.
 4. `release(L)` once the host has seen the stage of L complete; `begin(L+2)` queues the next
@@ -39,7 +41,11 @@ Eviction contract: a slot is never evicted while it is written or read.
   that copied it (`release`, after that event): the side stream's copy reads the slots.
 - The RAM homes of layer L's picks that the MoE kernel reads zero-copy (picks not staged) are
   pinned from hook L (`hold_picks`) until hook L+1 (`release_picks`), where the host has synced
-  on L+1's router output, which exllamav3's one stream orders after the MoE kernel of L.
+  on L+1's router output, which exllamav3's one stream orders after the MoE kernel of L. They
+  are pinned right after L's resolve, before the hook begins any wave: a wave's misses go on
+  probation in the slots of the newest probation members first, the very misses L's resolve
+  has just read (a forward's first staged hook once began L+1's wave before the pins, which
+  took those slots in a full tier: table_bad and stale entries; tests/test_prefill_ahead.py).
 - Within one wave no slot of the wave is evicted by the wave (pyx/clock.h's batch contract).
 - Pins never leave the resolve of a layer without room: a wave is cut to `budget()` records,
   which leaves at least one layer's working set of unpinned slots.

@@ -3,11 +3,17 @@
 at the 24 GB card's 11.4 % share, in-process and through the real server; the tier check at
 start and on demand (/admin/verify) clean, and a flipped store byte caught by it.
 
-Passed 6 of 6 on an H200 (2026-12-02), with prefill staging off in nvme-exact. Staging is now on
-by default (glm53.tiers.prefill_ahead): every case below runs with it, plus one in-process case
-with it off (--ec-stage-gb 0); not yet run on a GPU since. Decode prefetch (--nvme-prefetch
-next-layer, glm53.tiers.decode_prefetch) has its own in-process case at both RAM caps, alone and
-with the batch admitted together: never run on a GPU. Needs GLM53_TEST_SLICE (a `glm53 synth --preset slice`
+Passed 6 of 6 on an H200 (2026-12-02), with prefill staging off in nvme-exact. Staging
+(glm53.tiers.prefill_ahead) is on by default in-process (EngineOptions.ec_stage_gb None) and in
+the served cases (their server passes --allow-unrun-modes: without it `glm53 serve` keeps
+staging off in the store modes, glm53.engine.gpu_create._stage_gb), plus one in-process case
+with it off (--ec-stage-gb 0). H200, 2026-12-05 at dc7ef0e: every in-process case with staging
+on failed (messages lost) and the served ones passed, but those ran without staging (the flag
+was missing); the CPU tests then found a forward's first staged hook letting the next layer's
+wave evict the layer's own zero-copy picks in a full tier (fixed; tests/test_prefill_ahead.py).
+Decode prefetch (--nvme-prefetch next-layer, glm53.tiers.decode_prefetch) has its own
+in-process case at both RAM caps, alone and with the batch admitted together. Every counter
+assertion prints the tier's stats. Needs GLM53_TEST_SLICE (a `glm53 synth --preset slice`
 checkpoint); the store is conftest.py's `slice_store`, packed once for the session unless
 GLM53_TEST_SLICE_STORE names one already packed from it (about 22 GB); the servers serve it too,
 and the flipped bytes are flipped back before the next server starts. The reference runs in a
@@ -57,6 +63,11 @@ RAM_SHARES = (0.4, 0.7)
 
 def _spec(path):
     return singles_spec(path, LENGTHS)
+
+
+def _ram(e) -> dict:
+    """The RAM tier's stats (staging's and prefetch's counters included), for the messages."""
+    return e.stats()["tiers"]["ram"]
 
 
 def _batch_spec(path):
@@ -111,18 +122,20 @@ def test_in_process_nvme_exact_equals_stock_exllamav3(case, share, stage_gb):
     try:
         for n in LENGTHS:
             (got,) = run_engine(e, [case["prompts"][n]], N_NEW)
-            assert_same(got, case["ref"][n], f"RAM {share:.0%}, stage {stage_gb}, prompt of {n}")
-        ram = e.stats()["tiers"]["ram"]
-        assert ram["table_bad"] == 0 and ram["read_errors"] == 0
+            what = f"RAM {share:.0%}, stage {stage_gb}, prompt of {n}; ram {_ram(e)}"
+            assert_same(got, case["ref"][n], what)
+        ram = _ram(e)
+        assert ram["table_bad"] == 0 and ram["read_errors"] == 0, ram
         if stage_gb is None:  # staging ran: layers read ahead and staged
-            assert ram["stage_slots"] > 0 and ram["stage_layers"] > 0 and ram["stage_waves"] > 0
-            assert ram["stage_faults"] == 0
+            assert ram["stage_slots"] > 0 and ram["stage_layers"] > 0, ram
+            assert ram["stage_waves"] > 0, ram
+            assert ram["stage_faults"] == 0, ram
         else:
-            assert ram["stage_slots"] == 0
-        assert ram["ram_reads"] > ram["slots"]  # the cap made the tier evict and read again
+            assert ram["stage_slots"] == 0, ram
+        assert ram["ram_reads"] > ram["slots"], ram  # the cap made the tier evict and read again
         check = e.verify_tiers(64)
-        assert check.is_ok, check.summary()
-        assert check.vram_checked > 0 and check.table_checked > 0
+        assert check.is_ok, f"{check.summary()}; ram {ram}"
+        assert check.vram_checked > 0 and check.table_checked > 0, (check.summary(), ram)
     finally:
         e.close()
 
@@ -147,20 +160,21 @@ def test_in_process_nvme_exact_with_decode_prefetch_equals_stock_exllamav3(case,
         assert e.loaded.nvme.prefetch is not None
         for n in LENGTHS:
             (got,) = run_engine(e, [case["prompts"][n]], N_NEW)
-            assert_same(got, case["ref"][n], f"RAM {share:.0%}, prefetch, prompt of {n}")
+            assert_same(got, case["ref"][n], f"RAM {share:.0%}, prefetch, prompt of {n}; {_ram(e)}")
         (batch,) = stock_reference(_batch_spec(case["path"]), case["tmp"])
         prompts = batch_prompts(text_config(case["path"])["vocab_size"])
         got = run_engine(e, prompts, N_NEW)
         for i, (g, w) in enumerate(zip(got, batch, strict=True)):
-            assert_same(g, w, f"RAM {share:.0%}, prefetch, batch job {i}")
-        ram = e.stats()["tiers"]["ram"]
-        assert ram["table_bad"] == 0 and ram["read_errors"] == 0
-        assert ram["prefetch_waves"] > 0 and ram["prefetch_keys"] > 0
-        assert ram["prefetch_faults"] == 0
-        assert ram["prefetch_hits"] + ram["prefetch_wasted"] == ram["prefetch_keys"]
-        assert e.loaded.nvme.prefetch.idle() and e.loaded.nvme.tier.clock.n_pinned == 0
+            assert_same(g, w, f"RAM {share:.0%}, prefetch, batch job {i}; ram {_ram(e)}")
+        ram = _ram(e)
+        assert ram["table_bad"] == 0 and ram["read_errors"] == 0, ram
+        assert ram["prefetch_waves"] > 0 and ram["prefetch_keys"] > 0, ram
+        assert ram["prefetch_faults"] == 0, ram
+        assert ram["prefetch_hits"] + ram["prefetch_wasted"] == ram["prefetch_keys"], ram
+        pinned = e.loaded.nvme.tier.clock.n_pinned
+        assert e.loaded.nvme.prefetch.idle() and pinned == 0, (pinned, ram)
         check = e.verify_tiers(64)
-        assert check.is_ok, check.summary()
+        assert check.is_ok, f"{check.summary()}; ram {ram}"
     finally:
         e.close()
 
@@ -174,10 +188,12 @@ def server(case, request):
     # them back (flip_byte is an XOR) before it returns, so each server starts on clean bytes and
     # its tier check at start would report any left behind
     store = Path(case["store"])
+    # --allow-unrun-modes: prefill staging on, as in-process (glm53.engine.gpu_create._stage_gb
+    # keeps it off in the store modes without it)
     args = ["--engine", "gpu", "--mode", "nvme-exact", "--model",
             case["path"], "--store", str(store), "--ram-cap", str(case["cap"][share]),
             "--context", str(CONTEXT), "--chunk-size", str(CHUNK), "--max-batch", "4",
-            "--ec-max-slots", str(case["slots"])]  # fmt: skip
+            "--ec-max-slots", str(case["slots"]), "--allow-unrun-modes"]  # fmt: skip
     srv = Server(args, env={"XDG_CACHE_HOME": str(tmp / "cache")}, log_path=tmp / "server.log")
     srv.wait_ready(timeout_s=900)
     yield srv, store, share
@@ -194,7 +210,9 @@ def test_server_nvme_exact_generates_what_stock_exllamav3_generates(case, server
         assert r.status_code == 200, r.text
         assert r.json()["output_ids"] == case["ref"][n]["tokens"], f"RAM {share:.0%}, {n}"
     ram = httpx.get(srv.url + "/stats", timeout=60).json()["engine"]["tiers"]["ram"]
-    assert ram["table_bad"] == 0 and ram["ram_reads"] > 0
+    assert ram["table_bad"] == 0 and ram["ram_reads"] > 0, ram
+    assert ram["stage_slots"] > 0 and ram["stage_layers"] > 0, ram  # the server staged
+    assert ram["stage_faults"] == 0, ram
 
 
 def test_verify_on_demand_is_clean_then_reports_a_flipped_store_byte(case, server):
@@ -263,8 +281,8 @@ def test_a_store_read_fault_names_layer_expert_and_rows_and_the_tier_serves_on(c
             assert re.search(pattern, ended[i].error), ended[i].error
         store.reader = real
         (got,) = run_engine(e, [case["prompts"][9]], N_NEW)
-        assert_same(got, case["ref"][9], "after a read fault")
-        assert e.stats()["tiers"]["ram"]["read_errors"] >= 1
+        assert_same(got, case["ref"][9], f"after a read fault; ram {_ram(e)}")
+        assert _ram(e)["read_errors"] >= 1, _ram(e)
     finally:
         e.close()
 
@@ -347,9 +365,13 @@ def test_a_read_fault_fails_only_the_request_that_picked_the_record(case, tmp_pa
     try:
         _spy_reads(e, clean_log)
         clean, step = run(e)
+        clean_ram = _ram(e)
     finally:
         e.close()
-    assert clean[0]["finish"] != FinishReason.ERROR and len(clean[0]["tokens"]) == n_a
+    assert clean[0]["finish"] != FinishReason.ERROR and len(clean[0]["tokens"]) == n_a, (
+        clean[0]["finish"], clean[0]["error"], len(clean[0]["tokens"]), clean_ram,
+    )  # fmt: skip
+    assert clean[1]["finish"] != FinishReason.ERROR, (clean[1]["error"], clean_ram)
     # the decode calls of iteration `step` (the last one with both rows), layer by layer: an
     # expert read from the store there that row 0 picked and row 1 did not
     calls = [c for c in clean_log if c["rows"] == [0, 1]]
@@ -379,13 +401,20 @@ def test_a_read_fault_fails_only_the_request_that_picked_the_record(case, tmp_pa
             tier.source.reader = real
 
         fault, _ = run(e, {step: arm, step + 1: disarm})
-        assert e.stats()["tiers"]["ram"]["faults_isolated"] >= 1
+        ram = _ram(e)
+        assert ram["faults_isolated"] >= 1, (target, step, ram)
     finally:
         e.close()
-    assert fault[0]["finish"] == FinishReason.ERROR
+    assert fault[0]["finish"] == FinishReason.ERROR, (fault[0]["finish"], target, step, ram)
     assert f"layer {layer} expert {expert}" in fault[0]["error"], fault[0]["error"]
-    assert "glm53 store verify" in fault[0]["error"]
-    assert fault[0]["tokens"] == clean[0]["tokens"][: n_a - 1]  # all but the failed step's
-    assert fault[1]["finish"] != FinishReason.ERROR
-    assert fault[1]["tokens"] == clean[1]["tokens"]
-    assert torch.equal(torch.cat(fault[1]["logits"]), torch.cat(clean[1]["logits"]))
+    assert "glm53 store verify" in fault[0]["error"], fault[0]["error"]
+    # all but the failed step's
+    assert fault[0]["tokens"] == clean[0]["tokens"][: n_a - 1], (
+        fault[0]["tokens"], clean[0]["tokens"],
+    )  # fmt: skip
+    assert fault[1]["finish"] != FinishReason.ERROR, (fault[1]["error"], ram)
+    assert fault[1]["tokens"] == clean[1]["tokens"], (fault[1]["tokens"], clean[1]["tokens"])
+    got, want = torch.cat(fault[1]["logits"]), torch.cat(clean[1]["logits"])
+    assert got.shape == want.shape, (got.shape, want.shape)
+    diff = (got - want).abs().max().item()
+    assert torch.equal(got, want), f"request 1's logits differ by up to {diff}; ram {ram}"
