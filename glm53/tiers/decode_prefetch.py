@@ -173,10 +173,9 @@ class DecodePrefetch:
         failed: logged and counted, the writes the fault made necessary left pending."""
         wave = self.wave
         try:
-            done = self.tier.finish_resident(wave)
+            done = self.home.collect(wave)
         except ReadFault as exc:
             self.counters["prefetch_faults"] += 1
-            self.home.defer_reconcile()
             log.warning(
                 "decode prefetch: a read of MoE layer %d failed (%s); no job fails for it, the "
                 "layer reads its picks at its own turn", self.layer, exc,
@@ -184,9 +183,6 @@ class DecodePrefetch:
             return False
         self.ready = True
         self.counters["prefetch_bytes"] += done.bytes_read
-        # the RamHome's totals count every store read, ahead or not (the bench's bytes/token)
-        self.home.counters["ram_reads"] += done.num_admitted
-        self.home.counters["bytes_read"] += done.bytes_read
         self.home.defer(self.home.admitted(done.experts, done.slots, wave.layer))
         return True
 

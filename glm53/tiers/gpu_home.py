@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from glm53.tiers.ram_tier import RamTier, TierError
+from glm53.tiers.ram_tier import RamTier, ReadFault, TierError
 
 
 class HomeCapError(TierError):
@@ -219,6 +219,20 @@ class RamHome:
         """After the tier changed outside resolve (a wave read ahead failed): the writes that
         bring the table in line with it, for the next take_pending."""
         self.defer(self._reconcile())
+
+    def collect(self, wave):
+        """A wave read ahead (prefill staging's, decode prefetch's) collected from this home's
+        tier: its store reads counted in this home's totals (ahead or not: the bench's bytes a
+        token) and the FinishedWave returned. A read fault is raised again once the writes it
+        made necessary are deferred (defer_reconcile); the caller counts and logs it."""
+        try:
+            done = self.tier.finish_resident(wave)
+        except ReadFault:
+            self.defer_reconcile()
+            raise
+        self.counters["ram_reads"] += done.num_admitted
+        self.counters["bytes_read"] += done.bytes_read
+        return done
 
     def admitted(self, experts: np.ndarray, slots: np.ndarray, layer: int) -> HomeUpdate:
         """The writes for a wave made resident outside resolve (glm53.tiers.prefill_ahead)."""

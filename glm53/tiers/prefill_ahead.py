@@ -158,10 +158,9 @@ class AheadReads:
             return None
         model_layer = wave.layer
         try:
-            done = self.tier.finish_resident(wave)
+            done = self.home.collect(wave)
         except ReadFault as exc:
             self.counters["faults"] += 1
-            self.home.defer_reconcile()
             log.warning(
                 "prefill staging: a read ahead of MoE layer %d failed (%s); the layer is read at "
                 "its own turn instead", layer, exc,
@@ -170,9 +169,6 @@ class AheadReads:
         self.ready[layer] = wave
         self.counters["reads"] += done.num_admitted
         self.counters["bytes_read"] += done.bytes_read
-        # the RamHome's totals count every store read, ahead or not (the bench's bytes/token)
-        self.home.counters["ram_reads"] += done.num_admitted
-        self.home.counters["bytes_read"] += done.bytes_read
         update = self.home.admitted(done.experts, done.slots, model_layer)
         return RamHome._merge(self.home.take_pending(), update)
 
