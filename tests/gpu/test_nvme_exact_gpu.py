@@ -38,8 +38,10 @@ from gpu_kit import (  # noqa: E402
     N_NEW,
     assert_same,
     batch_prompts,
+    bounded,
     checkpoint_dir,
     expert_slots,
+    iteration_limit,
     num_records,
     reference_spec,
     run_engine,
@@ -268,7 +270,10 @@ def test_a_store_read_fault_names_layer_expert_and_rows_and_the_tier_serves_on(c
             req = GenerationRequest(prompt_ids=case["prompts"][n], sampling=SamplingParams(0.0))
             e.start(i, req, N_NEW)
         ended = {}
-        while e.has_work():
+        limit = iteration_limit([case["prompts"][n] for n in (9, 257)], N_NEW)
+        for _ in bounded(limit, lambda: f"the faulted requests: {ended}, {e.stats()}"):
+            if not e.has_work():
+                break
             for o in e.iterate():
                 if o.finish is not None:
                     ended[o.key] = o
@@ -344,7 +349,13 @@ def test_a_read_fault_fails_only_the_request_that_picked_the_record(case, tmp_pa
             req = GenerationRequest(prompt_ids=p, sampling=SamplingParams(temperature=0.0))
             e.start(k, req, n, return_logits=True)
         it, last_a = 0, None
-        while e.has_work():
+
+        def stuck():
+            return f"run: {[(len(d['tokens']), d['finish']) for d in out.values()]}, {e.stats()}"
+
+        for _ in bounded(iteration_limit(prompts, n_b), stuck):
+            if not e.has_work():
+                break
             if actions and it in actions:
                 actions[it]()
             for o in e.iterate():
