@@ -71,3 +71,44 @@ def test_kl_top1_is_zero_and_one_on_the_same_logits_and_counts_disagreements():
     worse[0][2] = -want[0][2]  # one position's distribution flipped: its argmax moves
     kl2, top1b = gpu_kit.kl_top1(want, worse, tokens)
     assert kl2 > 0.0 and top1b == 7 / 8
+
+
+class StuckEngine:
+    """MOCK of a GpuEngine whose job never ends (a product bug the GPU tests must report, not
+    spin on): has work forever, and each iteration gives nothing."""
+
+    def __init__(self):
+        self.iterations = 0
+
+    def start(self, key, request, n_new, return_logits=False):
+        pass
+
+    def has_work(self):
+        return True
+
+    def iterate(self):
+        self.iterations += 1
+        return []
+
+    def stats(self):
+        return {"iterations": self.iterations}
+
+
+def test_run_engine_fails_naming_the_engine_state_instead_of_spinning_on_a_stuck_job():
+    engine = StuckEngine()
+    limit = gpu_kit.iteration_limit([[1] * 300], 4)
+    assert limit == 2 * (300 // 256 + 2 + 256 + 4) + 100
+    with pytest.raises(AssertionError, match=r"run_engine, 1 prompts: \{'iterations': \d+\}"):
+        gpu_kit.run_engine(engine, [[1] * 300], 4)
+    assert engine.iterations == limit
+
+
+def test_bounded_ends_silently_when_the_loop_breaks_and_counts_tensor_prompts_by_length():
+    for i in gpu_kit.bounded(5, "never said"):
+        if i == 2:
+            break
+    with pytest.raises(AssertionError, match="what: not done after 3 iterations"):
+        for _ in gpu_kit.bounded(3, lambda: "what"):
+            pass
+    tensor = torch.zeros(1, 600, dtype=torch.long)
+    assert gpu_kit.iteration_limit([tensor], 8) == gpu_kit.iteration_limit([[0] * 600], 8)

@@ -31,6 +31,7 @@ BATCH = (300, 2049, 257, 1)  # admitted together: random_ids(vocab, n, 2000 + i)
 N_NEW = int(os.environ.get("GLM53_PARITY_NEW", "64"))
 CHUNK = 2048
 CACHE_TOKENS = 16384
+PAGE = 256  # exllamav3's KV page
 
 
 def text_config(path) -> dict:
@@ -164,6 +165,24 @@ def stock_reference(spec: dict, tmp: Path) -> list:
     return out
 
 
+def bounded(limit: int, what):
+    """range(limit), for a loop that must end well before it (break out when done): past the
+    limit it fails, naming `what` (a string, or a callable that says it then), instead of
+    spinning until the group's deadline kills the run and every test after it (2026-12-05: a
+    loop waiting for a layer-major pass that the prefix cache had made unneeded)."""
+    yield from range(limit)
+    raise AssertionError(f"{what() if callable(what) else what}: not done after {limit} iterations")
+
+
+def iteration_limit(prompts: list, n_new: int) -> int:
+    """Iterations that running `prompts` (token lists, or [1, n] tensors) to the end cannot
+    need, even one prompt after another: per prompt a forward per page (the Generator's chunks
+    are whole pages but the last), one per module of a layer-major pass (fewer than 256) and a
+    decode step per new token; twice that, plus 100."""
+    lengths = [p.shape[-1] if hasattr(p, "shape") else len(p) for p in prompts]
+    return 2 * sum(n // PAGE + 2 + 256 + n_new for n in lengths) + 100
+
+
 def run_engine(engine, prompts: list, n_new: int) -> list[dict]:
     """Start every prompt at once (admitted together, in order) on a loaded GpuEngine, greedy,
     and iterate to the end: per prompt its tokens, its logits (one row per token) and the
@@ -176,7 +195,10 @@ def run_engine(engine, prompts: list, n_new: int) -> list[dict]:
         req = GenerationRequest(prompt_ids=p, sampling=SamplingParams(temperature=0.0))
         engine.start(i, req, n_new, return_logits=True)
         outs[i] = {"tokens": [], "logits": [], "cached": None}
-    while engine.has_work():
+    limit = iteration_limit(prompts, n_new)
+    for _ in bounded(limit, lambda: f"run_engine, {len(prompts)} prompts: {engine.stats()}"):
+        if not engine.has_work():
+            break
         for o in engine.iterate():
             assert o.finish != "error", o.error
             d = outs[o.key]
@@ -233,7 +255,10 @@ def generator_run(loaded, prompts: list, n_new: int, forced=None, together=True)
                     identifier=i,
                 )
             )
-        while gen.num_remaining_jobs():
+        group = prompts[first : first + batch]
+        for _ in bounded(iteration_limit(group, n_new), f"generator_run, {len(group)} prompts"):
+            if not gen.num_remaining_jobs():
+                break
             for r in gen.iterate():
                 if r.get("stage") == "streaming":
                     i = r["identifier"]

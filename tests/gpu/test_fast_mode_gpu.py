@@ -49,9 +49,11 @@ from gpu_kit import (  # noqa: E402
     N_NEW,
     assert_same,
     batch_prompts,
+    bounded,
     checkpoint_dir,
     expert_slots,
     forced_sampler,
+    iteration_limit,
     kl_top1,
     reference_spec,
     run_engine,
@@ -154,7 +156,10 @@ def teacher_forced(engine, prompts, forced) -> list:
                   identifier=i)  # fmt: skip
         gen.enqueue(job)
         align_prefix_reuse(job, CHUNK)  # as GpuEngine.start does
-    while gen.num_remaining_jobs():
+    limit = iteration_limit(prompts, max(map(len, forced)))
+    for _ in bounded(limit, f"teacher_forced, {len(prompts)} prompts"):
+        if not gen.num_remaining_jobs():
+            break
         results = gen.iterate()
         engine.fast.step()
         for r in results:

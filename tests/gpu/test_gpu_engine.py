@@ -11,6 +11,8 @@ import torch
 pytest.importorskip("exllamav3")
 pytest.importorskip("glm53._cuda")
 
+from gpu_kit import bounded  # noqa: E402
+
 from glm53.engine.base import EngineError  # noqa: E402
 from glm53.engine.gpu import GpuEngine  # noqa: E402
 from glm53.engine.gpu_options import EngineOptions  # noqa: E402
@@ -45,7 +47,9 @@ def _drain(engine, cancel_at=None, cached=None):
     dict) receives each job's reused prompt tokens."""
     toks = {}
     it = 0
-    while engine.has_work():
+    for _ in bounded(1000, lambda: f"_drain: {toks}, {engine.stats()}"):  # ~100 needed
+        if not engine.has_work():
+            break
         if cancel_at and it == cancel_at[1]:
             engine.cancel(cancel_at[0])
         for o in engine.iterate():

@@ -26,8 +26,10 @@ pytest.importorskip("glm53._cuda")
 
 from gpu_kit import (  # noqa: E402
     assert_same,
+    bounded,
     checkpoint_dir,
     expert_slots,
+    iteration_limit,
     random_ids,
     reference_spec,
     run_engine,
@@ -202,12 +204,18 @@ def test_a_decoding_stream_keeps_going_during_a_long_prefill(case, engine):
 
     start("short", p[SHORT])
     got = {"short": [], "long": []}
-    while len(got["short"]) < 2:
+    for _ in bounded(iteration_limit([p[SHORT]], 2), lambda: f"the short stream's 2 tokens: {got}"):
+        if len(got["short"]) >= 2:
+            break
         for o in engine.iterate():
+            assert o.finish != "error", o.error
             got[o.key] += o.token_ids
     start("long", p["stream"])
     during, passes = 0, _lm(engine)["passes"]
-    while engine.has_work():
+    limit = iteration_limit([p[SHORT], p["stream"]], N_NEW)
+    for _ in bounded(limit, lambda: f"the short and long streams: {_lm(engine)}"):
+        if not engine.has_work():
+            break
         outs = engine.iterate()
         for o in outs:
             assert o.finish != "error", o.error

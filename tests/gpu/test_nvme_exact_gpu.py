@@ -38,8 +38,10 @@ from gpu_kit import (  # noqa: E402
     N_NEW,
     assert_same,
     batch_prompts,
+    bounded,
     checkpoint_dir,
     expert_slots,
+    iteration_limit,
     num_records,
     reference_spec,
     run_engine,
@@ -113,9 +115,12 @@ def test_in_process_nvme_exact_equals_stock_exllamav3(case, share, stage_gb):
     """stage_gb None: prefill staging on (its default; glm53.tiers.prefill_ahead), 0: off. The
     prompts of 257, 2,049 and 5,000 tokens are staged chunks (at least stage_min_rows rows),
     the last two crossing chunk edges (a pipeline drained and restarted per chunk)."""
+    # each engine its own cache_dir: a cold RAM tier, not warm-started from the heat list an
+    # earlier test's engine saved at close (~/.cache/glm53, shared by every in-process engine)
     e = GpuEngine(case["path"], EngineOptions(
         mode="nvme-exact", context=CONTEXT, max_batch=4, chunk_size=CHUNK,
         ec_max_slots=case["slots"], heat_file=str(case["tmp"] / f"heat-{share}-{stage_gb}.json"),
+        cache_dir=str(case["tmp"] / f"cache-{share}-{stage_gb}"),
         store=case["store"], ram_cap=case["cap"][share], ec_stage_gb=stage_gb,
     ))  # fmt: skip
     e.load()
@@ -153,6 +158,7 @@ def test_in_process_nvme_exact_with_decode_prefetch_equals_stock_exllamav3(case,
     e = GpuEngine(case["path"], EngineOptions(
         mode="nvme-exact", context=CONTEXT, max_batch=4, chunk_size=CHUNK,
         ec_max_slots=case["slots"], heat_file=str(case["tmp"] / f"heat-{share}-prefetch.json"),
+        cache_dir=str(case["tmp"] / f"cache-{share}-prefetch"),
         store=case["store"], ram_cap=case["cap"][share], nvme_prefetch="next-layer",
     ))  # fmt: skip
     e.load()
@@ -256,7 +262,7 @@ def test_a_store_read_fault_names_layer_expert_and_rows_and_the_tier_serves_on(c
     e = GpuEngine(case["path"], EngineOptions(
         mode="nvme-exact", context=CONTEXT, max_batch=4, chunk_size=CHUNK,
         ec_max_slots=case["slots"], heat_file=str(case["tmp"] / "heat-fault.json"),
-        store=case["store"], ram_cap=case["cap"][share],
+        cache_dir=str(case["tmp"] / "cache-fault"), store=case["store"], ram_cap=case["cap"][share],
     ))  # fmt: skip
     e.load()
     try:
@@ -268,7 +274,10 @@ def test_a_store_read_fault_names_layer_expert_and_rows_and_the_tier_serves_on(c
             req = GenerationRequest(prompt_ids=case["prompts"][n], sampling=SamplingParams(0.0))
             e.start(i, req, N_NEW)
         ended = {}
-        while e.has_work():
+        limit = iteration_limit([case["prompts"][n] for n in (9, 257)], N_NEW)
+        for _ in bounded(limit, lambda: f"the faulted requests: {ended}, {e.stats()}"):
+            if not e.has_work():
+                break
             for o in e.iterate():
                 if o.finish is not None:
                     ended[o.key] = o
@@ -344,7 +353,13 @@ def test_a_read_fault_fails_only_the_request_that_picked_the_record(case, tmp_pa
             req = GenerationRequest(prompt_ids=p, sampling=SamplingParams(temperature=0.0))
             e.start(k, req, n, return_logits=True)
         it, last_a = 0, None
-        while e.has_work():
+
+        def stuck():
+            return f"run: {[(len(d['tokens']), d['finish']) for d in out.values()]}, {e.stats()}"
+
+        for _ in bounded(iteration_limit(prompts, n_b), stuck):
+            if not e.has_work():
+                break
             if actions and it in actions:
                 actions[it]()
             for o in e.iterate():

@@ -93,6 +93,28 @@ def nvme_engine(case, name, share, **kw):
     return e
 
 
+def layer0_publishes_first(e) -> None:
+    """Until the poller holds the stalled job, only layer 0 gets a lane budget. In nvme mode a
+    layer publishes only a VRAM miss that the RAM tier holds, so from cold tiers another layer
+    can have one steps before layer 0 does (its RAM-resident experts all admitted to VRAM);
+    the poller, not yet stalled, would compute that job, and with the store reads of that
+    layer's resolve between its publish and its wait the result could be in time: a lane
+    result used, no fallback, tokens no longer stock's. With no other layer publishing until
+    the hold, the stalled job is the lane's first."""
+    lane, step = e.fast.lane, e.fast.step
+
+    def step_layer0_first():
+        budgets = step()
+        if not lane.poller.held:
+            for mbox in lane.mailboxes[1:]:
+                mbox.set_budget(0)
+        return budgets
+
+    for mbox in lane.mailboxes[1:]:
+        mbox.set_budget(0)
+    e.fast.step = step_layer0_first  # GpuEngine.iterate calls it after each iteration
+
+
 @pytest.mark.parametrize("share", RAM_SHARES)
 def test_a_stalled_lane_gives_nvme_exacts_tokens_and_logits_and_counts_every_fallback(case, share):
     e = nvme_engine(case, f"stall-{share}", share, ct_b=EAGER_CT_B)
@@ -100,8 +122,10 @@ def test_a_stalled_lane_gives_nvme_exacts_tokens_and_logits_and_counts_every_fal
         lane = e.fast.lane
         assert lane.tables[0] is e.loaded.nvme.tier.table  # the lane reads the RAM tier
         # hold the first job of layer 0: one poller serves every layer, so no layer of any
-        # later step is answered either, and every published layer must fall back
+        # later step is answered either, and every published layer must fall back (layer 0's
+        # job must then be the lane's first: layer0_publishes_first)
         lane.poller.stall(0, lane.mailboxes[0].seq + 1)
+        layer0_publishes_first(e)
         for i, prompt in enumerate(case["prompts"][1]):  # c1: each alone
             (got,) = run_engine(e, [prompt], N_NEW)
             assert_same(got, case["ref"][1][i], f"stalled lane, RAM {share:.0%}, c1, {i}")
