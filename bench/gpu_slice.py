@@ -8,7 +8,9 @@ filter (exact) and without (exact_clock: plain CLOCK); stock exllamav3's own off
 same VRAM budget, without and with its pinned arena; glm53 fast (exact's tiers + the CPU lane
 and its router, `--modes ...,fast` only), and on the same load a sweep of
 fixed shares of the misses on the lane (--fixed-splits, default 0, 10, 20, 30, 40 %) to compare
-the router against (ratios.fast_router_vs_best_fixed_split); exact_layer_major (exact's load
+the router against (ratios.fast_router_vs_best_fixed_split), again with the lane kept awake
+longer after each job for each --lane-spin-us value (figures.fast_fixed_split_c1_tok_s_by_spin:
+what the poller's and the workers' wake-ups cost); exact_layer_major (exact's load
 with layer-major prefill, issue 28, `--modes ...,exact_layer_major` only: not yet run on a GPU)
 and stock_offload_stream (stock's offload with EXL3_MOE_STREAM_T pinned, --stream-t), with a
 32k prefill row (--long-prefill) for them and for stock and exact, against the one-pass stream
@@ -404,6 +406,10 @@ def measure_mode(args, mode) -> dict:
             row["lane"] = fast.stats()
             if mode == "fast" and args.fixed_splits:  # the sweep: fast only
                 row["fixed_splits"] = fixed_split_sweep(loaded, fast, args.fixed_splits, args.quick)
+                if args.lane_spin_us:
+                    row["fixed_splits_by_spin"] = spin_sweep(
+                        loaded, fast, args.fixed_splits, args.quick, args.lane_spin_us
+                    )
             stop_fast(fast, loaded)
         row["resident_bytes"], row["load_peak_bytes"] = resident
         if loaded.ec is not None:
@@ -445,6 +451,22 @@ def fixed_split_sweep(loaded, fast, percents: list[int], quick: bool) -> dict:
             out[str(pct)] = {"decode": decode, "lane": lane}
     finally:
         fast.router.set_forced_share(None)
+    return out
+
+
+def spin_sweep(loaded, fast, percents: list[int], quick: bool, spins_us: list[int]) -> dict:
+    """The fixed-split sweep again with the lane awake for each of `spins_us` after every job
+    (MailboxLane.idle_spin_ns: the poller and the pool's workers; the default is 200 us, and a
+    layer's job arriving later pays their wake-ups), keyed by the spin in us."""
+    mailbox = fast.lane
+    default = mailbox.idle_spin_ns
+    out = {}
+    try:
+        for us in spins_us:
+            mailbox.idle_spin_ns = us * 1000
+            out[str(us)] = fixed_split_sweep(loaded, fast, percents, quick)
+    finally:
+        mailbox.idle_spin_ns = default
     return out
 
 
@@ -768,6 +790,14 @@ def combine(results: list[dict], args) -> dict:
         pct: s["decode"]["c4"]["aggregate_tok_s"] for pct, s in splits.items()
     }
     figures["fast_fixed_split_lane"] = {pct: s["lane"] for pct, s in splits.items()}
+    by_spin = (rows["fast"].get("fixed_splits_by_spin") or {}) if "fast" in rows else {}
+    figures["fast_fixed_split_c1_tok_s_by_spin"] = {
+        us: {pct: s["decode"]["c1"]["per_stream_tok_s"] for pct, s in sweep.items()}
+        for us, sweep in by_spin.items()
+    }
+    figures["fast_fixed_split_lane_by_spin"] = {
+        us: {pct: s["lane"] for pct, s in sweep.items()} for us, sweep in by_spin.items()
+    }
     best_fixed = max(figures["fast_fixed_split_c1_tok_s"].values(), default=None)
     ratios = {
         "exact_vs_roofline": ratio(ex, roof),
@@ -893,6 +923,14 @@ def percent_list(text: str) -> list[int]:
     return pcts
 
 
+def us_list(text: str) -> list[int]:
+    values = [int(v) for v in text.split(",") if v.strip()]
+    bad = [v for v in values if not 0 <= v <= 1_000_000]
+    if bad:
+        raise argparse.ArgumentTypeError(f"spins must be in 0..1000000 us, got {bad}")
+    return values
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=os.environ.get("GLM53_TEST_SLICE"),
@@ -926,6 +964,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--fixed-splits", type=percent_list, default=list(FIXED_SPLITS),
                     metavar="PCTS", help="the fast row's sweep of fixed shares of the misses on "
                     "the lane, in percent (default 0,10,20,30,40; '' for none)")  # fmt: skip
+    ap.add_argument("--lane-spin-us", type=us_list, default=[], metavar="US",
+                    help="repeat the fast row's fixed-split sweep with the lane awake this many "
+                    "us after each job, per value (default: none; the lane's own is 200)")  # fmt: skip
     ap.add_argument("--offload-timeout", type=int, default=600,
                     help="seconds for each stock-offload subprocess")  # fmt: skip
     ap.add_argument("--stream-t", type=int, default=8,

@@ -47,6 +47,7 @@ class Pool:
     def __init__(self, threads: int, cpus: Sequence[int] | None = None) -> None: ...
     @property
     def handle(self) -> int: ...
+    idle_spin_ns: int
     def submit(
         self,
         table: ExpertTable,

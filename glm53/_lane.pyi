@@ -13,6 +13,7 @@ def store_release(addr: int, value: int) -> None: ...
 
 class Lane:
     num_slots: int
+    spin_ns: int
     def __init__(
         self, pool: Pool, num_slots: int, spin_ns: int = 200000, max_sleep_ns: int = 200000
     ) -> None: ...

@@ -220,6 +220,16 @@ cdef class Pool:
     def handle(self):
         return <uintptr_t>self._p
 
+    @property
+    def idle_spin_ns(self):
+        """How long an idle worker spins before it sleeps (its wake then costs a futex call)."""
+        return gemv_pool_idle_spin(self._p)
+
+    @idle_spin_ns.setter
+    def idle_spin_ns(self, long ns):
+        if gemv_pool_set_idle_spin(self._p, ns) != GEMV_OK:
+            raise ValueError(f"Pool.idle_spin_ns must be >= 0, got {ns}")
+
     def submit(self, ExpertTable table not None, x, rows, experts, weights, out=None, *,
                int variant=GEMV_BEST, float act_limit=10.0, done=None, int precision=GEMV_EXACT):
         """Queue out[r] = sum over picks (rows[i] == r) of weights[i] * expert(experts[i])(x[r]).

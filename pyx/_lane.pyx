@@ -53,6 +53,8 @@ cdef extern from "lane.h" nogil:
                           int num_experts, int hidden, int inter, int k2, float act_limit,
                           int variant, int precision, char *msg, size_t msg_len)
     int g53_lane_start(g53_lane *lane, char *msg, size_t msg_len)
+    int g53_lane_set_spin(g53_lane *lane, long spin_ns)
+    long g53_lane_spin(g53_lane *lane)
     void g53_lane_destroy(g53_lane *lane)
     void g53_lane_get_stats(g53_lane *lane, g53_lane_stats *out)
     void g53_lane_stall(g53_lane *lane, int slot, uint32_t seq)
@@ -119,6 +121,17 @@ cdef class Lane:
             with nogil:
                 g53_lane_destroy(self._lane)
             self._lane = NULL
+
+    @property
+    def spin_ns(self):
+        """How long the poller spins after its last job before it sleeps (10 us doubling up to
+        max_sleep_ns): a job arriving later waits for the poller's sleep to end."""
+        return g53_lane_spin(self._live())
+
+    @spin_ns.setter
+    def spin_ns(self, long ns):
+        if g53_lane_set_spin(self._live(), ns) != GEMV_OK:
+            raise ValueError(f"Lane.spin_ns must be >= 0, got {ns}")
 
     def close(self):
         """Stop and join the poller (also while it waits or is held by a stall)."""

@@ -115,6 +115,10 @@ typedef struct gemv_pool gemv_pool;
 gemv_pool *gemv_pool_create(const int *cpus, int num_threads, char *msg, size_t msg_len);
 void gemv_pool_destroy(gemv_pool *pool); /* finishes queued jobs first */
 int gemv_pool_threads(const gemv_pool *pool);
+/* How long an idle worker spins before it sleeps on a futex (default 200 us; the workers read it
+ * each time they go idle). GEMV_EINVAL for a negative value. */
+int gemv_pool_set_idle_spin(gemv_pool *pool, long ns);
+long gemv_pool_idle_spin(gemv_pool *pool);
 /* Queue a checked job; returns at once. The job and everything it points at must stay valid
  * until it is done. Returns GEMV_OK, GEMV_EBUSY, or the gemv_job_check code. */
 int gemv_pool_submit(gemv_pool *pool, gemv_job *job, char *msg, size_t msg_len);

@@ -78,6 +78,8 @@ cdef extern from "gemv.h" nogil:
     gemv_pool *gemv_pool_create(const int *cpus, int num_threads, char *msg, size_t msg_len)
     void gemv_pool_destroy(gemv_pool *pool)
     int gemv_pool_threads(const gemv_pool *pool)
+    int gemv_pool_set_idle_spin(gemv_pool *pool, long ns)
+    long gemv_pool_idle_spin(gemv_pool *pool)
     int gemv_pool_submit(gemv_pool *pool, gemv_job *job, char *msg, size_t msg_len)
     int gemv_pool_wait(gemv_pool *pool, gemv_job *job)
 

@@ -3,8 +3,8 @@
  * Worker 0 takes the next job off the queue, plans it, and publishes it by bumping `job_gen`;
  * every worker then runs the job's phases (gemv_exec.h) with a barrier after each. Worker 0
  * finally writes the status, then the job's `finished` flag and its `done` word. Idle workers
- * spin for SPIN_NS (a decode step's MoE layers come back to back) and then sleep on a futex, so
- * an idle lane costs no CPU.
+ * spin for the pool's idle spin (SPIN_NS unless gemv_pool_set_idle_spin changed it: a decode
+ * step's MoE layers come back to back) and then sleep on a futex, so an idle lane costs no CPU.
  *
  * A batch (gemv_pool_run_batch) is a run of independent jobs queued together; the calling thread
  * may take its own batch's jobs off the head of the queue and run them alone, with an exec of
@@ -46,6 +46,7 @@ struct gemv_pool {
     _Atomic uint32_t job_gen;    /* bumped by worker 0 when `current` changes */
     _Atomic int stop;
     _Atomic uint32_t bar_count, bar_gen;
+    _Atomic long idle_spin_ns; /* how long an idle worker spins before it sleeps */
     pthread_mutex_t caller_lock; /* guards caller_exec: one helping caller at a time */
     gemv_exec caller_exec;
 };
@@ -109,6 +110,11 @@ static void barrier(gemv_pool *pool)
     }
 }
 
+static long idle_spin(gemv_pool *pool)
+{
+    return atomic_load_explicit(&pool->idle_spin_ns, memory_order_relaxed);
+}
+
 /* Appends job to the queue; pool->lock must be held. */
 static void enqueue_locked(gemv_pool *pool, gemv_job *job)
 {
@@ -138,7 +144,7 @@ static gemv_job *next_job(gemv_pool *pool)
             return job;
         if (atomic_load_explicit(&pool->stop, memory_order_acquire))
             return NULL;
-        wait_change(&pool->queue_word, seen, SPIN_NS);
+        wait_change(&pool->queue_word, seen, idle_spin(pool));
     }
 }
 
@@ -170,7 +176,7 @@ static void *worker_main(void *arg)
             atomic_store_explicit(&pool->job_gen, seen_gen, memory_order_release);
             futex_wake(&pool->job_gen);
         } else {
-            wait_change(&pool->job_gen, seen_gen, SPIN_NS);
+            wait_change(&pool->job_gen, seen_gen, idle_spin(pool));
             seen_gen = atomic_load_explicit(&pool->job_gen, memory_order_acquire);
             job = pool->current;
         }
@@ -207,6 +213,7 @@ gemv_pool *gemv_pool_create(const int *cpus, int num_threads, char *msg, size_t 
     }
     pool->num_threads = num_threads;
     pool->threads = threads;
+    atomic_init(&pool->idle_spin_ns, SPIN_NS);
     pthread_mutex_init(&pool->lock, NULL);
     pthread_mutex_init(&pool->caller_lock, NULL);
     for (int i = 0; i < num_threads; i++) {
@@ -279,6 +286,16 @@ void gemv_pool_destroy(gemv_pool *pool)
 }
 
 int gemv_pool_threads(const gemv_pool *pool) { return pool->num_threads; }
+
+int gemv_pool_set_idle_spin(gemv_pool *pool, long ns)
+{
+    if (ns < 0)
+        return GEMV_EINVAL;
+    atomic_store_explicit(&pool->idle_spin_ns, ns, memory_order_relaxed);
+    return GEMV_OK;
+}
+
+long gemv_pool_idle_spin(gemv_pool *pool) { return idle_spin(pool); }
 
 int gemv_pool_submit(gemv_pool *pool, gemv_job *job, char *msg, size_t msg_len)
 {

@@ -25,7 +25,8 @@ struct g53_lane {
     gemv_pool *pool;
     int num_slots;
     lane_slot *slots;
-    long spin_ns, max_sleep_ns;
+    _Atomic long spin_ns; /* g53_lane_set_spin may change it while the poller runs */
+    long max_sleep_ns;
     pthread_t thread;
     int started;
     _Atomic int stop;
@@ -86,7 +87,7 @@ g53_lane *g53_lane_create(gemv_pool *pool, int num_slots, long spin_ns, long max
     lane->pool = pool;
     lane->num_slots = num_slots;
     lane->slots = slots;
-    lane->spin_ns = spin_ns;
+    atomic_init(&lane->spin_ns, spin_ns);
     lane->max_sleep_ns = max_sleep_ns;
     atomic_store(&lane->stall_slot, -1);
     lane->stats.last_slot = -1;
@@ -238,7 +239,8 @@ static void *poller_main(void *arg)
         if (worked) {
             idle_since = now_ns();
             sleep = MIN_SLEEP_NS;
-        } else if (now_ns() - idle_since < lane->spin_ns) {
+        } else if (now_ns() - idle_since <
+                   atomic_load_explicit(&lane->spin_ns, memory_order_relaxed)) {
             cpu_relax();
         } else {
             sleep_ns(sleep);
@@ -246,6 +248,19 @@ static void *poller_main(void *arg)
         }
     }
     return NULL;
+}
+
+int g53_lane_set_spin(g53_lane *lane, long spin_ns)
+{
+    if (spin_ns < 0)
+        return GEMV_EINVAL;
+    atomic_store_explicit(&lane->spin_ns, spin_ns, memory_order_relaxed);
+    return GEMV_OK;
+}
+
+long g53_lane_spin(g53_lane *lane)
+{
+    return atomic_load_explicit(&lane->spin_ns, memory_order_relaxed);
 }
 
 int g53_lane_start(g53_lane *lane, char *msg, size_t msg_len)

@@ -5,6 +5,7 @@ is timed or compared against a speed."""
 import json
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -288,7 +289,8 @@ def test_gpu_slice_fast_row_gives_issue_16s_and_26s_ratios(tmp_path):
         "stock_offload": _mock_row(10.0, 8.0, 6.0, 24.0, 300.0, 1500.0, 3000.0),
         "stock_offload_arena": _mock_row(16.0, 12.0, 8.0, 32.0, 400.0, 2000.0, 4000.0),
         "fast": _mock_row(52.0, 38.0, 25.0, 100.0, 900.0, 3000.0, 6000.0, lane=lane,
-                          fixed_splits=fixed),
+                          fixed_splits=fixed,
+                          fixed_splits_by_spin={"5000": {"10": split(60.0, 95.0, 200, 0)}}),
     }  # fmt: skip
     for mode, row in rows.items():
         (tmp_path / f"row-{mode}.json").write_text(
@@ -311,8 +313,42 @@ def test_gpu_slice_fast_row_gives_issue_16s_and_26s_ratios(tmp_path):
                                                       "lane_picks": 1200}  # fmt: skip
     assert ratios["fast_router_vs_best_fixed_split"] == 52.0 / 54.0
     assert figures["fast_lane_time"]["lane_ms_per_job"] == 120.0 / 500
+    assert figures["fast_fixed_split_c1_tok_s_by_spin"] == {"5000": {"10": 60.0}}
+    assert figures["fast_fixed_split_lane_by_spin"]["5000"]["10"]["jobs"] == 200
     assert figures["fast_lane_time"]["wait_ms_per_timed_call"] is None  # no timed layers
     assert "fast" not in figures["predicted"]  # the cost model has no fast row here
+
+
+def test_gpu_slice_sweeps_the_lanes_idle_spin_and_puts_the_default_back(monkeypatch):
+    """--lane-spin-us: the fixed-split sweep again per spin, the lane (a MOCK of MailboxLane's
+    idle_spin_ns; the sweep itself needs a GPU) set before each and reset after, even when a
+    sweep raises."""
+    gs = _gpu_slice()
+    args = gs.parse_args(["--model", "/x", "--lane-spin-us", "200,5000"])
+    assert args.lane_spin_us == [200, 5000]
+    assert gs.parse_args(["--model", "/x"]).lane_spin_us == []
+    with pytest.raises(SystemExit):
+        gs.parse_args(["--model", "/x", "--lane-spin-us", "-5"])
+
+    class MockMailboxLane:
+        idle_spin_ns = 200_000
+
+    fast = types.SimpleNamespace(lane=MockMailboxLane())
+    seen = []
+
+    def sweep(loaded, fast_, percents, quick):
+        seen.append(fast_.lane.idle_spin_ns)
+        if len(seen) == 3:
+            raise RuntimeError("a sweep failed")
+        return {str(p): fast_.lane.idle_spin_ns for p in percents}
+
+    monkeypatch.setattr(gs, "fixed_split_sweep", sweep)
+    got = gs.spin_sweep(None, fast, [0, 10], True, [50, 5000])
+    assert got == {"50": {"0": 50_000, "10": 50_000}, "5000": {"0": 5_000_000, "10": 5_000_000}}
+    assert fast.lane.idle_spin_ns == 200_000
+    with pytest.raises(RuntimeError, match="a sweep failed"):
+        gs.spin_sweep(None, fast, [0], True, [7])
+    assert fast.lane.idle_spin_ns == 200_000
 
 
 def test_gpu_slice_says_where_a_lane_shares_time_goes():

@@ -339,3 +339,35 @@ def test_budgets_follow_the_router_on_the_reported_misses(layer, lane_ms, sends)
         assert router.layers[1].lane_ms > 0 and router.layers[0].lane_ms == 0
         # one job seen: the first of its row count, warm-up (counted, not fitted)
         assert router.seen_by_rows[0] == 1 and router.lane.n == 0
+
+
+@pytest.mark.parametrize("spin_us", [0, 200, 50_000])
+def test_the_lanes_idle_spin_is_set_live_and_every_job_is_answered_at_any_spin(layer, spin_us):
+    """MailboxLane.idle_spin_ns sets the poller's and the pool's workers' spin after a job while
+    they run (bench/gpu_slice.py --lane-spin-us sweeps it). At 0 both sleep after every job, so
+    each job after a pause is picked up from sleep (the poller's nanosleep, the workers' futex):
+    none is lost and each partial is still the lane's own result, bit for bit."""
+    experts, table = layer
+    cpu = CpuLane(LaneLayout((0, 0)))
+    rng = np.random.default_rng(30 + spin_us)
+    with MailboxLane(cpu, [table]) as lane:
+        assert lane.idle_spin_ns == 200_000 and cpu.pool.idle_spin_ns == 200_000  # the defaults
+        lane.idle_spin_ns = spin_us * 1000
+        assert lane.idle_spin_ns == spin_us * 1000 == lane.poller.spin_ns
+        assert cpu.pool.idle_spin_ns == spin_us * 1000
+        device = MockDevice(lane.mailboxes[0])
+        for i in range(6):
+            if i % 2:
+                time.sleep(0.002)  # past a 0 or 200 us spin: the lane is asleep when this comes
+            x = fp16_rows(rng, 2)
+            rows, ids, weights = random_picks(rng, 2, len(experts), 4)
+            device.publish(x, rows, ids, weights)
+            assert device.wait(SETTLE_S), f"job {i} at a {spin_us} us spin was not answered"
+            assert np.array_equal(device.partial(2), cpu.run(table, x, rows, ids, weights))
+        assert lane.stats()["jobs"] == 6 and device.fallbacks == 0
+        with pytest.raises(ValueError, match="idle_spin_ns must be >= 0"):
+            lane.idle_spin_ns = -1
+        with pytest.raises(ValueError, match="Pool.idle_spin_ns must be >= 0"):
+            cpu.pool.idle_spin_ns = -1
+        with pytest.raises(ValueError, match="Lane.spin_ns must be >= 0"):
+            lane.poller.spin_ns = -1

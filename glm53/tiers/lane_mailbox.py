@@ -167,6 +167,20 @@ class MailboxLane:
         self._observed = [0] * len(self.tables)  # jobs per layer already reported
         self._seen_seq = [m.seq for m in self.mailboxes]  # seq per layer already reported
 
+    @property
+    def idle_spin_ns(self) -> int:
+        """How long the lane stays awake after a job, the poller and the pool's workers alike,
+        before they sleep: a job arriving later pays their wake (the poller's sleep of up to
+        max_sleep_ns, the workers' futex). bench/gpu_slice.py's --lane-spin-us sweeps it."""
+        return self.poller.spin_ns
+
+    @idle_spin_ns.setter
+    def idle_spin_ns(self, ns: int) -> None:
+        if ns < 0:
+            raise ValueError(f"idle_spin_ns must be >= 0, got {ns}")
+        self.poller.spin_ns = ns
+        self.lane.pool.idle_spin_ns = ns
+
     def stats(self) -> dict:
         """The lane's counters, with each layer's as `layers` (jobs, busy_ns, last_job_ns,
         last_picks: the lane's time per layer for /stats and the router)."""
