@@ -3,6 +3,7 @@ last line, with "bench", "figures", "ratios" and "config". Run at the smallest s
 is timed or compared against a speed."""
 
 import json
+import os
 import subprocess
 import sys
 import types
@@ -26,6 +27,31 @@ def run_bench(name: str, *args: str) -> dict:
     assert {"bench", "figures", "ratios", "config"} <= result.keys()
     assert result["bench"] == name
     return result
+
+
+def test_lane_latency_contract():
+    """bench/lane_latency.py's JSON on a tiny shape: a point per spin, experts and gap, each
+    with its anchor; the ratios from the points named (numbers here mean nothing: 2 cores)."""
+    pytest.importorskip("glm53._lane")
+    cpu = str(sorted(os.sched_getaffinity(0))[0])
+    r = run_bench(
+        "lane_latency", "--cpus", cpu, "--hidden", "256", "--inter", "256", "--pool-experts",
+        "4", "--jobs", "3", "--experts", "1,2", "--gaps-us", "0,100", "--spins-us", "200,1000",
+    )  # fmt: skip
+    points = r["figures"]["round_trip"]
+    assert sorted(points) == sorted(
+        f"spin{s}_k{k}_gap{g}" for s in (200, 1000) for k in (1, 2) for g in (0, 100)
+    )
+    p = points["spin1000_k2_gap100"]
+    assert (p["spin_us"], p["experts"], p["gap_us"]) == (1000, 2, 100)
+    assert (
+        0 < p["median_us"] <= p["p90_us"] and p["pool_us"] == r["figures"]["pool"]["2"]["median_us"]
+    )
+    want = points["spin200_k1_gap100"]["median_us"] / points["spin1000_k1_gap100"]["median_us"]
+    assert r["ratios"]["asleep_vs_awake"] == want
+    want = points["spin200_k1_gap0"]["median_us"] / r["figures"]["pool"]["1"]["median_us"]
+    assert r["ratios"]["round_trip_vs_pool"] == want
+    assert r["config"]["threads"] == 1 and r["config"]["default_spin_us"] == 200
 
 
 def test_micro_gemv_contract():

@@ -156,7 +156,7 @@ fi
 if stage bench; then
   # GLM53_BENCH picks the benchmarks, GLM53_BENCH_MODES the gpu_slice rows (default: all);
   # each row is written to OUT/rows/ as soon as it is measured, so a cut run keeps its rows
-  for b in ${GLM53_BENCH:-gpu_slice micro_gemv}; do
+  for b in ${GLM53_BENCH:-gpu_slice micro_gemv lane_latency}; do
     [ -f "$REPO/bench/$b.py" ] || continue
     extra=()
     if [ "$b" = gpu_slice ]; then
