@@ -29,6 +29,17 @@ def run_bench(name: str, *args: str) -> dict:
     return result
 
 
+def combine(tmp_path, rows: dict, info) -> dict:
+    """bench/gpu_slice.py --combine over MOCK row files, one per mode in `rows`, each with
+    `info` (a dict, or a function of the mode that gives it)."""
+    for mode, row in rows.items():
+        i = info(mode) if callable(info) else info
+        (tmp_path / f"row-{mode}.json").write_text(
+            json.dumps({"mode": mode, "info": i, "row": row})
+        )
+    return run_bench("gpu_slice", "--combine", str(tmp_path))
+
+
 def test_lane_latency_contract():
     """bench/lane_latency.py's JSON on a tiny shape: a point per spin, experts and gap, each
     with its anchor; the ratios from the points named (numbers here mean nothing: 2 cores)."""
@@ -216,11 +227,7 @@ def test_gpu_slice_nvme_exact_rows_need_a_store_and_give_their_ratios_against_ex
         "nvme_exact_ram70": _mock_row(36.0, 28.0, 18.0, 72.0, 800.0, 2500.0, 5000.0),
         "nvme_exact_ram40": _mock_row(20.0, 16.0, 10.0, 40.0, 500.0, 1500.0, 3000.0),
     }  # fmt: skip
-    for mode, row in rows.items():
-        (tmp_path / f"row-{mode}.json").write_text(
-            json.dumps({"mode": mode, "info": info, "row": row})
-        )
-    ratios = run_bench("gpu_slice", "--combine", str(tmp_path))["ratios"]
+    ratios = combine(tmp_path, rows, info)["ratios"]
     assert ratios["nvme_exact_vs_exact_ram70"] == 36.0 / 40.0
     assert ratios["nvme_exact_vs_exact_ram40"] == 20.0 / 40.0
     assert ratios["nvme_exact_ram70_vs_disk_bound"] is None  # rows without a read rate
@@ -259,12 +266,11 @@ def test_gpu_slice_nvme_rows_give_their_disk_bound_from_the_read_rate_beside_the
         "nvme_exact_ram40": ram40,
     }  # fmt: skip
     rates = {"nvme_exact_ram70": 2e9, "nvme_exact_ram40": 1e9}
-    for mode, row in rows.items():
-        i = dict(info, store_read={"bytes_per_s": rates[mode]}) if mode in rates else info
-        (tmp_path / f"row-{mode}.json").write_text(
-            json.dumps({"mode": mode, "info": i, "row": row})
-        )
-    r = run_bench("gpu_slice", "--combine", str(tmp_path))
+    r = combine(
+        tmp_path,
+        rows,
+        lambda mode: dict(info, store_read={"bytes_per_s": rates[mode]}) if mode in rates else info,
+    )
     f, ratios = r["figures"], r["ratios"]
     assert f["store_read_bytes_per_s"] == rates
     assert f["store_bytes_per_token"]["nvme_exact_ram70"] == {
@@ -318,11 +324,7 @@ def test_gpu_slice_fast_row_gives_issue_16s_and_26s_ratios(tmp_path):
                           fixed_splits=fixed,
                           fixed_splits_by_spin={"5000": {"10": split(60.0, 95.0, 200, 0)}}),
     }  # fmt: skip
-    for mode, row in rows.items():
-        (tmp_path / f"row-{mode}.json").write_text(
-            json.dumps({"mode": mode, "info": dict(info, split=40), "row": row})
-        )
-    r = run_bench("gpu_slice", "--combine", str(tmp_path))
+    r = combine(tmp_path, rows, dict(info, split=40))
     ratios, figures = r["ratios"], r["figures"]
     assert figures["decode_c1_tok_s"]["fast"] == 52.0
     assert ratios["fast_vs_exact"] == 52.0 / 40.0
@@ -606,11 +608,7 @@ def test_gpu_slice_nvme_rows_give_the_lanes_ratio_against_nvme_exact(tmp_path):
         "nvme_ram70": dict(_mock_row(39.0, 28.0, 18.0, 72.0, 800.0, 2500.0, 5000.0), lane=lane),
         "nvme_ram40": dict(_mock_row(22.0, 16.0, 10.0, 40.0, 500.0, 1500.0, 3000.0), lane=lane),
     }  # fmt: skip
-    for mode, row in rows.items():
-        (tmp_path / f"row-{mode}.json").write_text(
-            json.dumps({"mode": mode, "info": info, "row": row})
-        )
-    r = run_bench("gpu_slice", "--combine", str(tmp_path))
+    r = combine(tmp_path, rows, info)
     assert r["ratios"]["nvme_vs_nvme_exact_ram70"] == pytest.approx(39.0 / 30.0)
     assert r["ratios"]["nvme_vs_nvme_exact_ram40"] == pytest.approx(22.0 / 20.0)
     assert r["figures"]["nvme_lane"] == {"nvme_ram70": lane, "nvme_ram40": lane}
@@ -654,11 +652,7 @@ def test_gpu_slice_prefetch_rows_give_their_ratio_against_prefetch_off_and_count
         "nvme_exact_ram40_prefetch": dict(
             _mock_row(25.0, 16.0, 10.0, 40.0, 500.0, 1500.0, 3000.0), ram=dict(on40, slots=60)),
     }  # fmt: skip
-    for mode, row in rows.items():
-        (tmp_path / f"row-{mode}.json").write_text(
-            json.dumps({"mode": mode, "info": info, "row": row})
-        )
-    r = run_bench("gpu_slice", "--combine", str(tmp_path))
+    r = combine(tmp_path, rows, info)
     assert r["ratios"]["nvme_exact_ram70_prefetch_vs_off"] == pytest.approx(33.0 / 30.0)
     assert r["ratios"]["nvme_exact_ram40_prefetch_vs_off"] == pytest.approx(25.0 / 20.0)
     assert r["ratios"]["nvme_exact_ram70_prefetch_vs_disk_bound"] is None  # no read rate here
@@ -678,11 +672,7 @@ def test_gpu_slice_without_prefetch_rows_leaves_their_ratios_null(tmp_path):
     info = {"moe_layers": 8, "experts": 288, "record_bytes": 9_437_184, "device": "MOCK",
             "geometry": {f: getattr(geo, f) for f in geo.__struct_fields__}}  # fmt: skip
     rows = {"nvme_exact_ram70": _mock_row(30.0, 28.0, 18.0, 72.0, 800.0, 2500.0, 5000.0)}
-    for mode, row in rows.items():
-        (tmp_path / f"row-{mode}.json").write_text(
-            json.dumps({"mode": mode, "info": info, "row": row})
-        )
-    r = run_bench("gpu_slice", "--combine", str(tmp_path))
+    r = combine(tmp_path, rows, info)
     assert r["ratios"]["nvme_exact_ram70_prefetch_vs_off"] is None
     assert r["ratios"]["nvme_exact_ram40_prefetch_vs_off"] is None
     assert r["figures"]["nvme_prefetch"] == {}  # a row without its RAM stats reports none
