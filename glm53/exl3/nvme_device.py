@@ -209,7 +209,8 @@ class NvmeHome:
             run = torch.from_numpy(distinct.astype(np.int64)).to(self.device)
         ptr = self.ec._ptr
         if staged:  # L's zero-copy picks pinned first: the wave _ahead_of may begin admits
-            held = self._hold_picks(layer, distinct, in_vram, picks)
+            vram = {int(e) for e in picks[in_vram]}  # picks in VRAM slots: nothing to pin
+            held = self._hold_picks(layer, distinct, vram)
             self._write(self._ahead_of(layer, ahead_slots))
         self._cuda.ec_check_homes(
             ptr, run.data_ptr(), run.numel(), layer, self.absent, self.bad.data_ptr(), stream
@@ -217,7 +218,7 @@ class NvmeHome:
         if decode:  # the lane's picks (-1 in sel) are not admitted
             self.ec.route(layer, sel, admit=True)
         if staged:
-            run = self._staged_step(layer, distinct, in_vram, picks, held)
+            run = self._staged_step(layer, distinct, vram, held)
         self._cuda.ec_point_picks(ptr, run.data_ptr(), run.numel(), layer, self.absent, stream)
         if staged:
             self._after_point(layer, ahead_slots)
@@ -273,19 +274,18 @@ class NvmeHome:
         got = ahead.finish(nxt)
         return self.home.take_pending() if got is None else got
 
-    def _hold_picks(self, layer, distinct, in_vram, picks) -> set:
+    def _hold_picks(self, layer, distinct, vram: set) -> set:
         """Pin the RAM homes of this layer's picks that its wave does not cover (the MoE kernel
         reads them zero-copy) before anything else of the hook admits into the tier: at a
         forward's first staged hook `_ahead_of` begins the next layer's wave, whose admissions
         would otherwise be free to evict them (frequency admission takes the newest probation
         member first: the misses this layer's resolve has just read). Returns the experts held."""
-        vram = {int(e) for e in picks[in_vram]}
         rest = np.setdiff1d(distinct, self.ahead.staged(layer))
         held = [e for e in rest.tolist() if e not in vram]
         self.ahead.hold_picks(layer, held)
         return set(held)
 
-    def _staged_step(self, layer, distinct, in_vram, picks, held):
+    def _staged_step(self, layer, distinct, vram: set, held: set):
         """Main waits for this layer's stage, the side stream stages the next one, and the
         picks the stage of this layer did not cover are returned to be pointed as today
         (`held`: those already pinned by _hold_picks)."""
@@ -297,7 +297,6 @@ class NvmeHome:
             st.stage_ahead(layer + 1)
         covered = ahead.staged(layer) if self._stage_event is not None else np.empty(0, np.int64)
         rest = np.setdiff1d(distinct, covered)
-        vram = {int(e) for e in picks[in_vram]}
         # a wave of this layer with no stage (not expected: finish and stage_ahead go together)
         # leaves its experts read zero-copy: pinned here too
         ahead.hold_picks(layer, [e for e in rest.tolist() if e not in vram and e not in held])
