@@ -82,7 +82,7 @@ def publish(mbox, seq: int, x, experts, weights) -> int:
     return seq
 
 
-def round_trips(lane, mbox, pool_n: int, k: int, gap_us: int, jobs: int, rng) -> list[float]:
+def round_trips(mbox, pool_n: int, k: int, gap_us: int, jobs: int, rng) -> list[float]:
     """us from each publish to its done, after `gap_us` idle."""
     out, seq = [], mbox.seq
     for j in range(jobs + 2):  # the first two warm the point up, not timed
@@ -140,7 +140,7 @@ def main(argv=None) -> dict:
                 lane.idle_spin_ns = spin * 1000
                 for k in args.experts:
                     for gap in args.gaps_us:
-                        times = round_trips(lane, mbox, args.pool_experts, k, gap, args.jobs, rng)
+                        times = round_trips(mbox, args.pool_experts, k, gap, args.jobs, rng)
                         points[f"spin{spin}_k{k}_gap{gap}"] = dict(
                             summary(times), spin_us=spin, experts=k, gap_us=gap,
                             pool_us=pool[str(k)]["median_us"],
@@ -153,10 +153,12 @@ def main(argv=None) -> dict:
         return p["median_us"] if p else None
 
     k0, long_gap = args.experts[0], max(args.gaps_us)
-    asleep, awake = median(200, k0, long_gap), median(max(args.spins_us), k0, long_gap)
+    default_us = default_spin // 1000
+    asleep = median(default_us, k0, long_gap)
+    awake = median(max(args.spins_us), k0, long_gap)
     no_gap = median(args.spins_us[0], k0, min(args.gaps_us))
     ratios = {
-        "asleep_vs_awake": asleep / awake if asleep and awake and 200 in args.spins_us else None,
+        "asleep_vs_awake": asleep / awake if asleep and awake else None,
         "round_trip_vs_pool": no_gap / pool[str(k0)]["median_us"] if no_gap else None,
     }
     return {
@@ -169,7 +171,7 @@ def main(argv=None) -> dict:
             "inter": args.inter,
             "pool_experts": args.pool_experts,
             "jobs": args.jobs,
-            "default_spin_us": 200,
+            "default_spin_us": default_us,
             **host_fields(),
         },  # fmt: skip
         "figures": {"round_trip": points, "pool": pool},
