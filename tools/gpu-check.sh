@@ -17,7 +17,8 @@
 # none), so that a run about to be cut still writes gpu-tests.xml with what ran.
 # GLM53_SYNTH picks the checkpoints (default: the group's, else "demo slice slice-resharded"; also "deep"), GLM53_GPU_TESTS narrows the tests (paths or node ids; default: the group's, else tests/gpu), GLM53_BENCH the benchmarks,
 # GLM53_BENCH_MODES the gpu_slice rows, GLM53_OFFLOAD_TIMEOUT its stock-offload subprocesses,
-# GLM53_GPU_SLICE_ARGS further gpu_slice arguments (e.g. "--model $GLM53_TEST_DEEP --vram-budget 24G").
+# GLM53_GPU_SLICE_ARGS further gpu_slice arguments (e.g. "--model $GLM53_TEST_DEEP --vram-budget 24G"),
+# GLM53_GPU_TRACE_ARGS further gpu_trace arguments (GLM53_BENCH=gpu_trace: profiler traces).
 # The device tool brings back only a handful of files from $OUT (on 2026-12-01 a call got 8 of its
 # 11 and left tests.log out as "count"), so pack the logs into one tarball in the calling command
 # when many stages run (tools/gpu-bench-serve.sh's own call did: `tar czf logs.tar.gz logs`).
@@ -166,6 +167,10 @@ if stage bench; then
       # shellcheck disable=SC2206  # word splitting intended: a list of arguments
       [ -n "${GLM53_GPU_SLICE_ARGS:-}" ] && extra+=(${GLM53_GPU_SLICE_ARGS})
     fi
+    # gpu_trace (not in the default list): torch.profiler traces of single scenarios, read into
+    # where the time goes; GLM53_GPU_TRACE_ARGS adds to its arguments (e.g. --keep-traces DIR)
+    # shellcheck disable=SC2206  # word splitting intended: a list of arguments
+    [ "$b" = gpu_trace ] && [ -n "${GLM53_GPU_TRACE_ARGS:-}" ] && extra+=(${GLM53_GPU_TRACE_ARGS})
     run "bench-$b" python3 "$REPO/bench/$b.py" --json "${extra[@]}" \
       && tail -1 "$OUT/bench-$b.log" >"$OUT/$b.json"
   done
