@@ -77,6 +77,27 @@ def test_layer_major_lifts_the_full_model_to_its_compute_bound_on_the_reference_
     )
 
 
+def test_layer_major_pays_each_chunks_fixed_compute_cost():
+    """Layer-major runs every chunk through a layer as its own forward, so with a measured
+    fixed cost per chunk (the H200's: 8.56 ms a layer a chunk, 4.22 us a token) an 8k prompt
+    at 2,048-token chunks computes four chunks' fixed costs, not one: on the slice that floor
+    is what stock exllamav3 with every expert in VRAM measured at 8k in four chunks
+    (13,805 and 15,062 tok/s, bench/results/h200-gpu_slice-2026-11-30*.json), below the
+    one-pass stream bound, so the link is not the limit there."""
+    x = CostInputs(vram_slots=197, pcie_gbps=50.0, prefill_chunk_ms=8.56, prefill_token_us=4.22,
+                   stage_records=288)  # fmt: skip
+    row = predict_prefill(x, SLICE, 8192)
+    per_layer_s = 4 * (8.56e-3 + 2048 * 4.22e-6)
+    assert row.compute_tok_s == pytest.approx(8192 / (8 * per_layer_s), rel=1e-4)
+    assert row.layer_major_tok_s == row.compute_tok_s  # compute-bound at 2,048-token chunks
+    assert 13_805 / 1.15 < row.compute_tok_s < 15_062 * 1.15
+    assert row.layer_major_tok_s < 0.6 * row.stream_once_tok_s
+    one_chunk = predict_prefill(x, SLICE, 8192, chunk_tokens=8192)
+    assert one_chunk.compute_tok_s == pytest.approx(
+        8192 / (8 * (8.56e-3 + 8192 * 4.22e-6)), rel=1e-4
+    )
+
+
 def _link_bound(slots: int) -> CostInputs:
     return CostInputs(vram_slots=slots, pcie_gbps=50.0, gpu_fp16_tflops=1e12)  # compute ~ 0
 

@@ -66,7 +66,7 @@ class PrefillRow(msgspec.Struct, frozen=True):
     num_chunks: int
     touched_per_layer_chunk: float  # experts of one MoE layer a chunk touches (expected)
     touched_per_layer_prompt: float  # ... the whole prompt touches
-    compute_tok_s: float  # the GPU's compute alone: no prefill is faster
+    compute_tok_s: float  # the GPU's compute alone at this chunk size: no prefill is faster
     chunk_major_tok_s: float  # built: what serve runs
     layer_major_tok_s: float | None  # --prefill layer-major; None: no VRAM for its buffers
     stream_once_tok_s: float  # every touched expert crosses the link once
@@ -103,13 +103,31 @@ def _moe_link(p: list[float], resident: float, near: float, eb: int) -> _Link:
     return _Link(pcie, store)
 
 
+def chunked_compute_s(x: CostInputs, geo: Geometry, prompt_tokens: int, chunk_tokens: int) -> float:
+    """GPU compute of a prompt run at `chunk_tokens`-token chunks, in either order: every chunk
+    of every layer pays the layer's fixed cost per chunk (layer-major runs each chunk through
+    a layer as its own forward, the same kernels as chunk-major), plus the cost per token."""
+    return sum(
+        _chunk_compute_s(x, geo, min(chunk_tokens, prompt_tokens - start))
+        for start in range(0, prompt_tokens, chunk_tokens)
+    )
+
+
 def _step_s(
-    x: CostInputs, geo: Geometry, tokens: int, resident_slots: float, states: HiddenStatePlan | None
+    x: CostInputs,
+    geo: Geometry,
+    tokens: int,
+    resident_slots: float,
+    states: HiddenStatePlan | None,
+    compute_s: float | None = None,
 ) -> float:
     """One pass of `tokens` tokens through every layer: per layer the slower of compute and
-    link, plus store reads."""
+    link, plus store reads. `compute_s`: the pass's GPU compute when it is not one chunk of
+    `tokens` (layer-major: every chunk of the prompt through each layer)."""
     eb, _, _ = _expert_ms(x, geo)
-    compute = _chunk_compute_s(x, geo, tokens) / geo.num_layers
+    if compute_s is None:
+        compute_s = _chunk_compute_s(x, geo, tokens)
+    compute = compute_s / geo.num_layers
     p = touched(_pick_rates(geo), tokens)
     resident = resident_slots / geo.num_moe_layers
     near = geo.experts_per_layer
@@ -159,7 +177,9 @@ def predict_prefill(
             states = hidden_state_bytes(streams, prompt_tokens)
         else:
             lent = lent_cache_slots(plan, 0, eb)  # the doctor's slots leave no VRAM free
-            layer_tok_s = prompt_tokens / _step_s(x, geo, prompt_tokens, x.vram_slots - lent, plan)
+            compute_s = chunked_compute_s(x, geo, prompt_tokens, chunk_tokens)
+            step_s = _step_s(x, geo, prompt_tokens, x.vram_slots - lent, plan, compute_s)
+            layer_tok_s = prompt_tokens / step_s
             states, placement = plan.state_bytes, str(plan.placement)
             states_pcie = plan.h2d_bytes_per_prompt + plan.d2h_bytes_per_prompt
     once = geo.num_moe_layers * sum(touched(rates, prompt_tokens)) * eb / (x.pcie_gbps * 1e9)
@@ -168,7 +188,9 @@ def predict_prefill(
         num_chunks=num_chunks(prompt_tokens, chunk_tokens),
         touched_per_layer_chunk=round(sum(touched(rates, min(chunk_tokens, prompt_tokens))), 1),
         touched_per_layer_prompt=round(sum(touched(rates, prompt_tokens)), 1),
-        compute_tok_s=round(prompt_tokens / _chunk_compute_s(x, geo, prompt_tokens), 1),
+        compute_tok_s=round(
+            prompt_tokens / chunked_compute_s(x, geo, prompt_tokens, chunk_tokens), 1
+        ),
         chunk_major_tok_s=round(prompt_tokens / chunk_s, 1),
         layer_major_tok_s=None if layer_tok_s is None else round(layer_tok_s, 1),
         stream_once_tok_s=round(prompt_tokens / once, 1),
