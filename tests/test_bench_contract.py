@@ -453,6 +453,7 @@ def test_gpu_slice_layer_major_rows_give_issue_28s_ratios(tmp_path):
     assert ratios["prefill8k_chunk2048_vs_stock_stream"] == 11250.0 / 2500.0
     assert ratios["prefill32k_vs_stock_stream"] == 16000.0 / 2600.0
     assert ratios["prefill32k_vs_stock_vram"] == 16000.0 / 19000.0
+    assert ratios["prefill8k_chunk2048_vs_stock_vram"] == 11250.0 / 20000.0
     assert ratios["layer_major_decode_c1_vs_exact"] == 129.0 / 130.0
     assert figures["layer_major"] == passes
     assert r["config"]["stream_t"] == 8
