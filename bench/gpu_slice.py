@@ -198,6 +198,15 @@ def store_bytes_counter(loaded):
     return lambda: loaded.nvme.home.counters["bytes_read"]
 
 
+def hit_counts(before: dict, after: dict) -> dict:
+    """The VRAM cache's decode lookups between two states: hits, misses and the hit rate (the
+    cost model's decode prediction at concurrency b rests on it: issue 29)."""
+    hits = after["hits"] - before["hits"]
+    misses = after["misses"] - before["misses"]
+    looked = hits + misses
+    return {"hits": hits, "misses": misses, "hit_rate": hits / looked if looked else None}
+
+
 def measure(loaded, vocab, quick=False, step=None, layer_major=None, shapes=PREFILL):
     """A row's decode and prefill figures; `layer_major` as in decode_run, `shapes` the
     prefill rows (prefill_shapes)."""
@@ -209,9 +218,12 @@ def measure(loaded, vocab, quick=False, step=None, layer_major=None, shapes=PREF
         st0 = loaded.ec.state()
     for b in (1, 2, 4):
         n_new = 32 if quick else 128
-        out["decode"][f"c{b}"] = decode_run(
+        before = loaded.ec.state() if loaded.ec is not None else None
+        out["decode"][f"c{b}"] = run = decode_run(
             loaded, vocab, b, n_new=n_new, step=step, store_bytes=store_bytes, **lm
         )
+        if before is not None:  # this concurrency's own lookups (prefill chunks look up none)
+            run.update(hit_counts(before, loaded.ec.state()))
     if loaded.ec is not None:
         st1 = loaded.ec.state()
         looked = (st1["hits"] - st0["hits"]) + (st1["misses"] - st0["misses"])
@@ -726,6 +738,12 @@ def combine(results: list[dict], args) -> dict:
         if "exact_clock" in rows
         else None,
         "exact_layer_hit_rate": rows["exact"]["cache"]["layer_hit_rate"]
+        if "exact" in rows
+        else None,
+        # per concurrency (rows measured before 2026-12-05's last commits have none)
+        "exact_hit_rate_by_concurrency": {
+            c: rows["exact"]["decode"][c].get("hit_rate") for c in ("c1", "c2", "c4")
+        }
         if "exact" in rows
         else None,
         "zero_copy_gbps": zc_gbps,

@@ -206,6 +206,28 @@ def test_gpu_slice_combine_of_deep_rows_reports_the_issue_ratios_and_predictions
         real["decode_c1_tok_s"] * vs["decode_c1_tok_s"]
     )
     assert r["config"]["vram_budget"] == 24 << 30 and r["config"]["share"] is None
+    # rows recorded before the per-concurrency hit counts have none
+    assert figures["exact_hit_rate_by_concurrency"] == {"c1": None, "c2": None, "c4": None}
+
+
+def test_gpu_slice_hit_counts_per_concurrency(tmp_path):
+    """MOCK exact row whose decode runs carry their own hit counts (bench/gpu_slice.py's
+    hit_counts between two cache states): the figure keeps each concurrency's rate."""
+    gs = _gpu_slice()
+    got = gs.hit_counts({"hits": 10, "misses": 5}, {"hits": 40, "misses": 25})
+    assert got == {"hits": 30, "misses": 20, "hit_rate": 0.6}
+    assert gs.hit_counts({"hits": 1, "misses": 1}, {"hits": 1, "misses": 1})["hit_rate"] is None
+    from glm53.doctor.geometry import Geometry
+
+    geo = Geometry("slice", 8, 6, 288, 8, 9_437_184, 1_000_000_000, 3)
+    info = {"moe_layers": 6, "experts": 288, "record_bytes": 9_437_184, "device": "MOCK",
+            "geometry": {f: getattr(geo, f) for f in geo.__struct_fields__}}  # fmt: skip
+    row = _mock_row(130.0, 90.0, 60.0, 240.0, 1000.0, 5000.0, 11000.0, decode_hit_rate=0.43,
+                    cache={"layer_hit_rate": [0.43] * 6}, slots=197)  # fmt: skip
+    for c, rate in (("c1", 0.42), ("c2", 0.45), ("c4", 0.5)):
+        row["decode"][c]["hit_rate"] = rate
+    r = combine(tmp_path, {"exact": row}, info)
+    assert r["figures"]["exact_hit_rate_by_concurrency"] == {"c1": 0.42, "c2": 0.45, "c4": 0.5}
 
 
 def test_gpu_slice_nvme_exact_rows_need_a_store_and_give_their_ratios_against_exact(tmp_path):
