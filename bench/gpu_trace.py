@@ -18,9 +18,11 @@ Two open questions it is for, both measured on the H200 and not explained by a b
   `named.lane_wait` is how long each layer's wait kernel held the GPU for the lane, beside the
   lane's own times (`lane`, from FastLane.stats, as bench/gpu_slice.py's where_the_time_goes).
 
-Each scenario runs once untraced first (the same shape, another prompt), then traced. The
-profiler adds a few us to each launch: read the structure (what overlaps, where the GPU idles,
-what it waits behind), not the absolute speed; bench/gpu_slice.py measures speed.
+Each scenario runs untraced first (the same shape, another prompt: once to warm, once timed),
+then traced. The profiler adds a few us to each launch and op on the host:
+`ratios.traced_vs_untraced` gives its cost per scenario. Read the structure (what overlaps,
+where the GPU idles, what it waits behind), not the absolute speed; bench/gpu_slice.py
+measures speed.
 """
 
 from __future__ import annotations
@@ -105,8 +107,9 @@ class Tracer:
         if keep:
             os.makedirs(keep, exist_ok=True)
 
-    def run(self, label: str, fn) -> dict:
-        """`fn()` inside tracelib.SCENARIO, traced; its summary (and fn's return as `extra`)."""
+    def run(self, label: str, fn, untraced_ms: float | None = None) -> dict:
+        """`fn()` inside tracelib.SCENARIO, traced; its summary (and fn's return as `extra`).
+        `untraced_ms`: the same scenario's wall time without the profiler, for its overhead."""
         import torch
         from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -128,6 +131,9 @@ class Tracer:
                     shutil.copyfileobj(src, dst)
         summary = tracelib.summarize(trace)
         summary["steps"] = tracelib.steps(trace)
+        if untraced_ms:  # the profiler's own cost: read the structure, not the speed, above ~1.1
+            summary["untraced_wall_ms"] = untraced_ms
+            summary["traced_vs_untraced"] = summary["wall_ms"] / untraced_ms
         if extra:
             summary["extra"] = extra
         print(f"# {label}: wall {summary['wall_ms']:.1f} ms, lead {summary['lead_ms']:.1f}, "
@@ -135,6 +141,17 @@ class Tracer:
               f"(hidden {summary['overlap_ms']:.1f}), idle {summary['idle_ms']:.1f}, "
               f"tail {summary['tail_ms']:.1f}", flush=True)  # fmt: skip
         return summary
+
+
+def timed_ms(fn) -> float:
+    """fn()'s wall time in ms, the device synchronized before and after."""
+    import torch
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
 
 
 def prefill_once(loaded, n_tokens: int, chunk: int, seed: int) -> None:
@@ -233,13 +250,16 @@ def trace_mode(args, mode: str, tracer: Tracer) -> dict:
             if mode in ("stock", "exact"):
                 for name, n, chunk in PREFILLS:
                     prefill_once(loaded, n, chunk, seed=100)  # warm: this shape, another prompt
+                    plain = timed_ms(lambda n=n, c=chunk: prefill_once(loaded, n, c, 101))
                     out[name] = tracer.run(f"{mode}-{name}",
-                                           lambda n=n, c=chunk: prefill_once(loaded, n, c, 1))  # fmt: skip
+                                           lambda n=n, c=chunk: prefill_once(loaded, n, c, 1), plain)  # fmt: skip
+                steps = args.decode_steps
                 for name, batch in DECODES:
-                    gen = decode_setup(loaded, batch, seed=2, max_new=args.decode_steps + 8)
+                    gen = decode_setup(loaded, batch, seed=2, max_new=2 * steps + 12)
                     decode_steps(gen, 4)  # warm
+                    plain = timed_ms(lambda g=gen: decode_steps(g, steps))
                     out[name] = tracer.run(f"{mode}-{name}",
-                                           lambda g=gen: {"steps": decode_steps(g, args.decode_steps)})  # fmt: skip
+                                           lambda g=gen: {"steps": decode_steps(g, steps)}, plain)  # fmt: skip
                     drain(gen)
             else:
                 out.update(trace_fast(args, loaded, tracer))
@@ -267,11 +287,12 @@ def trace_fast(args, loaded, tracer: Tracer) -> dict:
             fast.lane.idle_spin_ns = default_spin if spin_us is None else spin_us * 1000
             label = "router" if share is None else f"share{share}"
             label += "" if spin_us is None else f"_spin{spin_us}us"
-            gen = decode_setup(loaded, 1, seed=3, max_new=FAST_STEPS + 40, step=fast.step)
+            gen = decode_setup(loaded, 1, seed=3, max_new=2 * FAST_STEPS + 40, step=fast.step)
             decode_steps(gen, 24, fast.step)  # warm: the router fits its rates here
+            plain = timed_ms(lambda g=gen: decode_steps(g, FAST_STEPS, fast.step))
             before = fast.stats()
             summary = tracer.run(f"fast-decode_c1-{label}",
-                                 lambda g=gen: {"steps": decode_steps(g, FAST_STEPS, fast.step)})  # fmt: skip
+                                 lambda g=gen: {"steps": decode_steps(g, FAST_STEPS, fast.step)}, plain)  # fmt: skip
             summary["lane"] = where_the_time_goes(before, fast.stats())
             drain(gen, fast.step)
             out[f"decode_c1_{label}"] = summary
@@ -284,7 +305,8 @@ def trace_fast(args, loaded, tracer: Tracer) -> dict:
 
 def combine(figures: dict) -> dict:
     """The bench's ratios and the exact-vs-stock prefill breakdowns from the scenario summaries."""
-    ratios: dict = {"gpu_busy_share": {}, "copy_hidden_share": {}, "lane_wait_share": {}}
+    ratios: dict = {"gpu_busy_share": {}, "copy_hidden_share": {}, "lane_wait_share": {},
+                    "traced_vs_untraced": {}}  # fmt: skip
     for mode, scenarios in figures.items():
         for name, s in scenarios.items():
             key = f"{mode}.{name}"
@@ -292,6 +314,8 @@ def combine(figures: dict) -> dict:
             ratios["gpu_busy_share"][key] = busy / s["wall_ms"] if s["wall_ms"] else None
             if s["copy_ms"]:
                 ratios["copy_hidden_share"][key] = s["overlap_ms"] / s["copy_ms"]
+            if s.get("traced_vs_untraced"):
+                ratios["traced_vs_untraced"][key] = s["traced_vs_untraced"]
             wait = s["named"].get("lane_wait")
             if wait and wait["count"]:
                 ratios["lane_wait_share"][key] = wait["total_ms"] / s["wall_ms"]

@@ -177,7 +177,9 @@ def test_gpu_trace_ratios_and_prefill_breakdown_from_summaries():
     s = tracelib.summarize(hand_trace())
     stock = dict(s, wall_ms=0.5, lead_ms=0.05, tail_ms=0.05, copy_ms=0.0, overlap_ms=0.0,
                  idle_ms=0.0, named={})  # fmt: skip
-    figures = {"stock": {"p512": stock}, "exact": {"p512": s}, "fast": {"decode_c1_share20": s}}
+    traced = dict(s, untraced_wall_ms=0.8, traced_vs_untraced=1.25)
+    figures = {"stock": {"p512": stock}, "exact": {"p512": traced},
+               "fast": {"decode_c1_share20": s}}  # fmt: skip
     out = gt.combine(figures)
     r = out["ratios"]
     assert r["gpu_busy_share"]["exact.p512"] == pytest.approx(0.6)
@@ -185,5 +187,6 @@ def test_gpu_trace_ratios_and_prefill_breakdown_from_summaries():
     assert "stock.p512" not in r["copy_hidden_share"]
     assert r["lane_wait_share"] == {"exact.p512": pytest.approx(0.2),
                                     "fast.decode_c1_share20": pytest.approx(0.2)}  # fmt: skip
+    assert r["traced_vs_untraced"] == {"exact.p512": 1.25}
     assert out["prefill_exact_vs_stock"]["p512"]["wall_ms"] == pytest.approx(0.5)
     assert list(out["prefill_exact_vs_stock"]) == ["p512"]
