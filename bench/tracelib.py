@@ -32,13 +32,18 @@ GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_CALL_CATS = ("cuda_runtime", "cuda_driver")
 HOST_RANGE_CATS = ("user_annotation", "cpu_op", "python_function")
 
-# glm53's kernels and what they are (cuda/lane.cu, cuda/ec.cu): substring -> figure name
+# glm53's kernels (cuda/lane.cu, cuda/ec.cu, each in an anonymous namespace), by their short
+# name (short_name: no namespace, no arguments) -> figure name
 NAMED = {
     "wait_kernel": "lane_wait",
     "publish_kernel": "lane_publish",
     "select_kernel": "lane_select",
-    "stage": "cache_stage",
-    "route": "cache_route",
+    "stage_layer_kernel": "cache_stage",
+    "stage_kernel": "cache_stage",
+    "unstage_kernel": "cache_unstage",
+    "route_kernel": "cache_route",
+    "copy_kernel": "cache_copy",
+    "point_picks_kernel": "nvme_point_picks",
 }
 
 Interval = tuple[float, float]
@@ -217,10 +222,9 @@ def summarize(
     ]
     named: dict[str, list[float]] = defaultdict(list)
     for e, iv in zip(kernels, k_iv, strict=True):
-        for key, fig in NAMED.items():
-            if key in e["name"]:
-                named[fig].append(iv[1] - iv[0])
-                break
+        fig = NAMED.get(short_name(e["name"])) if "anonymous namespace" in e["name"] else None
+        if fig is not None:
+            named[fig].append(iv[1] - iv[0])
     out["named"] = {fig: spread(v) for fig, v in sorted(named.items())}
     # the longest idle gaps, with what ran around them and what the host was doing
     host = [e for e in evs if e.get("cat") in HOST_CALL_CATS + HOST_RANGE_CATS]
