@@ -2,8 +2,8 @@
 engine's EngineOptions, once, before anything loads (what each mode serves and needs is
 glm53.modes' table; the checks of a value alone live in EngineOptions and LoadOptions). Here
 are the checks that need the Settings themselves: --allow-unrun-modes for what has not yet passed
-its GPU tests (glm53.modes.UNRUN; UNRUN_STATUS says where each stands), and the CPU lane's settings in a lane mode. Creating is cheap;
-GpuEngine.load does the heavy work (glm53.engine.gpu).
+its GPU tests (glm53.modes.UNRUN; UNRUN_STATUS says where each stands), and the CPU lane's
+settings in a lane mode. Creating is cheap; GpuEngine.load does the heavy work (glm53.engine.gpu).
 """
 
 from __future__ import annotations
