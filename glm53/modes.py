@@ -147,8 +147,8 @@ UNRUN_STATUS = {
     "layer-major": "passed its identity tests on a GPU (2026-12-05: equal to stock exllamav3's "
     "chunk-major prefill); its cancel, staging and interleave tests have not yet passed",
     "nvme": "has not yet run on a GPU",
-    "store-staging": "failed its first GPU run on 2026-12-05; the fix (a first-hook ordering "
-    "bug) has not yet run on a GPU",
+    "store-staging": "failed its first GPU run on 2026-12-05; the fix of its cause (a first-hook "
+    "ordering bug) has not yet run on a GPU",
     "nvme-prefetch": "failed its first GPU run on 2026-12-05 (with prefill staging on, whose "
     "fix came after) and has not run since",
 }
