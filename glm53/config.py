@@ -136,8 +136,8 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
             "Prefill order for prompts longer than one chunk: chunk (each chunk through every "
             "layer, exllamav3's Generator) or layer-major (every chunk through a layer before "
             "the next: each touched expert crosses PCIe once per layer per prompt, same output). "
-            "GPU engine, exact mode; layer-major has not yet run on a GPU, so it needs "
-            "--allow-unrun-modes.",
+            "GPU engine, exact mode; layer-major passed its identity tests on a GPU but not yet "
+            "its cancel, staging and interleave tests, so it needs --allow-unrun-modes.",
             group="scheduling",
         ),
     ] = "chunk"
@@ -190,8 +190,8 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
             "Decode prefetch in --mode nvme-exact and nvme (GPU engine): next-layer runs each "
             "MoE layer's router for the next layer on this layer's input and reads the "
             "predicted experts the RAM tier lacks from the store while this layer computes (a "
-            "hint: the output is unchanged). It has not yet run on a GPU, so it needs "
-            "--allow-unrun-modes; off until measured.",
+            "hint: the output is unchanged). It failed its first GPU run (with prefill staging "
+            "on) and has not run since, so it needs --allow-unrun-modes; off until measured.",
             group="tiers",
         ),
     ] = "off"
@@ -264,8 +264,8 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
             "order, e.g. 0,1: each holds a contiguous range of layers and an expert cache of its "
             "own over its MoE layers, all reading misses from the one pinned RAM home. A GPU "
             "listed twice (0,0) runs the split with both halves on that GPU. Default: GPU 0 "
-            "alone. Two or more entries have not yet run on a GPU, so they need "
-            "--allow-unrun-modes (docs/multi-gpu.md).",
+            "alone. The split has run only as 0,0 on one GPU, never over two devices, so two or "
+            "more entries (0,0 included) need --allow-unrun-modes (docs/multi-gpu.md).",
             group="tiers",
             kind="int_list",
         ),
@@ -297,7 +297,8 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
             "VRAM (GiB) of the two prefill staging buffers; default: two whole MoE layers when "
             "they take at most a quarter of the VRAM left after the model, else that quarter. "
             "0 turns staging off. In nvme-exact and nvme (staging from the store) it is off "
-            "unless --allow-unrun-modes: that path has not yet run on a GPU.",
+            "unless --allow-unrun-modes: that path failed its first GPU run and its fix has not "
+            "yet run on a GPU.",
             group="tiers",
         ),
     ] = None
@@ -323,11 +324,13 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     allow_unrun_modes: Annotated[
         bool,
         _s(
-            "GPU engine: also run the five paths that have never run on a GPU: --mode nvme (the "
-            "store and its RAM tier with the CPU lane), the layer split over two or more GPUs "
-            "(--gpus 0,1), --prefill layer-major, prefill staging from the store in the "
-            "store modes (--ec-stage-gb, off there without this flag) and --nvme-prefetch "
-            "next-layer; for their GPU tests "
+            "GPU engine: also run the five paths that have not yet passed their GPU tests: "
+            "--mode nvme (the store and its RAM tier with the CPU lane; never run on a GPU), the "
+            "layer split (--gpus with two or more entries; run only as 0,0 on one GPU), "
+            "--prefill layer-major (identity tests passed, the rest not yet), prefill staging "
+            "from the store in the store modes (--ec-stage-gb, off there without this flag) and "
+            "--nvme-prefetch next-layer (both failed their first GPU run; fix not yet rerun); "
+            "for their GPU tests "
             "(tests/gpu/test_nvme_mode_gpu.py, test_multi_gpu.py, test_layer_major_gpu.py, "
             "test_nvme_exact_gpu.py). Without it the GPU engine refuses them (store staging is off "
             "by default, and a size for it refused). Every other mode and path runs without it.",

@@ -14,8 +14,9 @@ The GPU engine maps `auto` to exact. The CPU engine runs one path for every mode
 over the store or the shards; the mode only picks the lane's precision), and the scripted
 engine replays a script whatever the mode says: both serve every mode, as they always have.
 
-What has never run on a GPU is gated by --allow-unrun-modes, and only that: `UNRUN` names it.
-It imports nothing from glm53.
+What has not yet passed its GPU tests (never run on a GPU, run only in part, or run and failed
+with the fix not yet rerun) is gated by --allow-unrun-modes, and only that: `UNRUN` names it and
+`UNRUN_STATUS` says where each stands. It imports nothing from glm53.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ RULES: dict[tuple[Engine, Mode], ModeRule] = {
     ("gpu", Mode.NVME_EXACT): ModeRule(
         True, store="needs", one_gpu=True, load="nvme-exact", name="nvme-exact"
     ),
-    ("gpu", Mode.NVME): ModeRule(  # written, not yet run on a GPU: UNRUN["nvme"]
+    ("gpu", Mode.NVME): ModeRule(  # not yet run on a GPU: UNRUN["nvme"]
         True, store="needs", lane=True, one_gpu=True, load="nvme-exact", name="nvme mode"
     ),
     **{("cpu", m): ModeRule(True) for m in Mode if m is not Mode.AUTO},
@@ -123,8 +124,10 @@ def lane_runs_beside_gpu(engine: str, mode: Mode | str) -> bool:
 NVME_PREFETCH = ("off", "next-layer")
 
 
-# What has never run on a GPU: served only with --allow-unrun-modes (for its GPU tests).
-# key -> what it is, for the refusal.
+# What has not yet passed its GPU tests: never run on a GPU, run only in part, or run and failed
+# with the fix not yet rerun. Served only with --allow-unrun-modes (for those tests).
+# key -> what it is, for the refusal; UNRUN_STATUS: key -> where it stands (the results:
+# bench/results/README.md). fast and nvme-exact passed theirs (H200, 2026-12-02): not here.
 UNRUN = {
     "split": "the layer split over several GPUs (docs/multi-gpu.md)",
     "layer-major": "--prefill layer-major (every chunk through a layer before the next, "
@@ -138,9 +141,20 @@ UNRUN = {
     "next MoE layer's router run on this layer's input, its predicted experts read from the "
     "store ahead, glm53.tiers.decode_prefetch)",
 }
+UNRUN_STATUS = {
+    "split": "has run only on one GPU (--gpus 0,0: both layer ranges on that GPU, equal to one "
+    "GPU and to stock exllamav3 on an H200 on 2026-12-05), never over two devices",
+    "layer-major": "passed its identity tests on a GPU (2026-12-05: equal to stock exllamav3's "
+    "chunk-major prefill); its cancel, staging and interleave tests have not yet passed",
+    "nvme": "has not yet run on a GPU",
+    "store-staging": "failed its first GPU run on 2026-12-05; the fix of its cause (a first-hook "
+    "ordering bug) has not yet run on a GPU",
+    "nvme-prefetch": "failed its first GPU run on 2026-12-05 (with prefill staging on, whose "
+    "fix came after) and has not run since",
+}
 
 
 def recommended(engine: Engine) -> tuple[Mode, ...]:
     """The tier modes `glm53 doctor` may recommend on `engine`: those it serves without
-    --allow-unrun-modes (a mode named in UNRUN has never run on a GPU)."""
+    --allow-unrun-modes (a mode named in UNRUN has not yet passed its GPU tests)."""
     return tuple(m for m in served(engine) if m.value not in UNRUN)

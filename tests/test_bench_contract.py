@@ -314,7 +314,8 @@ def test_gpu_slice_nvme_rows_give_their_disk_bound_from_the_read_rate_beside_the
 
 
 def test_gpu_slice_fast_row_gives_issue_16s_and_26s_ratios(tmp_path):
-    """MOCK rows (made-up figures; the fast row has not run on a GPU): issue 16's JSON contract,
+    """MOCK rows (made-up figures; the real fast row ran on the H200 on 2026-12-05,
+    bench/results/h200-gpu_slice-fast-2026-12-05.json): issue 16's JSON contract,
     figures.decode_c1_tok_s.fast and the three fast ratios, and issue 26's fixed-split sweep and
     fallback share; fast runs only when asked for."""
     gs = _gpu_slice()
@@ -421,7 +422,7 @@ def test_gpu_slice_says_where_a_lane_shares_time_goes():
 
 
 def test_gpu_slice_layer_major_rows_give_issue_28s_ratios(tmp_path):
-    """MOCK rows (made-up figures; layer-major prefill has not run on a GPU): issue 28's JSON
+    """MOCK rows (made-up figures; the layer-major rows have not run on a GPU): issue 28's JSON
     contract. Layer-major 8k at 2,048-token chunks and 32k against the one-pass stream bound
     (every expert of every MoE layer once, at the zero-copy rate measured between the stock
     and zerocopy rows), and 8k against exact's chunk-major figure of the same run."""
@@ -638,7 +639,7 @@ def test_gpu_slice_nvme_rows_give_the_lanes_ratio_against_nvme_exact(tmp_path):
 
 
 def test_gpu_slice_prefetch_rows_give_their_ratio_against_prefetch_off_and_counters(tmp_path):
-    """MOCK rows (made-up figures; decode prefetch has not run on a GPU): issue 27's
+    """MOCK rows (made-up figures; the prefetch rows have not run on a GPU): issue 27's
     ratios.nvme_exact_ram70_prefetch_vs_off (and ram40), and figures.nvme_prefetch with every
     nvme_exact row's prefetch counters (zeros where it is off); the prefetch rows run only when
     asked for, only with --store, and load nvme-exact with --nvme-prefetch next-layer."""

@@ -64,19 +64,25 @@ def test_the_lane_runs_beside_the_gpu_only_in_the_gpu_engines_lane_modes():
     assert not modes.lane_runs_beside_gpu("cpu", "fast")
 
 
-def test_the_unrun_flag_gates_only_what_never_ran(tmp_path):
-    """fast and nvme-exact ran on the H200 (2026-12-02); the split over two or more GPUs,
-    layer-major prefill, nvme mode and staging from the store never did, so only they still
-    need --allow-unrun-modes (staging: tests/test_gpu_engine_config.py)."""
+def test_the_unrun_flag_gates_only_what_has_not_passed_on_a_gpu(tmp_path):
+    """fast and nvme-exact passed on the H200 (2026-12-02); the split over two or more GPUs
+    (run only as 0,0 on one GPU), layer-major prefill (identity tests only), nvme mode (never
+    run), staging from the store and decode prefetch (failed, fix not rerun) have not, so only
+    they still need --allow-unrun-modes (staging: tests/test_gpu_engine_config.py), each
+    refusal saying where it stands."""
     from glm53.engine.gpu_create import create
 
     assert set(modes.UNRUN) == {"split", "layer-major", "nvme", "store-staging", "nvme-prefetch"}
+    assert set(modes.UNRUN_STATUS) == set(modes.UNRUN)
     create(settings("--mode", "fast")[0], tmp_path)
     create(settings("--mode", "nvme-exact", "--store", str(tmp_path))[0], tmp_path)
     nvme = ["--mode", "nvme", "--store", str(tmp_path)]
-    for argv in (["--gpus", "0,1"], ["--prefill", "layer-major"], nvme):
-        with pytest.raises(ConfigurationError, match="--allow-unrun-modes runs it anyway"):
+    for key, argv in (
+        ("split", ["--gpus", "0,1"]), ("layer-major", ["--prefill", "layer-major"]), ("nvme", nvme)
+    ):  # fmt: skip
+        with pytest.raises(ConfigurationError, match="--allow-unrun-modes runs it anyway") as info:
             create(settings(*argv)[0], tmp_path)
+        assert modes.UNRUN_STATUS[key] in str(info.value)
         create(settings(*argv, "--allow-unrun-modes")[0], tmp_path)
 
 

@@ -457,7 +457,7 @@ def test_doctor_cli_shows_the_split_in_json_and_text():
     text = run_doctor("--gpus", "0,0")
     assert text.returncode == 0, text.stderr
     assert "Layer split over GPUs 0,0 (--gpus; serve --gpus 0,0)" in text.stdout
-    assert "prediction (cost model; the split has not run on a GPU" in text.stdout
+    assert "prediction (cost model; the split has run only on one GPU" in text.stdout
     assert "--allow-unrun-modes" in text.stdout
     bad = run_doctor("--gpus", "0,5")
     assert bad.returncode == 2 and "GPU 5, which this host does not have" in bad.stderr

@@ -1,7 +1,8 @@
 """`glm53 doctor` on a host with two or more GPUs, or with `--gpus`: the layer split per GPU
 (glm53.plan.split, with the engine's own VRAM accounting at serve's defaults) and a
 PREDICTION of exact mode's decode over it, beside one GPU alone and one GPU holding the same
-total cache. The split has not run on a GPU yet (docs/multi-gpu.md).
+total cache. The split has run only on one GPU (--gpus 0,0 on an H200, 2026-12-05), never over
+two devices (docs/multi-gpu.md).
 
 The prediction is the cost model's (costmodel.predict) at the split's total expert slots, plus
 an explicit hop: at every device boundary each token's hidden state (the mHC residual streams,
@@ -42,7 +43,10 @@ class MultiGpuOutlook(msgspec.Struct):
     one_gpu_decode_tok_s: float | None = None  # the first GPU alone (its own cache)
     same_cache_decode_tok_s: float | None = None  # one GPU with the split's total cache
     two_gpu_vs_one_gpu_same_cache: float | None = None  # the ratio bench/multi_gpu.py measures
-    label: str = "prediction (cost model; the split has not run on a GPU: serve needs --allow-unrun-modes for it)"
+    label: str = (
+        "prediction (cost model; the split has run only on one GPU, as 0,0, never over two: "
+        "serve needs --allow-unrun-modes for it)"
+    )
 
 
 @functools.cache

@@ -1,6 +1,7 @@
 """The planner's prefill model per prompt length: chunk-major prefill (what the GPU engine runs),
-layer-major prefill (issue 28: written, its GPU tests not yet run) and the one-pass stream
-bound the issue's benchmark ratios are taken against.
+layer-major prefill (issue 28: its identity tests passed on an H200 on 2026-12-05, its cancel,
+staging and interleave tests have not yet passed; behind --allow-unrun-modes) and the one-pass
+stream bound the issue's benchmark ratios are taken against.
 
 Touched experts. Each token of a layer picks expert e with probability r_e, its rate on the
 popularity curve (costmodel._pick_rates: the slope of the decode popularity fit, summing to
@@ -54,8 +55,9 @@ from glm53.plan.layer_major import (
 PREFILL_PROMPTS = (512, 2048, 8192, 32768, 131072)
 CHUNK_TOKENS = 2048  # serve's --chunk-size default (exllamav3's too)
 LAYER_MAJOR_STATUS = (
-    "written, not yet run on a GPU: exact mode with --prefill layer-major --allow-unrun-modes; "
-    "serve runs chunk-major prefill by default"
+    "identity tests passed on a GPU (2026-12-05), cancel, staging and interleave tests not yet: "
+    "exact mode with --prefill layer-major --allow-unrun-modes; serve runs chunk-major prefill "
+    "by default"
 )
 
 
@@ -77,7 +79,7 @@ class PrefillRow(msgspec.Struct, frozen=True):
 
 class PrefillOutlook(msgspec.Struct, frozen=True):
     chunk_tokens: int
-    layer_major: str  # its status: written, behind --allow-unrun-modes
+    layer_major: str  # its status (LAYER_MAJOR_STATUS), behind --allow-unrun-modes
     rows: list[PrefillRow]
 
 

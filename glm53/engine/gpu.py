@@ -62,9 +62,14 @@ class GpuEngine:
         if self.mode == "nvme":
             self.description += " (nvme mode: not yet run on a GPU)"
         if self.prefill == "layer-major":
-            self.description += ", layer-major prefill (not yet run on a GPU)"
+            self.description += (
+                ", layer-major prefill (identity tests passed on a GPU; cancel, staging and "
+                "interleave tests not yet passed)"
+            )
         if o.nvme_prefetch != "off":
-            self.description += f", decode prefetch {o.nvme_prefetch} (not yet run on a GPU)"
+            self.description += (
+                f", decode prefetch {o.nvme_prefetch} (failed its first GPU run, not run since)"
+            )
         self.generation_defaults: dict[str, float] = {}
         self.loaded = None
         self.generator = None

@@ -1,9 +1,9 @@
 """The GPU engine for a glm53 Settings (`create`): `engine_options` turns the Settings into the
 engine's EngineOptions, once, before anything loads (what each mode serves and needs is
 glm53.modes' table; the checks of a value alone live in EngineOptions and LoadOptions). Here
-are the checks that need the Settings themselves: --allow-unrun-modes for what has never run on
-a GPU (glm53.modes.UNRUN), and the CPU lane's settings in a lane mode. Creating is cheap;
-GpuEngine.load does the heavy work (glm53.engine.gpu).
+are the checks that need the Settings themselves: --allow-unrun-modes for what has not yet passed
+its GPU tests (glm53.modes.UNRUN; UNRUN_STATUS says where each stands), and the CPU lane's
+settings in a lane mode. Creating is cheap; GpuEngine.load does the heavy work (glm53.engine.gpu).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import logging
 from glm53.config import ConfigurationError, Settings, cache_dir
 from glm53.engine.gpu import GpuEngine
 from glm53.engine.gpu_options import EngineOptions
-from glm53.modes import UNRUN, Mode, resolved, rule, served
+from glm53.modes import UNRUN, UNRUN_STATUS, Mode, resolved, rule, served
 
 # The tier modes this build's GPU engine serves (glm53.modes' table; the doctor recommends
 # glm53.modes.recommended("gpu"): those not gated by UNRUN).
@@ -22,36 +22,42 @@ SERVED_MODES = served("gpu")
 log = logging.getLogger("glm53.engine.gpu")
 
 
-def _unrun(what: str, instead: str) -> ConfigurationError:
+def _unrun(key: str, setting: str, instead: str) -> ConfigurationError:
+    """The refusal of UNRUN[key], asked for by `setting` ("" where UNRUN[key] names it)."""
     return ConfigurationError(
-        f"{what} is written but has not yet run on a GPU, so serve refuses it; "
+        f"{setting}{UNRUN[key]} {UNRUN_STATUS[key]}, so serve refuses it; "
         f"--allow-unrun-modes runs it anyway (for its GPU tests). {instead}"
     )
 
 
 def _refuse_unrun(settings: Settings) -> None:
-    """What has never run on a GPU (glm53.modes.UNRUN) runs only with --allow-unrun-modes."""
+    """What has not yet passed its GPU tests (glm53.modes.UNRUN) runs only with
+    --allow-unrun-modes."""
     if settings.allow_unrun_modes:
         return
     gpus, r = settings.gpus, rule("gpu", settings.mode)
     # a mode that runs on one GPU only is refused as such (EngineOptions), flag or not
     if gpus is not None and len(gpus) > 1 and r.served and not r.one_gpu:
         raise _unrun(
-            f"--gpus {','.join(map(str, gpus))}: {UNRUN['split']}",
-            "Name one GPU, or run one replica per GPU behind a router (docs/fleet.md).",
+            "split",
+            f"--gpus {','.join(map(str, gpus))}: ",
+            "Name one GPU, or run one replica per GPU behind a router (docs/fleet.md). The flag "
+            "is needed for any --gpus of two or more entries, 0,0 included.",
         )
     # layer-major elsewhere than exact mode is refused as such (EngineOptions), flag or not
     if settings.prefill == "layer-major" and resolved("gpu", settings.mode) is Mode.EXACT:
-        raise _unrun(UNRUN["layer-major"], "Leave --prefill out (chunk).")
+        raise _unrun("layer-major", "", "Leave --prefill out (chunk).")
     if resolved("gpu", settings.mode) is Mode.NVME:
         raise _unrun(
-            f"--mode nvme: {UNRUN['nvme']}",
+            "nvme",
+            "--mode nvme: ",
             "Use --mode nvme-exact (the store, bit-identical) or --mode fast (the CPU lane).",
         )
     # prefetch outside the store modes is refused as such (EngineOptions), flag or not
     if settings.nvme_prefetch != "off" and rule("gpu", settings.mode).load == "nvme-exact":
         raise _unrun(
-            f"--nvme-prefetch {settings.nvme_prefetch}: {UNRUN['nvme-prefetch']}",
+            "nvme-prefetch",
+            f"--nvme-prefetch {settings.nvme_prefetch}: ",
             "Leave --nvme-prefetch out (off).",
         )
 
@@ -70,19 +76,20 @@ def _lane_precision(settings: Settings) -> str:
 
 def _stage_gb(settings: Settings) -> float | None:
     """--ec-stage-gb. In the store modes prefill staging reads ahead from the store
-    (UNRUN["store-staging"]), which has not run on a GPU: there it is off by default, a size
-    given for it is refused, and --allow-unrun-modes gives it exact mode's default."""
+    (UNRUN["store-staging"]), which has not yet passed its GPU tests (UNRUN_STATUS): there it
+    is off by default, a size given for it is refused, and --allow-unrun-modes gives it exact
+    mode's default."""
     if settings.allow_unrun_modes or rule("gpu", settings.mode).load != "nvme-exact":
         return settings.ec_stage_gb
     if settings.ec_stage_gb:
         raise _unrun(
-            f"--ec-stage-gb {settings.ec_stage_gb:g} in --mode {settings.mode}: "
-            f"{UNRUN['store-staging']}",
+            "store-staging",
+            f"--ec-stage-gb {settings.ec_stage_gb:g} in --mode {settings.mode}: ",
             "Leave --ec-stage-gb out (staging off in the store modes until its GPU tests pass).",
         )
     log.info(
-        "--mode %s prefills without staging (%s has not yet run on a GPU; "
-        "--allow-unrun-modes turns it on)", settings.mode, UNRUN["store-staging"],
+        "--mode %s prefills without staging (%s %s; --allow-unrun-modes turns it on)",
+        settings.mode, UNRUN["store-staging"], UNRUN_STATUS["store-staging"],
     )  # fmt: skip
     return 0.0
 

@@ -2,8 +2,10 @@
 home's arenas (read from exllamav3 1.6.5's MoE modules), fast_hooks on every MoE module, and the
 router (glm53.tiers.fast_lane.FastLane, the host side, which needs no exllamav3). On an
 nvme-exact load the same start is nvme mode (the lane over the RAM tier: glm53.tiers.nvme_lane).
-NOT YET RUN ON A GPU: only the GPU engine's `--mode fast` / `--mode nvme` call it (served with
---allow-unrun-modes).
+Only the GPU engine's `--mode fast` / `--mode nvme` call it. fast mode ran on an H200
+(2026-12-02: its device tests 21 of 22, the one failure a fidelity bound; 2026-12-05:
+bench/gpu_slice.py's fast row) and is served without --allow-unrun-modes; nvme mode has not yet
+run on a GPU and is served only with that flag.
 """
 
 from __future__ import annotations

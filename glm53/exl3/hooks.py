@@ -17,7 +17,8 @@ output is bit-identical to stock exllamav3 with every expert in VRAM.
 nvme decode prefetch (`attach_nvme(..., prefetch=True)`): a decode call's hook first runs the
 next MoE module's own router on this layer's input (`predict_next`) and hands the predicted picks
 to glm53.exl3.nvme_device, which reads them from the store ahead; only where bytes are read
-from moves (NOT YET RUN ON A GPU).
+from moves (it FAILED its first GPU run on 2026-12-05, with prefill staging on; not run since
+the staging fix, so --allow-unrun-modes only).
 """
 
 from __future__ import annotations
@@ -185,7 +186,8 @@ class AbsentExpertHome:
     VRAM (zeros, one record of gate|up|down), so its pointer tables start out pointing there;
     glm53.exl3.nvme_device points each pick's entries at its VRAM slot or RAM-tier home before
     the MoE kernel reads them. The poison record is also the device home table's `absent`
-    address: a read of it is a table_bad fault, counted. Not yet run on a GPU."""
+    address: a read of it is a table_bad fault, counted. Ran on an H200 on 2026-12-02
+    (tests/gpu/test_nvme_exact_gpu.py, 6 of 6 with prefill staging off)."""
 
     def __init__(self, directory: str, moe_layers: list[int], n_experts: int, part_bytes, device):
         import torch

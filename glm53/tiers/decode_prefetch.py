@@ -1,8 +1,11 @@
 """Decode prefetch in the nvme modes, host side (`--nvme-prefetch next-layer`): the next MoE
 layer's likely picks read from the store into the RAM tier while this layer computes.
 
-NOT YET RUN ON A GPU (glm53.modes.UNRUN["nvme-prefetch"]); CI runs it with the real RAM tier,
-store and O_DIRECT reads and a mock of the device (tests/test_decode_prefetch.py).
+On a GPU (H200, 2026-12-05) both in-process cases of tests/gpu/test_nvme_exact_gpu.py FAILED.
+They ran with prefill staging on, so prefill staging's first-hook bug (glm53.tiers.prefill_ahead,
+fixed since) is the likely cause, not proven; they have not run since that fix, so it stays
+behind --allow-unrun-modes (glm53.modes.UNRUN["nvme-prefetch"]). CI runs it with the real RAM
+tier, store and O_DIRECT reads and a mock of the device (tests/test_decode_prefetch.py).
 
 The prediction. In a decode forward, MoE layer L's routing hook also runs layer L+1's own
 router (its routing function and config) on L's MoE input (glm53.exl3.hooks): the seed project

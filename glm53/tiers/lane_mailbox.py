@@ -5,8 +5,9 @@ pyx/lane_mailbox.h (header, picks, fp32 input rows, fp32 partial, done word); `M
 one mailbox per layer to that layer's expert table and runs the native poller (glm53._lane) on a
 `CpuLane`'s pool. The device side (cuda/lane.cu: publish, bounded wait + combine, select) reads
 and writes the same bytes through their UVA address once the GPU path registers them
-(`pin`). That device side has not run on a GPU yet; tests/test_lane_mailbox.py drives the lane
-through the same protocol from a host thread that mocks the device.
+(`pin`). That device side ran on an H200: tests/gpu/test_lane_mailbox_gpu.py passed on
+2026-12-02 and again on 2026-12-05. tests/test_lane_mailbox.py drives the lane through the same
+protocol from a host thread that mocks the device, in CI.
 """
 
 from __future__ import annotations

@@ -62,7 +62,11 @@ knows the record the stage copied was resident and pinned (`staged`). Prefill ad
 the VRAM cache, so the cache (and the stage kernel's choice) does not move within a forward.
 
 Torch-free: CI runs it with the real RamTier over a real store with O_DIRECT reads and a mock of
-the device (tests/test_prefill_ahead.py). NOT YET RUN ON A GPU.
+the device (tests/test_prefill_ahead.py). On a GPU (H200, 2026-12-05) it FAILED:
+tests/gpu/test_nvme_exact_gpu.py's in-process staging-on cases. The cause was the first-hook
+ordering above (a forward's first staged hook began the next layer's wave before pinning its own
+zero-copy picks), fixed in f70a928 and proven by CPU tests; the fix has not yet run on a GPU, so
+staging from the store stays behind --allow-unrun-modes (glm53.modes.UNRUN["store-staging"]).
 """
 
 from __future__ import annotations
