@@ -6,6 +6,7 @@ import json
 import math
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from glm53.cli import main
@@ -177,15 +178,31 @@ def test_nvme_prefill_reads_the_store_once_per_layer_in_layer_major_order():
     assert math.isfinite(row.stream_once_tok_s)
 
 
+# the H200 as docs/layer-major.md's table has it: its compute measured (h200-test.toml's
+# prefill_chunk_ms and prefill_token_us) and its copy-engine stage of whole layers
+H200_MEASURED = msgspec.structs.replace(
+    H200, prefill_chunk_ms=8.56, prefill_token_us=4.22, stage_records=288
+)
+
+
 def test_the_docs_prediction_table_is_what_the_planner_predicts():
     doc = (Path(__file__).resolve().parents[1] / "docs" / "layer-major.md").read_text()
     table = doc[doc.index("Predicted tok/s, full model") :]
     assert (RTX3090.vram_slots, H200.vram_slots) == (1372, 1410)
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    host = tomllib.loads((root / "glm53/doctor/hosts/h200-test.toml").read_text())
+    gpu = host["gpu"]
+    assert (gpu["prefill_chunk_ms"]["value"], gpu["prefill_token_us"]["value"]) == (
+        H200_MEASURED.prefill_chunk_ms,
+        H200_MEASURED.prefill_token_us,
+    )
     for tokens in (512, 2048, 8192, 32768, 131072):
         line = next(ln for ln in table.splitlines() if ln.startswith(f"| {tokens:,} |"))
         cells = [c.strip() for c in line.strip("|").split("|")]
         want = [f"{tokens:,}"]
-        for x in (RTX3090, H200):
+        for x in (RTX3090, H200_MEASURED):
             r = predict_prefill(x, GLM53_FLASH, tokens)
             if x is RTX3090:
                 want.append(f"{r.touched_per_layer_chunk:.1f} / {r.touched_per_layer_prompt:.1f}")
