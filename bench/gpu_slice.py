@@ -412,8 +412,12 @@ def measure_mode(args, mode) -> dict:
             resident = held if held is not None else (None, None)
         step = fast.step if fast is not None else None
         lm = layer_major_driver(args, loaded) if mode == "exact_layer_major" else None
+        mask = os.sched_getaffinity(0)
+        pins = lane_pins(fast) if fast is not None and args.lane_pins else {}
         row = measure(loaded, loaded.config.vocab_size, args.quick, step, lm, shapes)
         row["load_s"] = load_s
+        if pins:
+            row["thread_pins"] = {role: list(pin.cpus) for role, pin in pins.items()}
         if fast is not None:
             from glm53.exl3 import stop_fast
 
@@ -425,6 +429,7 @@ def measure_mode(args, mode) -> dict:
                         loaded, fast, args.fixed_splits, args.quick, args.lane_spin_us
                     )
             stop_fast(fast, loaded)
+            os.sched_setaffinity(0, mask)  # the next rows run unpinned, as before this one
         row["resident_bytes"], row["load_peak_bytes"] = resident
         if loaded.ec is not None:
             row["slots"] = loaded.ec.n_slots
@@ -513,6 +518,18 @@ def start_fast_row(args, loaded):
     from glm53.tiers.cpu_lane import CpuLane, lane_layout
 
     return start_fast(loaded, args.model, CpuLane(lane_layout(), precision="fast"))
+
+
+def lane_pins(fast) -> dict:
+    """This thread (which drives the engine here) and the lane's mailbox poller pinned to the
+    cores the lane leaves, as the server pins its engine thread and the poller
+    (glm53.tiers.thread_pins): unpinned, either may take turns with a lane worker on its core,
+    and every job's fork-join waits for both. The caller restores this thread's mask."""
+    import threading
+
+    from glm53.tiers.thread_pins import pin_lane_threads
+
+    return pin_lane_threads(fast, threading.get_native_id())
 
 
 def store_read_rate(args) -> dict:
@@ -992,6 +1009,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--lane-spin-us", type=us_list, default=[], metavar="US",
                     help="repeat the fast row's fixed-split sweep with the lane awake this many "
                     "us after each job, per value (default: none; the lane's own is 200)")  # fmt: skip
+    ap.add_argument("--lane-pins", action=argparse.BooleanOptionalAction, default=True,
+                    help="the lane rows pin this thread (the engine's) and the lane's poller to "
+                    "the cores the lane leaves, as the server does (--no-lane-pins: unpinned, as "
+                    "the fast row ran before 2026-12-05's last commits)")  # fmt: skip
     ap.add_argument("--offload-timeout", type=int, default=600,
                     help="seconds for each stock-offload subprocess")  # fmt: skip
     ap.add_argument("--stream-t", type=int, default=8,

@@ -272,11 +272,13 @@ def trace_mode(args, mode: str, tracer: Tracer) -> dict:
 def trace_fast(args, loaded, tracer: Tracer) -> dict:
     """fast's decode at 1 stream: at each share of --fast-shares, then (with --lane-spin-us)
     at the last share with the lane awake longer; the lane's times beside each trace."""
-    from gpu_slice import start_fast_row, where_the_time_goes
+    from gpu_slice import lane_pins, start_fast_row, where_the_time_goes
 
     from glm53.exl3 import stop_fast
 
     fast = start_fast_row(args, loaded)
+    mask = os.sched_getaffinity(0)
+    pins = lane_pins(fast)  # this thread and the poller off the lane's cores, as served
     default_spin = fast.lane.idle_spin_ns
     plan = [(s, None) for s in args.fast_shares]
     plan += [(args.fast_shares[-1], us) for us in args.lane_spin_us]
@@ -294,12 +296,14 @@ def trace_fast(args, loaded, tracer: Tracer) -> dict:
             summary = tracer.run(f"fast-decode_c1-{label}",
                                  lambda g=gen: {"steps": decode_steps(g, FAST_STEPS, fast.step)}, plain)  # fmt: skip
             summary["lane"] = where_the_time_goes(before, fast.stats())
+            summary["thread_pins"] = {role: list(pin.cpus) for role, pin in pins.items()}
             drain(gen, fast.step)
             out[f"decode_c1_{label}"] = summary
     finally:
         fast.router.set_forced_share(None)
         fast.lane.idle_spin_ns = default_spin
         stop_fast(fast, loaded)
+        os.sched_setaffinity(0, mask)
     return out
 
 

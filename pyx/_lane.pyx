@@ -55,6 +55,7 @@ cdef extern from "lane.h" nogil:
     int g53_lane_start(g53_lane *lane, char *msg, size_t msg_len)
     int g53_lane_set_spin(g53_lane *lane, long spin_ns)
     long g53_lane_spin(g53_lane *lane)
+    long g53_lane_native_id(g53_lane *lane)
     void g53_lane_destroy(g53_lane *lane)
     void g53_lane_get_stats(g53_lane *lane, g53_lane_stats *out)
     void g53_lane_stall(g53_lane *lane, int slot, uint32_t seq)
@@ -132,6 +133,12 @@ cdef class Lane:
     def spin_ns(self, long ns):
         if g53_lane_set_spin(self._live(), ns) != GEMV_OK:
             raise ValueError(f"Lane.spin_ns must be >= 0, got {ns}")
+
+    @property
+    def native_id(self):
+        """The running poller's kernel thread id, as threading.get_native_id() gives a Python
+        thread's (os.sched_setaffinity pins that one thread); 0 before start()."""
+        return g53_lane_native_id(self._live())
 
     def close(self):
         """Stop and join the poller (also while it waits or is held by a stall)."""

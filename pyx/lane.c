@@ -5,7 +5,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "lane.h"
 
@@ -28,6 +30,7 @@ struct g53_lane {
     _Atomic long spin_ns; /* g53_lane_set_spin may change it while the poller runs */
     long max_sleep_ns;
     pthread_t thread;
+    _Atomic long tid; /* the poller's kernel thread id, once it runs (for its CPU affinity) */
     int started;
     _Atomic int stop;
     _Atomic int stall_slot; /* -1: none */
@@ -224,6 +227,7 @@ static void take(g53_lane *lane, int i, uint32_t seq, long seen_ns)
 static void *poller_main(void *arg)
 {
     g53_lane *lane = arg;
+    atomic_store_explicit(&lane->tid, (long)syscall(SYS_gettid), memory_order_release);
     long idle_since = now_ns(), sleep = MIN_SLEEP_NS;
     while (!atomic_load_explicit(&lane->stop, memory_order_acquire)) {
         int worked = 0;
@@ -280,7 +284,17 @@ int g53_lane_start(g53_lane *lane, char *msg, size_t msg_len)
         return GEMV_ENOMEM;
     }
     lane->started = 1;
+    /* the thread id is known once the poller runs: wait for it (its first statement) */
+    for (long waited = 0; !atomic_load_explicit(&lane->tid, memory_order_acquire) &&
+                          waited < 2000000000L;
+         waited += MIN_SLEEP_NS)
+        sleep_ns(MIN_SLEEP_NS);
     return GEMV_OK;
+}
+
+long g53_lane_native_id(g53_lane *lane)
+{
+    return atomic_load_explicit(&lane->tid, memory_order_acquire);
 }
 
 void g53_lane_destroy(g53_lane *lane)

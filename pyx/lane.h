@@ -55,6 +55,9 @@ int g53_lane_set_slot(g53_lane *lane, int slot, uint8_t *mbox, const gemv_expert
                       int num_experts, int hidden, int inter, int k2, float act_limit,
                       int variant, int precision, char *msg, size_t msg_len);
 int g53_lane_start(g53_lane *lane, char *msg, size_t msg_len);
+/* The running poller's kernel thread id (for sched_setaffinity: glm53.tiers.thread_pins keeps it
+ * off the lane's cores), known when g53_lane_start returns; 0 before start. */
+long g53_lane_native_id(g53_lane *lane);
 /* The poller's spin after its last job, changed while it runs (GEMV_EINVAL when negative). */
 int g53_lane_set_spin(g53_lane *lane, long spin_ns);
 long g53_lane_spin(g53_lane *lane);

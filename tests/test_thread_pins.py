@@ -11,13 +11,14 @@ import threading
 import numpy as np
 import pytest
 from test_gemv import fake_topology
+from test_lane_mailbox import MockDevice
 
 from glm53.tiers import cpu_lane
 from glm53.tiers.cpu_lane import CpuLane, LaneLayout, expert_table, lane_layout, random_expert
 from glm53.tiers.fast_lane import FastLane
 from glm53.tiers.lane_mailbox import MailboxLane
 from glm53.tiers.lane_router import LaneRouter
-from glm53.tiers.thread_pins import ThreadPin, pin_server_threads, pin_thread
+from glm53.tiers.thread_pins import ThreadPin, pin_lane_threads, pin_server_threads, pin_thread
 
 SETTLE_S = 10.0  # a wait that must succeed: it ends as soon as the thread answers
 
@@ -110,16 +111,52 @@ def test_the_server_pins_the_lanes_builder_and_its_own_thread_to_the_reserved_cp
         with MailboxLane(CpuLane(layout), [table]) as lane:
             fast = engine.run(lambda: FastLane(lane, LaneRouter(1, 9_440_000)))
             assert fast.owner_native_id == engine.native_id
+            poller = lane.poller.native_id
+            assert poller > 0 and poller not in (engine.native_id, loop.native_id)
             pins = loop.run(lambda: pin_server_threads(MockEngine(fast)))
             assert pins == {
                 "engine": ThreadPin("engine", engine.native_id, reserved),
+                "lane_poller": ThreadPin("lane_poller", poller, reserved),
                 "event_loop": ThreadPin("event_loop", loop.native_id, reserved),
             }
             assert engine.own_affinity() == loop.own_affinity() == set(reserved)
+            assert os.sched_getaffinity(poller) == set(reserved)
             assert os.sched_getaffinity(0) == mask
     finally:
         engine.stop()
         loop.stop()
+
+
+def test_an_in_process_driver_pins_its_own_thread_and_the_poller(table):
+    """bench/gpu_slice.py's fast rows: pin_lane_threads from the thread that drives the engine
+    pins it and the mailbox poller (a native thread), and the poller still answers jobs."""
+    mask = os.sched_getaffinity(0)
+    reserved = (min(mask),)
+    layout = LaneLayout((max(mask),), "a test layout", reserved)
+    driver = Runner()
+    try:
+        with MailboxLane(CpuLane(layout), [table]) as lane:
+            fast = FastLane(lane, LaneRouter(1, 9_440_000))
+            poller = lane.poller.native_id
+            before = os.sched_getaffinity(poller)
+            pins = driver.run(lambda: pin_lane_threads(fast, threading.get_native_id()))
+            assert pins == {
+                "engine": ThreadPin("engine", driver.native_id, reserved),
+                "lane_poller": ThreadPin("lane_poller", poller, reserved),
+            }
+            assert before == mask and os.sched_getaffinity(poller) == set(reserved)
+            assert driver.own_affinity() == set(reserved) and os.sched_getaffinity(0) == mask
+            # a job published after the pin is answered, the same bits as the lane's own run
+            device = MockDevice(lane.mailboxes[0])
+            rows, ids, weights = [0, 0], [1, 3], [0.25, 0.5]
+            x = np.random.default_rng(1).standard_normal((1, 256)).astype(np.float16)
+            x = x.astype(np.float32)
+            device.publish(x, rows, ids, weights)
+            assert device.wait(SETTLE_S)
+            cpu = lane.lane
+            assert np.array_equal(device.partial(1), cpu.run(table, x, rows, ids, weights))
+    finally:
+        driver.stop()
 
 
 def test_nothing_is_pinned_without_a_lane_or_without_reserved_cpus(table):

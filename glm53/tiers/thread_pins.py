@@ -8,7 +8,11 @@ it takes turns with a worker in the middle of a job and the GPU waits for both.
 
 `pin_server_threads` runs on the event loop's thread once the engine has loaded (glm53.api.app):
 it pins the engine thread, found as the thread that built the fast lane (the engine's load runs
-on the engine thread), and the loop's own thread. `os.sched_setaffinity` on Linux sets one
+on the engine thread), the lane's mailbox poller (a native thread that hands each published job
+to the workers and writes its result back: on a lane core it would take turns with that core's
+worker, and every job's fork-join would wait for both), and the loop's own thread. An
+in-process driver (bench/gpu_slice.py's fast rows) calls `pin_lane_threads` itself, so that it
+measures the served layout. `os.sched_setaffinity` on Linux sets one
 thread's mask when given its native id (`threading.get_native_id()`), not the process's.
 Threads a pinned thread starts later inherit its mask (from the loop thread: the offload
 threads, created on first use, and any thread asyncio's default pool adds), which keeps them off
@@ -46,8 +50,9 @@ def pin_thread(role: str, native_id: int, cpus: Iterable[int]) -> ThreadPin:
 
 
 def pin_server_threads(engine) -> dict[str, ThreadPin]:
-    """Call on the event loop's thread once `engine` has loaded: pin the engine thread and this
-    thread to the CPUs its lane layout reserves, and return the pins by role. Empty for an
+    """Call on the event loop's thread once `engine` has loaded: pin the engine thread, the
+    lane's poller and this thread to the CPUs its lane layout reserves, and return the pins by
+    role. Empty for an
     engine without a lane (the GPU engine's modes but fast, the CPU and scripted engines) and
     for a layout that reserves none (--cpus)."""
     fast = engine.fast  # the GPU engine's FastLane in fast mode, else None
@@ -57,6 +62,19 @@ def pin_server_threads(engine) -> dict[str, ThreadPin]:
     if not reserved:
         return {}
     return {
-        "engine": pin_thread("engine", fast.owner_native_id, reserved),
+        **pin_lane_threads(fast, fast.owner_native_id),
         "event_loop": pin_thread("event_loop", threading.get_native_id(), reserved),
+    }
+
+
+def pin_lane_threads(fast, engine_native_id: int) -> dict[str, ThreadPin]:
+    """Pin the engine thread (`engine_native_id`) and the lane's mailbox poller to the CPUs
+    `fast`'s lane layout reserves, and return the pins by role; empty for a layout that
+    reserves none (--cpus)."""
+    reserved = fast.lane.lane.layout.reserved
+    if not reserved:
+        return {}
+    return {
+        "engine": pin_thread("engine", engine_native_id, reserved),
+        "lane_poller": pin_thread("lane_poller", fast.lane.poller.native_id, reserved),
     }
