@@ -359,3 +359,27 @@ def test_mixed_prompts_and_decode_steps_keep_every_pointed_pick_resident_and_pin
         assert result.is_ok, result.summary()
     finally:
         home.close()
+
+
+def test_a_staged_layers_resolve_finds_a_working_set_of_room_in_a_tier_just_above_it(
+    demo, good_store, monkeypatch
+):
+    """--ram-cap may be as small as one layer's working set (gpu_home.check_home_cap), and a
+    staged layer's resolve must then still find that many unpinned slots. The zero-copy picks
+    of layer L-1 are released once the host has synced on L's router (MoE L-1 is done), before
+    L's resolve: held until after it, they took the room that resolve needs (a tier of 40 slots
+    for a working set of 32, every layer picking every expert: HomeCapError at MoE layer 1). Such a
+    tier has no room for a wave beside one: every wave is cut to nothing, the hooks still staged."""
+    home, ec, lib = mock_nvme_home(demo, good_store, monkeypatch, 40, RecordingReader)
+    stager = MockStager(home, ec, lib.calls, buf_slots=4)
+    home.stager, home.ahead = stager, AheadReads(home.home, stager.buf_slots, EXPERTS)
+    try:
+        every = torch.arange(EXPERTS, dtype=torch.int64).view(-1, 2)  # 16 rows, every expert
+        for layer in range(LAYERS):
+            home.route(layer, every.clone(), decode=False, params={})
+            check_pointed(home, ec, lib, layer)
+        assert ("wait_staged", LAYERS - 1, False) in lib.calls  # the staged path ran
+        assert home.ahead.counters["cut"] > 0 and home.ahead.counters["waves"] == 0
+        check_table(home, ec)
+    finally:
+        home.close()
