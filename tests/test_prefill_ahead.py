@@ -383,3 +383,36 @@ def test_a_staged_layers_resolve_finds_a_working_set_of_room_in_a_tier_just_abov
         check_table(home, ec)
     finally:
         home.close()
+
+
+def test_a_wave_refused_for_a_stuck_hit_leaves_the_home_table_in_line_with_the_tier(staged):
+    """A wave whose hits include a record whose read timed out and is still out is refused
+    (RamTier._refuse_stuck_hits: its misses are taken back). In a full tier those misses had
+    already evicted their victims: the victims' homes must go absent, not keep pointing at slots
+    that are free now and that the next read fills with another record (the device's zero-copy
+    reads, and nvme mode's lane through key_lane, would read it as the victim)."""
+    from store_kit import StallingReader
+
+    home, ec, lib, stager = staged
+    tier = home.tier
+    for layer in range(4):  # 128 keys through 120 slots: full
+        moe = tier.source.moe_layers[layer]
+        home._write(home.home.resolve(moe, np.arange(EXPERTS), np.zeros(EXPERTS, bool)))
+    assert tier.clock.n_used == tier.num_slots
+    tier.read_timeout_s = 0.05
+    real = tier.source.reader
+    stall = StallingReader(real, [(4 * EXPERTS + 5) * RECORD + 4096])
+    tier.source.reader = stall
+    try:
+        with pytest.raises(ReadFault, match="no answer within"):
+            home.home.resolve(tier.source.moe_layers[4], np.array([5]), np.zeros(1, bool))
+        home._write(home.home.take_pending())
+        assert 4 * EXPERTS + 5 in tier.stuck_keys()
+        assert not home.ahead.begin(4, np.full(EXPERTS, -1))  # expert 5 is a hit: refused
+        assert home.ahead.counters["faults"] == 1 and home.ahead.idle()
+        home._write(home.home.take_pending())
+        check_table(home, ec)
+        assert np.array_equal(home.home.home_of, home.home.expected())
+    finally:
+        stall.release()
+        tier.source.reader = real

@@ -138,7 +138,8 @@ class AheadReads:
             return False
         try:
             wave = self.tier.begin_resident(self.tier.source.moe_layers[layer], want)
-        except ReadFault as exc:
+        except ReadFault as exc:  # the misses it admitted were taken back, their victims gone
+            self.home.defer_reconcile()
             self.counters["faults"] += 1
             log.warning("prefill staging skips MoE layer %d: %s", layer, exc)
             return False
