@@ -359,3 +359,60 @@ def test_mixed_prompts_and_decode_steps_keep_every_pointed_pick_resident_and_pin
         assert result.is_ok, result.summary()
     finally:
         home.close()
+
+
+def test_a_staged_layers_resolve_finds_a_working_set_of_room_in_a_tier_just_above_it(
+    demo, good_store, monkeypatch
+):
+    """--ram-cap may be as small as one layer's working set (gpu_home.check_home_cap), and a
+    staged layer's resolve must then still find that many unpinned slots. The zero-copy picks
+    of layer L-1 are released once the host has synced on L's router (MoE L-1 is done), before
+    L's resolve: held until after it, they took the room that resolve needs (a tier of 40 slots
+    for a working set of 32, every layer picking every expert: HomeCapError at MoE layer 1). Such a
+    tier has no room for a wave beside one: every wave is cut to nothing, the hooks still staged."""
+    home, ec, lib = mock_nvme_home(demo, good_store, monkeypatch, 40, RecordingReader)
+    stager = MockStager(home, ec, lib.calls, buf_slots=4)
+    home.stager, home.ahead = stager, AheadReads(home.home, stager.buf_slots, EXPERTS)
+    try:
+        every = torch.arange(EXPERTS, dtype=torch.int64).view(-1, 2)  # 16 rows, every expert
+        for layer in range(LAYERS):
+            home.route(layer, every.clone(), decode=False, params={})
+            check_pointed(home, ec, lib, layer)
+        assert ("wait_staged", LAYERS - 1, False) in lib.calls  # the staged path ran
+        assert home.ahead.counters["cut"] > 0 and home.ahead.counters["waves"] == 0
+        check_table(home, ec)
+    finally:
+        home.close()
+
+
+def test_a_wave_refused_for_a_stuck_hit_leaves_the_home_table_in_line_with_the_tier(staged):
+    """A wave whose hits include a record whose read timed out and is still out is refused
+    (RamTier._refuse_stuck_hits: its misses are taken back). In a full tier those misses had
+    already evicted their victims: the victims' homes must go absent, not keep pointing at slots
+    that are free now and that the next read fills with another record (the device's zero-copy
+    reads, and nvme mode's lane through key_lane, would read it as the victim)."""
+    from store_kit import StallingReader
+
+    home, ec, lib, stager = staged
+    tier = home.tier
+    for layer in range(4):  # 128 keys through 120 slots: full
+        moe = tier.source.moe_layers[layer]
+        home._write(home.home.resolve(moe, np.arange(EXPERTS), np.zeros(EXPERTS, bool)))
+    assert tier.clock.n_used == tier.num_slots
+    tier.read_timeout_s = 0.05
+    real = tier.source.reader
+    stall = StallingReader(real, [(4 * EXPERTS + 5) * RECORD + 4096])
+    tier.source.reader = stall
+    try:
+        with pytest.raises(ReadFault, match="no answer within"):
+            home.home.resolve(tier.source.moe_layers[4], np.array([5]), np.zeros(1, bool))
+        home._write(home.home.take_pending())
+        assert 4 * EXPERTS + 5 in tier.stuck_keys()
+        assert not home.ahead.begin(4, np.full(EXPERTS, -1))  # expert 5 is a hit: refused
+        assert home.ahead.counters["faults"] == 1 and home.ahead.idle()
+        home._write(home.home.take_pending())
+        check_table(home, ec)
+        assert np.array_equal(home.home.home_of, home.home.expected())
+    finally:
+        stall.release()
+        tier.source.reader = real

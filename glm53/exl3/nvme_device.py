@@ -159,6 +159,8 @@ class NvmeHome:
             self._drain()
         elif staged and layer != self._next_staged:
             self._drain()  # a new forward (or one after a fault): start the pipeline afresh
+        elif staged:  # the host synced on this router: MoE layer-1 is done with its picks,
+            self.ahead.release_picks(layer - 1)  # whose slots this resolve may need
         reads = self.home.counters["ram_reads"]
         prefetched = ()  # the experts of this layer a prefetch wave made resident (pinned)
         if pf is not None and plain_decode:
@@ -270,7 +272,6 @@ class NvmeHome:
         at a forward's first staged hook): its home-table writes."""
 
         ahead, nxt = self.ahead, layer + 1
-        ahead.release_picks(layer - 1)  # the host synced on this router: MoE layer-1 is done
         if nxt >= self.ec.geo.n_layers:
             return self.home.take_pending()
         if layer != self._next_staged:

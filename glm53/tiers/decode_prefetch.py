@@ -148,6 +148,7 @@ class DecodePrefetch:
         try:
             wave = self.tier.begin_resident(model_layer, np.array(want, dtype=np.int32))
         except ReadFault as exc:  # a hit whose read is stuck: not expected (misses only)
+            self.home.defer_reconcile()  # as prefill_ahead: the victims of its misses absent
             self.counters["prefetch_faults"] += 1
             log.warning("decode prefetch skips MoE layer %d: %s", layer, exc)
             self._release_held()

@@ -48,7 +48,9 @@ Eviction contract: a slot is never evicted while it is written or read.
   took those slots in a full tier: table_bad and stale entries; tests/test_prefill_ahead.py).
 - Within one wave no slot of the wave is evicted by the wave (pyx/clock.h's batch contract).
 - Pins never leave the resolve of a layer without room: a wave is cut to `budget()` records,
-  which leaves at least one layer's working set of unpinned slots.
+  which leaves at least one layer's working set of unpinned slots, and hook L+1 releases L's
+  picks right after its sync, before its own resolve (held past it, they took that room in a
+  tier near one working set: HomeCapError; tests/test_prefill_ahead.py).
 A forward that does not follow the previous staged hook (a new chunk, a decode step, a fault)
 starts with `drain`: outstanding waves are collected, the side stream synchronized, every pin
 dropped. A wave's read fault is logged and counted and the layer is simply not staged: its picks
@@ -140,7 +142,8 @@ class AheadReads:
             return False
         try:
             wave = self.tier.begin_resident(self.tier.source.moe_layers[layer], want)
-        except ReadFault as exc:
+        except ReadFault as exc:  # the misses it admitted were taken back, their victims gone
+            self.home.defer_reconcile()
             self.counters["faults"] += 1
             log.warning("prefill staging skips MoE layer %d: %s", layer, exc)
             return False

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -297,17 +298,20 @@ def test_a_store_read_fault_names_layer_expert_and_rows_and_the_tier_serves_on(c
         e.close()
 
 
-def _spy_reads(e, log: list) -> None:
-    """Record, per decode call of the Generator (the engine's row map is set), the MoE layer,
-    the key of each row, each row's picks and which experts the call read from the store (the
-    tier did not hold them): the tier's own make_resident, wrapped on the instance."""
+def _spy_reads(e, log: list) -> dict:
+    """Record, per resolve of the tier (every MoE call of a forward), the Generator iteration
+    (the returned dict's "it", which the caller sets before each iterate), the MoE layer, the
+    key of each decode row (None outside a Generator iteration), the picks and which experts
+    the call read from the store (the tier did not hold them): the tier's own make_resident,
+    wrapped on the instance."""
     nvme = e.loaded.nvme
     tier, home = nvme.tier, nvme.home
     make_resident, resolve = tier.make_resident, home.resolve
+    where = {"it": -1}
 
     def spied_resolve(layer, picks, in_vram, read_ahead=()):
         rows = nvme.row_keys() if nvme.row_keys is not None else None
-        entry = {"layer": layer, "rows": rows, "picks": picks.copy(), "read": []}
+        entry = {"it": where["it"], "layer": layer, "rows": rows, "picks": picks.copy(), "read": []}
         log.append(entry)
         return resolve(layer, picks, in_vram, read_ahead)
 
@@ -318,6 +322,24 @@ def _spy_reads(e, log: list) -> None:
         return make_resident(layer, experts)
 
     home.resolve, tier.make_resident = spied_resolve, spied_make_resident
+    return where
+
+
+def _first_difference(a: list, b: list, before: int):
+    """The first resolve of two spied runs, before iteration `before`, whose iteration, layer,
+    rows, picks or store reads differ (as a short description), or None: where a second run
+    of the same requests stopped being the first one."""
+    a = [c for c in a if c["it"] < before]
+    b = [c for c in b if c["it"] < before]
+    for x, y in zip(a, b, strict=False):
+        differ = [k for k in ("it", "layer", "rows", "read") if x[k] != y[k]]
+        differ += [] if np.array_equal(x["picks"], y["picks"]) else ["picks"]
+        if differ:
+            return (
+                f"iteration {x['it']} layer {x['layer']}: {', '.join(differ)} differ (reads "
+                f"{x['read'][:12]} against {y['read'][:12]})"
+            )
+    return None if len(a) == len(b) else f"{len(a)} resolves against {len(b)}"
 
 
 def test_a_read_fault_fails_only_the_request_that_picked_the_record(case, tmp_path):
@@ -347,9 +369,10 @@ def test_a_read_fault_fails_only_the_request_that_picked_the_record(case, tmp_pa
             ram_cap=case["cap"][RAM_SHARES[0]],
         ))  # fmt: skip
 
-    def run(e, actions=None):
+    def run(e, where, actions=None):
         """(outputs per key, the iteration index that gave request 0 its last token);
-        `actions`: iteration index -> what to do just before it."""
+        `where`: the spy's (its "it" set before each iteration); `actions`: iteration index ->
+        what to do just before it."""
         out = {k: {"tokens": [], "logits": [], "finish": None, "error": None} for k in (0, 1)}
         for k, (p, n) in enumerate(zip(prompts, (n_a, n_b), strict=True)):
             req = GenerationRequest(prompt_ids=p, sampling=SamplingParams(temperature=0.0))
@@ -364,6 +387,7 @@ def test_a_read_fault_fails_only_the_request_that_picked_the_record(case, tmp_pa
                 break
             if actions and it in actions:
                 actions[it]()
+            where["it"] = it
             for o in e.iterate():
                 d = out[o.key]
                 d["tokens"] += o.token_ids
@@ -380,8 +404,7 @@ def test_a_read_fault_fails_only_the_request_that_picked_the_record(case, tmp_pa
     e = engine("clean")
     e.load()
     try:
-        _spy_reads(e, clean_log)
-        clean, step = run(e)
+        clean, step = run(e, _spy_reads(e, clean_log))
         clean_ram = _ram(e)
     finally:
         e.close()
@@ -389,12 +412,14 @@ def test_a_read_fault_fails_only_the_request_that_picked_the_record(case, tmp_pa
         clean[0]["finish"], clean[0]["error"], len(clean[0]["tokens"]), clean_ram,
     )  # fmt: skip
     assert clean[1]["finish"] != FinishReason.ERROR, (clean[1]["error"], clean_ram)
-    # the decode calls of iteration `step` (the last one with both rows), layer by layer: an
-    # expert read from the store there that row 0 picked and row 1 did not
-    calls = [c for c in clean_log if c["rows"] == [0, 1]]
-    per_step = len({c["layer"] for c in calls})
+    # the decode calls of iteration `step` (request 0's last, with both rows), layer by layer:
+    # an expert read from the store there that row 0 picked and row 1 did not (chosen by the
+    # iteration the spy saw, not by counting two-row calls: that assumed both requests decode
+    # together from their first token)
+    calls = [c for c in clean_log if c["it"] == step and c["rows"] == [0, 1]]
+    assert calls, ("no decode call of both requests at request 0's last step", step, clean_ram)
     target = None
-    for c in calls[(n_a - 1) * per_step : n_a * per_step]:
+    for c in calls:
         picks = c["picks"].reshape(2, -1)
         only_a = [x for x in c["read"] if x in picks[0] and x not in picks[1]]
         if only_a:
@@ -403,13 +428,15 @@ def test_a_read_fault_fails_only_the_request_that_picked_the_record(case, tmp_pa
     if target is None:
         pytest.skip("no store read at request 0's last step was picked by its row alone")
     layer, expert = target
+    fault_log = []
     e = engine("fault")
     e.load()
     try:
+        where = _spy_reads(e, fault_log)
         tier = e.loaded.nvme.tier
-        key = tier.moe_index[layer] * tier.num_experts + expert
         real = tier.source.reader
-        bad = FailingReader(real, [key * tier.slot_bytes + 4096], errno.EIO)
+        # the store's own offset of the record (glm53.store.reader), a byte inside it
+        bad = FailingReader(real, [tier.source.offset(layer, expert) + 4096], errno.EIO)
 
         def arm():
             tier.source.reader = bad
@@ -417,8 +444,15 @@ def test_a_read_fault_fails_only_the_request_that_picked_the_record(case, tmp_pa
         def disarm():  # request 1 may pick the expert later: its read must then succeed
             tier.source.reader = real
 
-        fault, _ = run(e, {step: arm, step + 1: disarm})
+        fault, _ = run(e, where, {step: arm, step + 1: disarm})
         ram = _ram(e)
+        # the second run is the first one until the fault (same cold tiers, same requests): if
+        # not, the record was not read at that step and nothing failed; say where they parted
+        read_there = any(
+            expert in c["read"] for c in fault_log if c["it"] == step and c["layer"] == layer
+        )
+        parted = _first_difference(clean_log, fault_log, step)
+        assert read_there and parted is None, (target, step, parted, ram)
         assert ram["faults_isolated"] >= 1, (target, step, ram)
     finally:
         e.close()
