@@ -154,18 +154,28 @@ def timed_ms(fn) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def prefill_once(loaded, n_tokens: int, chunk: int, seed: int) -> None:
-    """One prompt of n_tokens random ids to its first token, at `chunk`-token chunks."""
-    import torch
-    from exllamav3 import ArgmaxSampler, Generator, Job
+def prefill_generator(loaded, chunk: int):
+    """A Generator at `chunk`-token chunks, built outside any timed or traced region (as
+    bench/gpu_slice.py's prefill_run builds its own before its clock starts)."""
+    from exllamav3 import Generator
 
-    gen = Generator(model=loaded.model, cache=loaded.cache, tokenizer=loaded.tokenizer,
-                    max_batch_size=4, max_chunk_size=chunk)  # fmt: skip
-    ids = torch.randint(0, loaded.config.vocab_size, (1, n_tokens),
-                        generator=torch.Generator().manual_seed(seed))  # fmt: skip
+    return Generator(model=loaded.model, cache=loaded.cache, tokenizer=loaded.tokenizer,
+                     max_batch_size=4, max_chunk_size=chunk)  # fmt: skip
+
+
+def prefill_once(gen, vocab: int, n_tokens: int, seed: int) -> None:
+    """One prompt of n_tokens random ids (a fresh prompt per seed: no prefix to reuse) to its
+    first token on `gen`."""
+    import torch
+    from exllamav3 import ArgmaxSampler, Job
+
+    ids = torch.randint(0, vocab, (1, n_tokens), generator=torch.Generator().manual_seed(seed))
     gen.enqueue(Job(input_ids=ids, max_new_tokens=1, sampler=ArgmaxSampler(), stop_conditions=[]))
-    while gen.num_remaining_jobs():
+    for _ in range(4 * n_tokens):  # bounded: one iteration per chunk, and the first token
+        if not gen.num_remaining_jobs():
+            return
         gen.iterate()
+    raise RuntimeError(f"a {n_tokens}-token prompt did not finish its prefill in the bound")
 
 
 def decode_setup(loaded, batch: int, seed: int, max_new: int, step=None):
@@ -248,11 +258,13 @@ def trace_mode(args, mode: str, tracer: Tracer) -> dict:
         loaded = load(args, mode)
         try:
             if mode in ("stock", "exact"):
+                vocab = loaded.config.vocab_size
                 for name, n, chunk in PREFILLS:
-                    prefill_once(loaded, n, chunk, seed=100)  # warm: this shape, another prompt
-                    plain = timed_ms(lambda n=n, c=chunk: prefill_once(loaded, n, c, 101))
+                    gen = prefill_generator(loaded, chunk)
+                    prefill_once(gen, vocab, n, seed=100)  # warm: this shape, another prompt
+                    plain = timed_ms(lambda g=gen, n=n: prefill_once(g, vocab, n, 101))
                     out[name] = tracer.run(f"{mode}-{name}",
-                                           lambda n=n, c=chunk: prefill_once(loaded, n, c, 1), plain)  # fmt: skip
+                                           lambda g=gen, n=n: prefill_once(g, vocab, n, 1), plain)  # fmt: skip
                 steps = args.decode_steps
                 for name, batch in DECODES:
                     gen = decode_setup(loaded, batch, seed=2, max_new=2 * steps + 12)
