@@ -529,7 +529,7 @@ def lane_pins(fast) -> dict:
 
     from glm53.tiers.thread_pins import pin_lane_threads
 
-    return pin_lane_threads(fast, threading.get_native_id())
+    return pin_lane_threads(fast.lane, threading.get_native_id())
 
 
 def store_read_rate(args) -> dict:

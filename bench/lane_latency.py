@@ -17,7 +17,9 @@ Figures, per spin, experts per job and gap: the round trip's median and 90th per
 and the anchor's median (`pool_us`, back to back, the same jobs). Ratios: `asleep_vs_awake`, the
 round trip after the longest gap at the default spin over the same at the longest spin (what
 waking costs), and `round_trip_vs_pool`, the round trip at no gap over the anchor (what the
-mailbox adds to a job whose lane is awake). Experts are random mul1 experts of GLM-5.3-Flash's
+mailbox adds to a job whose lane is awake). As served, the poller and this thread (the device's
+stand-in) run on the cores the lane's layout leaves (glm53.tiers.thread_pins; none with --cpus,
+which reserves nothing). Experts are random mul1 experts of GLM-5.3-Flash's
 shape (gate/up 4096 -> 2048, down 2048 -> 4096), from a pool larger than the last-level cache.
 """
 
@@ -25,8 +27,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
+import threading
 import time
 
 import numpy as np
@@ -34,6 +38,7 @@ from benchlib import host_fields
 
 from glm53.tiers.cpu_lane import CpuLane, LaneLayout, expert_table, lane_layout, random_expert
 from glm53.tiers.lane_mailbox import MailboxLane
+from glm53.tiers.thread_pins import pin_lane_threads
 
 HIDDEN, INTER = 4096, 2048
 
@@ -130,7 +135,11 @@ def main(argv=None) -> dict:
     experts = [random_expert(rng, args.hidden, args.inter) for _ in range(args.pool_experts)]
     table = expert_table(experts)
     points, pool = {}, {}
+    mask = os.sched_getaffinity(0)
     with MailboxLane(cpu, [table]) as lane:
+        # as served (glm53.tiers.thread_pins): the poller on the cores the lane leaves, and so
+        # this thread, which plays the device's side here (the GPU polls without a core)
+        pins = pin_lane_threads(lane, threading.get_native_id())
         mbox = lane.mailboxes[0]
         default_spin = lane.idle_spin_ns
         for k in args.experts:
@@ -147,6 +156,7 @@ def main(argv=None) -> dict:
                         )  # fmt: skip
         finally:
             lane.idle_spin_ns = default_spin
+            os.sched_setaffinity(0, mask)
 
     def median(spin, k, gap):
         p = points.get(f"spin{spin}_k{k}_gap{gap}")
@@ -172,6 +182,7 @@ def main(argv=None) -> dict:
             "pool_experts": args.pool_experts,
             "jobs": args.jobs,
             "default_spin_us": default_us,
+            "thread_pins": {role: list(pin.cpus) for role, pin in pins.items()},
             **host_fields(),
         },  # fmt: skip
         "figures": {"round_trip": points, "pool": pool},

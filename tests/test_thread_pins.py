@@ -136,10 +136,9 @@ def test_an_in_process_driver_pins_its_own_thread_and_the_poller(table):
     driver = Runner()
     try:
         with MailboxLane(CpuLane(layout), [table]) as lane:
-            fast = FastLane(lane, LaneRouter(1, 9_440_000))
             poller = lane.poller.native_id
             before = os.sched_getaffinity(poller)
-            pins = driver.run(lambda: pin_lane_threads(fast, threading.get_native_id()))
+            pins = driver.run(lambda: pin_lane_threads(lane, threading.get_native_id()))
             assert pins == {
                 "engine": ThreadPin("engine", driver.native_id, reserved),
                 "lane_poller": ThreadPin("lane_poller", poller, reserved),

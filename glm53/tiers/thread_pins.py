@@ -62,19 +62,19 @@ def pin_server_threads(engine) -> dict[str, ThreadPin]:
     if not reserved:
         return {}
     return {
-        **pin_lane_threads(fast, fast.owner_native_id),
+        **pin_lane_threads(fast.lane, fast.owner_native_id),
         "event_loop": pin_thread("event_loop", threading.get_native_id(), reserved),
     }
 
 
-def pin_lane_threads(fast, engine_native_id: int) -> dict[str, ThreadPin]:
-    """Pin the engine thread (`engine_native_id`) and the lane's mailbox poller to the CPUs
-    `fast`'s lane layout reserves, and return the pins by role; empty for a layout that
-    reserves none (--cpus)."""
-    reserved = fast.lane.lane.layout.reserved
+def pin_lane_threads(lane, engine_native_id: int) -> dict[str, ThreadPin]:
+    """Pin the engine thread (`engine_native_id`) and the mailbox poller of `lane` (a
+    glm53.tiers.lane_mailbox.MailboxLane: FastLane.lane) to the CPUs its layout reserves, and
+    return the pins by role; empty for a layout that reserves none (--cpus)."""
+    reserved = lane.lane.layout.reserved
     if not reserved:
         return {}
     return {
         "engine": pin_thread("engine", engine_native_id, reserved),
-        "lane_poller": pin_thread("lane_poller", fast.lane.poller.native_id, reserved),
+        "lane_poller": pin_thread("lane_poller", lane.poller.native_id, reserved),
     }
