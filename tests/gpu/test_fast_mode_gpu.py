@@ -265,7 +265,9 @@ def test_the_server_in_fast_mode_answers_every_request_and_shows_lane_work(
         assert r.status_code == 200, r.text
         assert len(r.json()["output_ids"]) == N_NEW
     lane = httpx.get(server.url + "/stats", timeout=60).json()["engine"]["lane"]
-    assert "passed on an H200" in lane["status"]
+    from glm53.tiers.fast_lane import STATUS
+
+    assert lane["status"] == STATUS, lane["status"]  # the constant: its words change with runs
     assert lane["steps"] > 0 and lane["jobs"] > 0 and lane["published"] > 0, lane
     assert lane["layers"] and all("split" in layer for layer in lane["layers"])
     metrics = httpx.get(server.url + "/metrics", timeout=60).text
