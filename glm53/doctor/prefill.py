@@ -23,7 +23,10 @@ take the other direction of the (full-duplex) link, at the same rate. nvme modes
 touched experts not in the RAM tier from the store first, one read after another, on top.
 
 - chunk-major: every chunk, every layer: the touched experts of that chunk cross per chunk.
-- layer-major: every layer once over the whole prompt: its touched experts cross once. The
+- layer-major: every layer once over the whole prompt: its touched experts cross once, while
+  its compute is still every chunk's (each chunk through a layer is its own forward, paying
+  the layer's fixed cost per chunk: chunked_compute_s), so a measured fixed cost keeps it at
+  the chunk size's compute floor however long the prompt. The
   hidden states take the expert cache's VRAM when they fit (glm53.plan.layer_major.vram_room
   says why lending beats pinning) and those slots stream like any miss; else they go to pinned
   RAM. Prompts of at most one chunk keep the normal path, so both predictions agree there.
