@@ -805,3 +805,20 @@ def test_gpu_slice_lane_rows_pin_as_the_server_does_unless_told_not_to():
     gs = _gpu_slice()
     assert gs.parse_args(["--model", "/x"]).lane_pins is True
     assert gs.parse_args(["--model", "/x", "--no-lane-pins"]).lane_pins is False
+
+
+def test_gpu_slice_nvme_rows_ram_cap_and_read_rate_on_a_real_store(small_store):
+    """The nvme rows' two store figures, on a real packed store (16 records of 77,824 bytes)
+    read with O_DIRECT: --ram-cap as the row's share of the store's records, and the read
+    rate beside it through the engine's reader (every record once, then the rate)."""
+    gs = _gpu_slice()
+    args = gs.parse_args(["--model", "/x", "--store", str(small_store), "--read-batch", "3",
+                          "--modes", "exact,nvme_exact_ram70,nvme_exact_ram70_prefetch"])  # fmt: skip
+    record = 77_824
+    assert gs.nvme_ram_cap(args.store, "nvme_exact_ram70") == 11 * record  # int(0.7 * 16)
+    assert gs.nvme_ram_cap(args.store, "nvme_exact_ram70_prefetch") == 11 * record
+    assert gs.nvme_ram_cap(args.store, "nvme_ram40") == 6 * record  # int(0.4 * 16)
+    rate = gs.store_read_rate(args)
+    assert (rate["records_read"], rate["bytes_read"], rate["batch_records"]) == (16, 16 * record, 3)
+    assert rate["bytes_per_s"] == rate["bytes_read"] / rate["seconds"]
+    json.dumps(rate)  # the row's info holds it as JSON
