@@ -314,6 +314,18 @@ CACHE_TOKENS, MAX_BATCH, MAX_CHUNK = 16384, 4, 2048
 EC_RESERVE_GB = 1.0  # glm53.exl3.load's default reserve, which layer-major's room keeps too
 
 
+def row_vram_plan(args, geo, cache_tokens: int):
+    """Exact mode's plan within --vram-budget as the row loads it (glm53.exl3.loader's), its
+    cache capped by --share as exact_kwargs caps it: the plan's cache and free bytes are then
+    the run's, not those of a cache as large as the budget allows."""
+    from glm53.exl3 import loader as exl3_load
+
+    cap = exact_kwargs(args, "exact", geo.n_experts, len(geo.moe_layers)).get("ec_max_slots")
+    return exl3_load.vram_plan_for(
+        args.model, geo, args.vram_budget, cache_tokens, MAX_BATCH, MAX_CHUNK, ec_max_slots=cap
+    )
+
+
 def layer_major_driver(args, loaded):
     """exact_layer_major: a function of a Generator that returns the LayerMajorPrefill driving
     it, built as GpuEngine._start_layer_major builds it, at the Generator's chunk size."""
@@ -358,9 +370,7 @@ def measure_mode(args, mode) -> dict:
     info["cache_tokens"] = cache_tokens
     plan = None
     if args.vram_budget is not None:
-        plan = exl3_load.vram_plan_for(
-            args.model, geo, args.vram_budget, cache_tokens, MAX_BATCH, MAX_CHUNK
-        )
+        plan = row_vram_plan(args, geo, cache_tokens)
         info["vram_plan"] = msgspec.to_builtins(plan)
     if mode.startswith("stock_offload"):
         import subprocess

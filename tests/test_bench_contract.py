@@ -136,6 +136,66 @@ def test_gpu_slice_deep_budget_arguments_plan_exact_and_stock_offload_alike():
     assert gs.exact_kwargs(plain, "exact", 288, 6) == {"ec_freq_window": None, "ec_max_slots": 197}
 
 
+def _deep_moe_geometry(tmp_path):
+    """The deep preset's MoeGeometry (glm53.exl3.loaded.moe_geometry) and its config.json in
+    tmp_path, from its tensor plan: the 29 GB checkpoint is planned, not written. The stand-in
+    for exllamav3's SafetensorsCollection (a MOCK: exllamav3 needs a GPU) holds the plan's keys
+    at consecutive offsets, which is all moe_geometry reads."""
+    from glm53.exl3.loaded import moe_geometry
+    from glm53.models.tokenizer import token_ids
+    from glm53.synth.layout import plan, text_config
+    from glm53.synth.shapes import preset
+
+    deep = preset("deep")
+    header, offset = {}, 0
+    for spec in (t for group in plan(deep) for t in group):
+        header[spec.key] = {"data_offsets": [offset, offset + spec.nbytes]}
+        offset += spec.nbytes
+    stc = types.SimpleNamespace(
+        tensor_file_map=dict.fromkeys(header, "model.safetensors"),
+        file_headers={"model.safetensors": header},
+        directory=str(tmp_path),
+    )
+    (tmp_path / "config.json").write_text(
+        json.dumps({"text_config": text_config(deep, token_ids())})
+    )
+    return moe_geometry(stc)
+
+
+def test_gpu_slice_deep_rows_plan_records_the_share_capped_cache(tmp_path):
+    """docs/synthetic.md's deep calls (--vram-budget 24G --share 0.11657): the plan a row
+    records is the one it loads by, its cache capped at the share's slots (exact_kwargs'
+    ec_max_slots: the share wins over the budget's 1,981), the bytes the cap leaves in the
+    budget counted free; KV, state and staging as the budget plans them. Before, the recorded
+    plan had 1,981 slots and 7 MB free while the run held 313."""
+    from glm53.exl3.loader import vram_plan_for
+
+    gs = _gpu_slice()
+    geo = _deep_moe_geometry(tmp_path)
+    rb = sum(geo.part_bytes)
+    assert (geo.n_experts, len(geo.moe_layers), rb) == (64, 42, 9_437_184)
+    args = gs.parse_args(["--model", str(tmp_path), "--vram-budget", "24G", "--share", "0.11657",
+                          "--modes", "exact"])  # fmt: skip
+    shapes, cache_tokens = gs.row_prefill(args, "exact")  # no 32k row without --long-prefill
+    assert (shapes, cache_tokens) == (gs.PREFILL, gs.CACHE_TOKENS)
+    cap = gs.exact_kwargs(args, "exact", 64, 42)["ec_max_slots"]
+    assert cap == round(0.11657 * 42 * 64) == 313
+    budget = vram_plan_for(str(tmp_path), geo, 24 << 30, cache_tokens, 4, 2048)
+    plan = gs.row_vram_plan(args, geo, cache_tokens)
+    assert budget.cache_slots == 1981 and plan.cache_slots == cap
+    assert plan.cache_bytes == cap * rb
+    assert plan.free_bytes == budget.free_bytes + (budget.cache_slots - cap) * rb
+    assert (plan.stage_slots, plan.kv_bytes, plan.state_bytes) == (
+        64,
+        budget.kv_bytes,
+        budget.state_bytes,
+    )  # two whole layers of staging, KV and recurrent state as the budget plans them
+    # stock offload keeps the share's experts per layer in VRAM (the plan is not used then)
+    assert gs.offload_split(args, 64, 42, plan, rb) == 64 - 7
+    plain = gs.parse_args(["--model", str(tmp_path), "--vram-budget", "24G"])  # no share
+    assert gs.row_vram_plan(plain, geo, cache_tokens) == budget
+
+
 def test_gpu_slice_refuses_unknown_modes_a_missing_model_and_a_bad_split(capsys):
     gs = _gpu_slice()
     with pytest.raises(SystemExit):
@@ -745,3 +805,20 @@ def test_gpu_slice_lane_rows_pin_as_the_server_does_unless_told_not_to():
     gs = _gpu_slice()
     assert gs.parse_args(["--model", "/x"]).lane_pins is True
     assert gs.parse_args(["--model", "/x", "--no-lane-pins"]).lane_pins is False
+
+
+def test_gpu_slice_nvme_rows_ram_cap_and_read_rate_on_a_real_store(small_store):
+    """The nvme rows' two store figures, on a real packed store (16 records of 77,824 bytes)
+    read with O_DIRECT: --ram-cap as the row's share of the store's records, and the read
+    rate beside it through the engine's reader (every record once, then the rate)."""
+    gs = _gpu_slice()
+    args = gs.parse_args(["--model", "/x", "--store", str(small_store), "--read-batch", "3",
+                          "--modes", "exact,nvme_exact_ram70,nvme_exact_ram70_prefetch"])  # fmt: skip
+    record = 77_824
+    assert gs.nvme_ram_cap(args.store, "nvme_exact_ram70") == 11 * record  # int(0.7 * 16)
+    assert gs.nvme_ram_cap(args.store, "nvme_exact_ram70_prefetch") == 11 * record
+    assert gs.nvme_ram_cap(args.store, "nvme_ram40") == 6 * record  # int(0.4 * 16)
+    rate = gs.store_read_rate(args)
+    assert (rate["records_read"], rate["bytes_read"], rate["batch_records"]) == (16, 16 * record, 3)
+    assert rate["bytes_per_s"] == rate["bytes_read"] / rate["seconds"]
+    json.dumps(rate)  # the row's info holds it as JSON

@@ -70,9 +70,11 @@ def vram_plan_for(
     max_chunk: int,
     ec_reserve_gb: float = 1.0,
     ec_stage_gb: float | None = None,
+    ec_max_slots: int | None = None,
 ) -> VramPlan:
     """glm53.plan.vram.plan_vram for a checkpoint (its config and safetensors geometry) and load()'s cache
-    and chunk sizes."""
+    and chunk sizes. `ec_max_slots` (--ec-max-slots) caps the cache, so that the plan's cache and
+    free bytes are the load's."""
     with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
         text_config = json.load(f)["text_config"]
     kv_per_token, state_per_sequence = cache_geometry(text_config)
@@ -90,6 +92,7 @@ def vram_plan_for(
             activation_bytes=chunk_activation_bytes(text_config, max_chunk),
             reserve_bytes=int(ec_reserve_gb * GIB),
             stage_gb=ec_stage_gb,
+            max_slots=ec_max_slots,
         )
     )
 
@@ -167,7 +170,7 @@ def load(model_dir: str, options: LoadOptions | None = None) -> Loaded:
     if vram_budget is not None and mode in ("exact", "nvme-exact"):
         plan = vram_plan_for(
             model_dir, geo, vram_budget, cache_tokens, max_batch, max_chunk, ec_reserve_gb,
-            ec_stage_gb,
+            ec_stage_gb, o.ec_max_slots,
         )  # fmt: skip
     model = Model.from_config(config)
     cache = Cache(model, max_num_tokens=cache_tokens, max_batch_size=max_batch)
