@@ -5,7 +5,9 @@ Rows: stock with every expert in VRAM (the ceiling); stock with every routed exp
 zero-copy from pinned RAM (the floor); glm53 exact with a VRAM expert cache of --share of
 the experts (default 11.4 %, the 24 GB RTX 3090's 1,376 / 12,096), with its admission
 filter (exact) and without (exact_clock: plain CLOCK); stock exllamav3's own offload at the
-same VRAM budget, without and with its pinned arena; glm53 fast (exact's tiers + the CPU lane
+same VRAM budget (with --vram-budget, the expert bytes of exact's cache and staging buffers
+together; without, the share's experts only, while exact also holds its staging buffers),
+without and with its pinned arena; glm53 fast (exact's tiers + the CPU lane
 and its router, `--modes ...,fast` only), and on the same load a sweep of
 fixed shares of the misses on the lane (--fixed-splits, default 0, 10, 20, 30, 40 %) to compare
 the router against (ratios.fast_router_vs_best_fixed_split), again with the lane kept awake
@@ -290,13 +292,16 @@ def cache_share(args) -> float | None:
 
 
 def offload_split(args, n_experts: int, n_moe: int, plan, record_bytes: int) -> int:
-    """Experts per layer that stock offload runs on the CPU: the rest stay in VRAM, as many as
-    exact mode caches (by --share), or with a budget as many as its cache and staging bytes."""
-    share = cache_share(args)
-    if share is not None:
-        return n_experts - max(1, round(share * n_experts))
-    on_gpu = (plan.cache_bytes + plan.stage_bytes) // record_bytes
-    return n_experts - max(1, min(n_experts, on_gpu // n_moe))
+    """Experts per layer that stock offload runs on the CPU: the rest stay in VRAM. With a
+    budget, as many as exact's row holds in its cache (at --share, when given: `plan` is the
+    row's, row_vram_plan) and its staging buffers together, so both rows hold the same expert
+    bytes in the same budget; without one, as many as exact caches by --share (its staging
+    buffers, which the unbudgeted slice rows also hold, are not counted: say so beside a
+    ratio against this row)."""
+    if plan is not None:
+        on_gpu = (plan.cache_bytes + plan.stage_bytes) // record_bytes
+        return n_experts - max(1, min(n_experts, on_gpu // n_moe))
+    return n_experts - max(1, round(cache_share(args) * n_experts))
 
 
 def exact_kwargs(args, mode: str, n_experts: int, n_moe: int) -> dict:

@@ -131,7 +131,20 @@ def test_gpu_slice_deep_budget_arguments_plan_exact_and_stock_offload_alike():
         "ec_max_slots": 306,
         "vram_budget": 24 << 30,
     }
-    assert gs.offload_split(capped, 64, 42, plan, rb) == 64 - 7
+    # with a share the row's plan caps the cache (row_vram_plan), and stock offload keeps in
+    # VRAM what that cache and the staging take together; without a budget, the share's experts
+    plan_capped = plan_vram(
+        VramInputs(
+            budget_bytes=24 << 30, model_bytes=3 << 30, record_bytes=rb, num_experts=64,
+            num_moe_layers=42, kv_bytes_per_token=14080, context_tokens=16384,
+            state_bytes_per_sequence=147_619_840, batch=4, activation_bytes=335_544_320,
+            reserve_bytes=1 << 30, max_slots=306,
+        )
+    )  # fmt: skip
+    assert plan_capped.cache_slots == 306
+    on_gpu = (306 + 2 * plan_capped.stage_slots) // 42
+    assert gs.offload_split(capped, 64, 42, plan_capped, rb) == 64 - on_gpu
+    assert gs.offload_split(capped, 64, 42, None, rb) == 64 - 7
     plain = gs.parse_args(["--model", "/x/slice"])  # no budget: the 24 GB card's share
     assert gs.exact_kwargs(plain, "exact", 288, 6) == {"ec_freq_window": None, "ec_max_slots": 197}
 
@@ -190,8 +203,10 @@ def test_gpu_slice_deep_rows_plan_records_the_share_capped_cache(tmp_path):
         budget.kv_bytes,
         budget.state_bytes,
     )  # two whole layers of staging, KV and recurrent state as the budget plans them
-    # stock offload keeps the share's experts per layer in VRAM (the plan is not used then)
-    assert gs.offload_split(args, 64, 42, plan, rb) == 64 - 7
+    # stock offload keeps in VRAM what exact's capped cache and its staging take, per layer:
+    # (313 + 2 x 64) // 42 = 10 of 64 (the share's 7 alone left exact's staging bytes uncounted)
+    assert plan.stage_bytes == 2 * 64 * rb
+    assert gs.offload_split(args, 64, 42, plan, rb) == 64 - (313 + 128) // 42 == 54
     plain = gs.parse_args(["--model", str(tmp_path), "--vram-budget", "24G"])  # no share
     assert gs.row_vram_plan(plain, geo, cache_tokens) == budget
 
