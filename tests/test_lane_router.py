@@ -316,3 +316,58 @@ def test_a_lane_priced_too_high_is_probed_and_then_used():
     for n in (1, 1, 2, 3, 1, 2, 3, 4) * 3:  # what the probes (and a few more jobs) measure
         router.observe_lane(0, [1] * n, lane_job_ms([1] * n))
     assert router.split(0, 2, misses) > 1
+
+
+def test_a_probe_job_is_priced_cold_and_waited_for_not_fitted_as_a_warm_one():
+    """A probe's job finds the lane cold (on the H200 on 2026-12-05 such jobs took about 19 ms
+    where warm ones take a fraction of one): it goes to the cold price, not to the warm fit,
+    and the device waits for that price (within PROBE_WAIT_CAP_MS) instead of falling back by
+    construction."""
+    from glm53.tiers.lane_router import COLD_PRIOR_MS, PRIOR_TAIL, PROBE_WAIT_CAP_MS
+
+    router = LaneRouter(1, EXPERT_BYTES, rates=Rates(lane_b_ms=50.0), probe_after=4)
+    misses = [1] * 6
+    for _ in range(4):
+        assert router.split(0, 2, misses) == 0 and router.layers[0].wait_ns == 0
+    assert router.split(0, 2, misses) == 1 and router.layers[0].probe_pending
+    # before any probe was observed: the prior cold price plus the pick-up, within the cap
+    prior = min(COLD_PRIOR_MS * (1 + PRIOR_TAIL) + router.pickup_ms, PROBE_WAIT_CAP_MS)
+    assert router.layers[0].wait_ns >= int(prior * 1e6)
+    theta = router.lane.theta.copy()
+    router.observe_lane(0, [1], 1.2)  # the probe's cold job
+    assert not router.layers[0].probe_pending and router.probe_jobs == 1
+    assert list(router.cold_ms) == [1.2] and len(router.lane.samples) == 0
+    assert (router.lane.theta == theta).all()  # the warm fit did not move
+    assert router.cold_job_ms() == 1.2 * (1 + PRIOR_TAIL)
+    # the next probe waits for the measured cold price
+    for _ in range(4):
+        router.split(0, 2, misses)
+    assert router.split(0, 2, misses) == 1
+    assert router.layers[0].wait_ns >= int((1.2 * (1 + PRIOR_TAIL) + router.pickup_ms) * 1e6)
+    # a probe whose job gave no result (the device moved on) is forgotten at the next split,
+    # so the next job observed is fitted as a warm one
+    assert router.split(0, 2, misses) == 0 and not router.layers[0].probe_pending
+    router.observe_lane(0, [1], 0.4)
+    router.observe_lane(0, [1], 0.4)  # the first of its row count is warm-up, this one fitted
+    assert len(router.lane.samples) == 1 and router.probe_jobs == 1
+    stats = router.stats()
+    assert stats["rates"]["lane_cold_job_ms"]["samples"] == 1 and stats["lane_probe_jobs"] == 1
+
+
+def test_a_very_slow_cold_lane_waits_only_up_to_the_cap():
+    """A link so fast that the lane never pays, so only probes reach it; a probe job of 19 ms
+    (as the unpinned H200 bench's cold jobs took) prices the next probe above the cap, and the
+    device then waits the cap, not 28 ms."""
+    from glm53.tiers.lane_router import PROBE_WAIT_CAP_MS
+
+    router = LaneRouter(1, EXPERT_BYTES, rates=Rates(link_gbps=1000.0, lane_b_ms=1.0),
+                        probe_after=1)  # fmt: skip
+    misses = [1] * 6
+    assert router.split(0, 2, misses) == 0
+    assert router.split(0, 2, misses) == 1
+    warm_wait = router.wait_ns(1, 2, misses)
+    assert warm_wait < PROBE_WAIT_CAP_MS * 1e6  # the warm price alone waits less than the cap
+    router.observe_lane(0, [1], 19.0)
+    assert router.split(0, 2, misses) == 0
+    assert router.split(0, 2, misses) == 1
+    assert router.layers[0].wait_ns == int(PROBE_WAIT_CAP_MS * 1e6)

@@ -127,6 +127,7 @@ class FastLane:
             "fallbacks": sum(d["fallbacks"] for d in dev) if dev else None,
             "rates": router["rates"],
             "lane_warmup_jobs": router["lane_warmup_jobs"],
+            "lane_probe_jobs": router["lane_probe_jobs"],
             "lane_rejected": router["lane_rejected"],
             "ct_b": router["ct_b"],
             "forced_share": router["forced_share"],

@@ -19,7 +19,11 @@ cost and per-expert and per-extra-row costs from its own job timings, after its 
 row count are discarded (they pay page faults and thread wake-up: on the H200 host such jobs
 took 9.9 ms an expert against 0.36 measured warm); the GPU's ms per resident and per zero-copy
 expert from timed layers, and from their difference the link's effective GB/s. `ct_b` (--ct-b)
-pins the lane's ms per expert instead. The coldest misses go first: they are the least likely
+pins the lane's ms per expert instead. A probe (a layer that sent the lane nothing for
+`probe_after` steps sends it one miss, so that a lane priced too high is measured again) finds
+the lane cold: its job is priced apart from the warm fit (`cold_job_ms`, the median of the
+newest probe jobs) and the device waits for that price, at most PROBE_WAIT_CAP_MS, so that a
+probe measures the lane instead of falling back by construction. The coldest misses go first: they are the least likely
 to be admitted into the VRAM cache soon, so computing them on the CPU costs the cache nothing.
 """
 
@@ -34,6 +38,13 @@ MAX_ROWS = 8  # rows a decode batch can give one expert
 # Below this many samples a fit's quantiles mean little: its upper margin is PRIOR_TAIL
 MIN_TAIL_SAMPLES = 16
 PRIOR_TAIL = 0.5
+# A probe's job finds the lane cold (its threads asleep, its caches cold, after probe_after steps
+# with nothing sent): it is priced apart from the warm fit, as the median of the newest
+# COLD_WINDOW probe jobs (COLD_PRIOR_MS before any) times 1 + PRIOR_TAIL, and the device waits
+# for it that long, at most PROBE_WAIT_CAP_MS (a lane slower than that when cold falls back).
+COLD_WINDOW = 8
+COLD_PRIOR_MS = 2.0
+PROBE_WAIT_CAP_MS = 4.0
 
 
 class LinearFit:
@@ -158,6 +169,7 @@ class LayerStats:
     since_lane: int = 0  # steps with misses since this layer last sent the lane anything
     owed: float = 0.0  # forced_share: the share's fractional experts not sent yet
     wait_ns: int = 0  # the newest wait budget
+    probe_pending: bool = False  # the newest split was a probe: its job is a cold one
 
 
 @dataclass
@@ -197,6 +209,8 @@ class LaneRouter:
         self.tok = r.tok
         self.seen_by_rows = [0] * MAX_ROWS  # lane jobs seen per row count, warm-up included
         self.fitted_by_rows = [0] * MAX_ROWS  # of those, the ones the fit took
+        self.cold_ms: deque[float] = deque(maxlen=COLD_WINDOW)  # the newest probe jobs' times
+        self.probe_jobs = 0  # probe jobs observed, ever
         self.layers = [LayerStats() for _ in range(self.n_layers)]
 
     def set_forced_share(self, share: float | None) -> None:
@@ -247,6 +261,9 @@ class LaneRouter:
         """How many of the misses, listed coldest first with the rows that picked each, go to
         the lane. 0 whenever no split beats the GPU alone by the margin (a probe aside)."""
         st = self.layers[layer]
+        # the engine observes a step's lane job before it splits the next step: a probe whose
+        # job has not been observed by now gave no result (the device moved on)
+        st.probe_pending = False
         n_miss = len(miss_rows)
         gpu0 = n_hit * self.hit_ms + n_miss * self.miss_ms
         best_k, best = 0, gpu0
@@ -270,6 +287,7 @@ class LaneRouter:
             if best_k == 0 and n_miss and self.ct_b is None and st.since_lane >= self.probe_after:
                 best_k, best = 1, max(self.cost(1, n_hit, miss_rows))
                 st.probes += 1
+                st.probe_pending = True
         st.steps += 1
         st.misses += n_miss
         st.to_lane += best_k
@@ -280,7 +298,16 @@ class LaneRouter:
         elif n_miss:
             st.since_lane += 1
         st.wait_ns = self.wait_ns(best_k, n_hit, miss_rows)
+        if st.probe_pending:  # a cold job: wait for its cold price, within the cap
+            cold = min(self.cold_job_ms() + self.pickup_ms, PROBE_WAIT_CAP_MS)
+            st.wait_ns = max(st.wait_ns, int(cold * 1e6))
         return best_k
+
+    def cold_job_ms(self) -> float:
+        """A probe job's upper price in ms: the median of the newest probe jobs (COLD_PRIOR_MS
+        before any) times 1 + PRIOR_TAIL."""
+        ms = float(np.median(self.cold_ms)) if self.cold_ms else COLD_PRIOR_MS
+        return ms * (1 + PRIOR_TAIL)
 
     def wait_ns(self, k: int, n_hit: int, miss_rows) -> int:
         """The device's wait budget for a layer that sends the first k misses: the lane's upper
@@ -299,10 +326,19 @@ class LaneRouter:
     def observe_lane(self, layer: int, miss_rows, ms: float) -> None:
         """The lane computed these experts (rows per expert) in `ms`, its job overhead included.
         The first `warmup_jobs` jobs of each row count (the most rows any of its experts has)
-        are counted but not fitted."""
+        are counted but not fitted, and a probe's job (the layer's newest split was a probe)
+        goes to the cold price instead of the fit: it found the lane cold, after probe_after
+        steps without a job (on the H200 on 2026-12-05 the router fitted a = 19 ms from such
+        jobs, priced the warm lane out and sent nothing else)."""
         if not len(miss_rows):
             return
-        self.layers[layer].lane_ms += ms
+        st = self.layers[layer]
+        st.lane_ms += ms
+        if st.probe_pending:  # a probe's job: a cold one, priced apart (cold_job_ms)
+            st.probe_pending = False
+            self.cold_ms.append(float(ms))
+            self.probe_jobs += 1
+            return
         bucket = min(int(max(miss_rows)), MAX_ROWS) - 1
         self.seen_by_rows[bucket] += 1
         if self.seen_by_rows[bucket] <= self.warmup_jobs:
@@ -343,8 +379,10 @@ class LaneRouter:
                 "miss_ms": {"value": self.miss_ms, "samples": gpu_n},
                 "link_gbps": {"value": self.link_gbps(), "samples": gpu_n},
                 "pickup_ms": {"value": self.pickup_ms, "samples": 0},
+                "lane_cold_job_ms": {"value": self.cold_job_ms(), "samples": len(self.cold_ms)},
             },
             "lane_warmup_jobs": sum(self.seen_by_rows) - sum(self.fitted_by_rows),
+            "lane_probe_jobs": self.probe_jobs,
             "lane_rejected": self.lane.rejected,
             "ct_b": self.ct_b,
             "forced_share": self.forced_share,
