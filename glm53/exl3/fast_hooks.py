@@ -96,6 +96,9 @@ class FastLayer:
         self.fb_w = torch.empty(n_sel, dtype=torch.half, device=dev)
         self.acc = torch.empty((DECODE_MAX_ROWS, module.hidden_size), dtype=torch.float, device=dev)
         self.pending_input = None  # the MoE input of a call that published
+        # the budget the call's publish reads (the host sets it between iterations only:
+        # FastLane.step), read here at the publish: 0 means the device sends the lane nothing
+        self.sent_budget = 0
 
     def publish(self, z, selected, weights) -> None:
         import torch
@@ -120,6 +123,7 @@ class FastLayer:
                 key_score = self.cache._t["key_freq"].data_ptr()
             key_base = self.moe_index * self.cache.geo.n_experts
         key_lane = 0 if self.key_lane is None else self.key_lane.data_ptr()
+        self.sent_budget = int(self.mailbox.load("budget"))
         _cuda.lane_publish(
             self.state.data_ptr(), selected.data_ptr(), weights.data_ptr(), z.data_ptr(), bsz,
             top_k, self.module.hidden_size, z.stride(0), key_slot, key_score, key_lane, key_base,
@@ -147,6 +151,15 @@ class FastLayer:
         out = final_hidden_states.view(-1, hidden)
         torch_stream = torch.cuda.current_stream(z.device)
         stream = torch_stream.cuda_stream
+        if self.sent_budget == 0:
+            # the publish took no pick (its budget was 0): exllamav3's call computed every pick
+            # and there is nothing to wait for, fall back on or select; the wait, the fallback
+            # MoE call over an all-masked selection and select would change nothing
+            if self.timed:  # the GPU's share for the router, with no wait after it
+                self.events[1].record(torch_stream)
+                self.events[2].record(torch_stream)
+                self.timing_pending, self.timed = True, False
+            return
         wait_ns = self.wait_ns if self.budget_ns is None else self.budget_ns
         if self.timed:
             self.events[1].record(torch_stream)
