@@ -85,6 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--lane-spin-us", type=us_list, default=[],
                     help="also trace the last fixed share with the lane awake this many us after "
                     "each job, per value (MailboxLane.idle_spin_ns; the lane's default is 200)")  # fmt: skip
+    ap.add_argument("--lane-pins", action=argparse.BooleanOptionalAction, default=True,
+                    help="pin this thread and the lane's poller off the lane's cores for the fast "
+                    "scenarios, as the server does (bench/gpu_slice.py's --lane-pins)")  # fmt: skip
     ap.add_argument("--keep-traces", default=None, metavar="DIR",
                     help="write each scenario's trace there, gzipped")  # fmt: skip
     ap.add_argument("--json", action="store_true")
@@ -290,7 +293,8 @@ def trace_fast(args, loaded, tracer: Tracer) -> dict:
 
     fast = start_fast_row(args, loaded)
     mask = os.sched_getaffinity(0)
-    pins = lane_pins(fast)  # this thread and the poller off the lane's cores, as served
+    # this thread and the poller off the lane's cores, as served (--no-lane-pins: unpinned)
+    pins = lane_pins(fast) if args.lane_pins else {}
     default_spin = fast.lane.idle_spin_ns
     plan = [(s, None) for s in args.fast_shares]
     plan += [(args.fast_shares[-1], us) for us in args.lane_spin_us]
@@ -370,6 +374,7 @@ def main(argv=None) -> int:
             "fast_steps": FAST_STEPS,
             "fast_shares": ["router" if s is None else s for s in args.fast_shares],
             "lane_spin_us": args.lane_spin_us,
+            "lane_pins": args.lane_pins,
             "prefills": [list(p) for p in PREFILLS],
             "errors": errors,
             "seconds": round(time.perf_counter() - started, 1),

@@ -164,7 +164,8 @@ def test_gpu_trace_arguments():
     a = gt.parse_args(["--model", "/m"])
     assert a.fast_shares == [None, 0, 20] and a.modes == "stock,exact,fast"
     a = gt.parse_args(["--model", "/m", "--fast-shares", "router,30", "--lane-spin-us", "5000"])
-    assert a.fast_shares == [None, 30] and a.lane_spin_us == [5000]
+    assert a.fast_shares == [None, 30] and a.lane_spin_us == [5000] and a.lane_pins is True
+    assert gt.parse_args(["--model", "/m", "--no-lane-pins"]).lane_pins is False
     for bad in ("--fast-shares=101", "--fast-shares=x", "--fast-shares=", "--modes=exact,nope"):
         with pytest.raises(SystemExit):
             gt.parse_args(["--model", "/m", bad])
