@@ -74,7 +74,10 @@ def pin_lane_threads(lane, engine_native_id: int) -> dict[str, ThreadPin]:
     reserved = lane.lane.layout.reserved
     if not reserved:
         return {}
+    poller = lane.poller.native_id
+    if poller <= 0:  # 0 would make sched_setaffinity pin the calling thread instead
+        raise RuntimeError("internal error: the lane's poller has no thread id (not started?)")
     return {
         "engine": pin_thread("engine", engine_native_id, reserved),
-        "lane_poller": pin_thread("lane_poller", lane.poller.native_id, reserved),
+        "lane_poller": pin_thread("lane_poller", poller, reserved),
     }
