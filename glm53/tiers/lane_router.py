@@ -23,8 +23,10 @@ pins the lane's ms per expert instead. A probe (a layer that sent the lane nothi
 `probe_after` steps sends it one miss, so that a lane priced too high is measured again) finds
 the lane cold: its job is priced apart from the warm fit (`cold_job_ms`, the median of the
 newest probe jobs) and the device waits for that price, at most PROBE_WAIT_CAP_MS, so that a
-probe measures the lane instead of falling back by construction. The coldest misses go first: they are the least likely
-to be admitted into the VRAM cache soon, so computing them on the CPU costs the cache nothing.
+probe measures the lane instead of falling back by construction.
+
+The coldest misses go first: they are the least likely to be admitted into the VRAM cache
+soon, so computing them on the CPU costs the cache nothing.
 """
 
 from __future__ import annotations
