@@ -135,6 +135,29 @@ def test_the_lanes_jobs_and_time_reach_the_router_and_the_stats(table):
         assert sum(fast.router.seen_by_rows) == 1
 
 
+def test_a_step_refits_the_routers_lane_rates_once_not_once_per_layer(table, monkeypatch):
+    """Every layer's job reaches the router before any layer is split, so the lane's fit (a
+    least-squares solve over its window) runs once per step: between iterations the GPU waits
+    for this thread."""
+    from glm53.tiers import lane_router
+
+    fits = []
+    real_fit = lane_router.LinearFit._fit
+    monkeypatch.setattr(lane_router.LinearFit, "_fit", lambda f: (fits.append(f), real_fit(f)))
+    with MailboxLane(CpuLane(LaneLayout((0,))), [table] * 3) as lane:
+        router = LaneRouter(3, EXPERT_BYTES, warmup_jobs=0)
+        fast = FastLane(lane, router)
+        for i, mbox in enumerate(lane.mailboxes):
+            device = MockDevice(mbox, i)
+            device.report(1, 4)
+            device.publish(rows(1), [0], [i], [0.5])
+            device.wait()
+        fits.clear()
+        fast.step()
+        assert len(router.lane.samples) == 3  # each layer's job was observed
+        assert [f for f in fits if f is router.lane] == [router.lane]  # and fitted once
+
+
 def test_device_counters_are_summed_and_shown_per_layer(table):
     with MailboxLane(CpuLane(LaneLayout((0,))), [table, table]) as lane:
         devs = [MockDeviceLayer(10, 30, 2), MockDeviceLayer(7, 9, 0)]

@@ -60,8 +60,14 @@ class FastLane:
         predicted wait the device layer's wait. Rows per missed expert are not reported, so
         each miss counts as the mean rows per expert of the layer's last lane payload (1 before
         any). A layer with no decode call since the last step keeps its budget and is not
-        counted again. Returns the budgets."""
-        for i, rep in enumerate(self.lane.take_reports()):
+        counted again. Returns the budgets.
+
+        Every layer's measurements reach the router before any layer is split: the router
+        refits its rates once per step, not once per layer (a refit is a least-squares solve
+        over the window, a few hundred us of the engine thread's time, which the GPU waits
+        for between iterations)."""
+        reports = self.lane.take_reports()
+        for i, rep in enumerate(reports):
             if rep.job_rows:
                 self.router.observe_lane(i, rep.job_rows, rep.job_ms)
             if rep.sent_rows:
@@ -71,6 +77,7 @@ class FastLane:
                 gpu_ms, waited_ms = timing
                 self.router.observe_gpu(rep.n_hit, rep.n_miss - len(rep.sent_rows), gpu_ms)
                 self.router.observe_wait(i, waited_ms, gpu_ms)
+        for i, rep in enumerate(reports):
             if rep.n_hit == 0 and rep.n_miss == 0:
                 continue
             k = self.router.split(i, rep.n_hit, [self.rows_per_miss[i]] * rep.n_miss)
