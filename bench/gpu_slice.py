@@ -66,6 +66,7 @@ it ran (row stage_dma; issue 29, docs/performance.md "Prefill: where the time go
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -77,6 +78,7 @@ import torch
 from glm53.config import parse_size
 from glm53.doctor import costmodel
 from glm53.doctor.geometry import GLM53_FLASH, Geometry, geometry_of
+from glm53.tiers.thread_pins import lane_threads_pinned
 
 REAL_24GB_SHARE = 1376 / 12096  # the 24 GB RTX 3090's slots of GLM-5.3-Flash's experts (seed)
 # doctor's inputs for the H200 this bench runs on: the UVA read rate into the EXL3 kernels
@@ -427,24 +429,29 @@ def measure_mode(args, mode) -> dict:
             resident = held if held is not None else (None, None)
         step = fast.step if fast is not None else None
         lm = layer_major_driver(args, loaded) if mode == "exact_layer_major" else None
-        mask = os.sched_getaffinity(0)
-        pins = lane_pins(fast) if fast is not None and args.lane_pins else {}
-        row = measure(loaded, loaded.config.vocab_size, args.quick, step, lm, shapes)
-        row["load_s"] = load_s
-        if pins:
-            row["thread_pins"] = {role: list(pin.cpus) for role, pin in pins.items()}
-        if fast is not None:
-            from glm53.exl3 import stop_fast
+        pinned = (
+            lane_threads_pinned(fast.lane, args.lane_pins)
+            if fast is not None
+            else contextlib.nullcontext({})
+        )
+        with pinned as pins:  # the next rows run unpinned again, as before this one
+            row = measure(loaded, loaded.config.vocab_size, args.quick, step, lm, shapes)
+            row["load_s"] = load_s
+            if pins:
+                row["thread_pins"] = {role: list(pin.cpus) for role, pin in pins.items()}
+            if fast is not None:
+                from glm53.exl3 import stop_fast
 
-            row["lane"] = fast.stats()
-            if mode == "fast" and args.fixed_splits:  # the sweep: fast only
-                row["fixed_splits"] = fixed_split_sweep(loaded, fast, args.fixed_splits, args.quick)
-                if args.lane_spin_us:
-                    row["fixed_splits_by_spin"] = spin_sweep(
-                        loaded, fast, args.fixed_splits, args.quick, args.lane_spin_us
+                row["lane"] = fast.stats()
+                if mode == "fast" and args.fixed_splits:  # the sweep: fast only
+                    row["fixed_splits"] = fixed_split_sweep(
+                        loaded, fast, args.fixed_splits, args.quick
                     )
-            stop_fast(fast, loaded)
-            os.sched_setaffinity(0, mask)  # the next rows run unpinned, as before this one
+                    if args.lane_spin_us:
+                        row["fixed_splits_by_spin"] = spin_sweep(
+                            loaded, fast, args.fixed_splits, args.quick, args.lane_spin_us
+                        )
+                stop_fast(fast, loaded)
         row["resident_bytes"], row["load_peak_bytes"] = resident
         if loaded.ec is not None:
             row["slots"] = loaded.ec.n_slots
@@ -533,18 +540,6 @@ def start_fast_row(args, loaded):
     from glm53.tiers.cpu_lane import CpuLane, lane_layout
 
     return start_fast(loaded, args.model, CpuLane(lane_layout(), precision="fast"))
-
-
-def lane_pins(fast) -> dict:
-    """This thread (which drives the engine here) and the lane's mailbox poller pinned to the
-    cores the lane leaves, as the server pins its engine thread and the poller
-    (glm53.tiers.thread_pins): unpinned, either may take turns with a lane worker on its core,
-    and every job's fork-join waits for both. The caller restores this thread's mask."""
-    import threading
-
-    from glm53.tiers.thread_pins import pin_lane_threads
-
-    return pin_lane_threads(fast.lane, threading.get_native_id())
 
 
 def store_read_rate(args) -> dict:

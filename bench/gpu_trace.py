@@ -287,39 +287,38 @@ def trace_mode(args, mode: str, tracer: Tracer) -> dict:
 def trace_fast(args, loaded, tracer: Tracer) -> dict:
     """fast's decode at 1 stream: at each share of --fast-shares, then (with --lane-spin-us)
     at the last share with the lane awake longer; the lane's times beside each trace."""
-    from gpu_slice import lane_pins, start_fast_row, where_the_time_goes
+    from gpu_slice import start_fast_row, where_the_time_goes
 
     from glm53.exl3 import stop_fast
+    from glm53.tiers.thread_pins import lane_threads_pinned
 
     fast = start_fast_row(args, loaded)
-    mask = os.sched_getaffinity(0)
-    # this thread and the poller off the lane's cores, as served (--no-lane-pins: unpinned)
-    pins = lane_pins(fast) if args.lane_pins else {}
     default_spin = fast.lane.idle_spin_ns
     plan = [(s, None) for s in args.fast_shares]
     plan += [(args.fast_shares[-1], us) for us in args.lane_spin_us]
     out = {}
-    try:
-        for share, spin_us in plan:
-            fast.router.set_forced_share(None if share is None else share / 100)
-            fast.lane.idle_spin_ns = default_spin if spin_us is None else spin_us * 1000
-            label = "router" if share is None else f"share{share}"
-            label += "" if spin_us is None else f"_spin{spin_us}us"
-            gen = decode_setup(loaded, 1, seed=3, max_new=2 * FAST_STEPS + 40, step=fast.step)
-            decode_steps(gen, 24, fast.step)  # warm: the router fits its rates here
-            plain = timed_ms(lambda g=gen: decode_steps(g, FAST_STEPS, fast.step))
-            before = fast.stats()
-            summary = tracer.run(f"fast-decode_c1-{label}",
-                                 lambda g=gen: {"steps": decode_steps(g, FAST_STEPS, fast.step)}, plain)  # fmt: skip
-            summary["lane"] = where_the_time_goes(before, fast.stats())
-            summary["thread_pins"] = {role: list(pin.cpus) for role, pin in pins.items()}
-            drain(gen, fast.step)
-            out[f"decode_c1_{label}"] = summary
-    finally:
-        fast.router.set_forced_share(None)
-        fast.lane.idle_spin_ns = default_spin
-        stop_fast(fast, loaded)
-        os.sched_setaffinity(0, mask)
+    # this thread and the poller off the lane's cores, as served (--no-lane-pins: unpinned)
+    with lane_threads_pinned(fast.lane, args.lane_pins) as pins:
+        try:
+            for share, spin_us in plan:
+                fast.router.set_forced_share(None if share is None else share / 100)
+                fast.lane.idle_spin_ns = default_spin if spin_us is None else spin_us * 1000
+                label = "router" if share is None else f"share{share}"
+                label += "" if spin_us is None else f"_spin{spin_us}us"
+                gen = decode_setup(loaded, 1, seed=3, max_new=2 * FAST_STEPS + 40, step=fast.step)
+                decode_steps(gen, 24, fast.step)  # warm: the router fits its rates here
+                plain = timed_ms(lambda g=gen: decode_steps(g, FAST_STEPS, fast.step))
+                before = fast.stats()
+                summary = tracer.run(f"fast-decode_c1-{label}",
+                                     lambda g=gen: {"steps": decode_steps(g, FAST_STEPS, fast.step)}, plain)  # fmt: skip
+                summary["lane"] = where_the_time_goes(before, fast.stats())
+                summary["thread_pins"] = {role: list(pin.cpus) for role, pin in pins.items()}
+                drain(gen, fast.step)
+                out[f"decode_c1_{label}"] = summary
+        finally:
+            fast.router.set_forced_share(None)
+            fast.lane.idle_spin_ns = default_spin
+            stop_fast(fast, loaded)
     return out
 
 

@@ -27,10 +27,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
-import threading
 import time
 
 import numpy as np
@@ -38,7 +36,7 @@ from benchlib import host_fields
 
 from glm53.tiers.cpu_lane import CpuLane, LaneLayout, expert_table, lane_layout, random_expert
 from glm53.tiers.lane_mailbox import MailboxLane
-from glm53.tiers.thread_pins import pin_lane_threads
+from glm53.tiers.thread_pins import lane_threads_pinned
 
 HIDDEN, INTER = 4096, 2048
 
@@ -135,11 +133,9 @@ def main(argv=None) -> dict:
     experts = [random_expert(rng, args.hidden, args.inter) for _ in range(args.pool_experts)]
     table = expert_table(experts)
     points, pool = {}, {}
-    mask = os.sched_getaffinity(0)
-    with MailboxLane(cpu, [table]) as lane:
-        # as served (glm53.tiers.thread_pins): the poller on the cores the lane leaves, and so
-        # this thread, which plays the device's side here (the GPU polls without a core)
-        pins = pin_lane_threads(lane, threading.get_native_id())
+    # as served (glm53.tiers.thread_pins): the poller on the cores the lane leaves, and so this
+    # thread, which plays the device's side here (the GPU polls without a core)
+    with MailboxLane(cpu, [table]) as lane, lane_threads_pinned(lane) as pins:
         mbox = lane.mailboxes[0]
         default_spin = lane.idle_spin_ns
         for k in args.experts:
@@ -156,7 +152,6 @@ def main(argv=None) -> dict:
                         )  # fmt: skip
         finally:
             lane.idle_spin_ns = default_spin
-            os.sched_setaffinity(0, mask)
 
     def median(spin, k, gap):
         p = points.get(f"spin{spin}_k{k}_gap{gap}")

@@ -815,7 +815,7 @@ def test_gpu_slice_predicts_prefill_from_its_own_stock_row_and_exacts_staging(tm
 
 def test_gpu_slice_lane_rows_pin_as_the_server_does_unless_told_not_to():
     """The fast and nvme rows pin the driving thread and the lane's poller off the lane's cores
-    (glm53.tiers.thread_pins.pin_lane_threads, tested in tests/test_thread_pins.py) by default;
+    (glm53.tiers.thread_pins.lane_threads_pinned, tested in tests/test_thread_pins.py) by default;
     --no-lane-pins measures the unpinned layout the fast row ran with before."""
     gs = _gpu_slice()
     assert gs.parse_args(["--model", "/x"]).lane_pins is True

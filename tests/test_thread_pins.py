@@ -18,7 +18,7 @@ from glm53.tiers.cpu_lane import CpuLane, LaneLayout, expert_table, lane_layout,
 from glm53.tiers.fast_lane import FastLane
 from glm53.tiers.lane_mailbox import MailboxLane
 from glm53.tiers.lane_router import LaneRouter
-from glm53.tiers.thread_pins import ThreadPin, pin_lane_threads, pin_server_threads, pin_thread
+from glm53.tiers.thread_pins import ThreadPin, lane_threads_pinned, pin_server_threads, pin_thread
 
 SETTLE_S = 10.0  # a wait that must succeed: it ends as soon as the thread answers
 
@@ -128,8 +128,9 @@ def test_the_server_pins_the_lanes_builder_and_its_own_thread_to_the_reserved_cp
 
 
 def test_an_in_process_driver_pins_its_own_thread_and_the_poller(table):
-    """bench/gpu_slice.py's fast rows: pin_lane_threads from the thread that drives the engine
-    pins it and the mailbox poller (a native thread), and the poller still answers jobs."""
+    """The benches' lane rows: lane_threads_pinned on the thread that drives the engine pins it
+    and the mailbox poller (a native thread) as pin_lane_threads does, the poller still answers
+    jobs, and the driver gets its own mask back on the way out."""
     mask = os.sched_getaffinity(0)
     reserved = (min(mask),)
     layout = LaneLayout((max(mask),), "a test layout", reserved)
@@ -138,7 +139,14 @@ def test_an_in_process_driver_pins_its_own_thread_and_the_poller(table):
         with MailboxLane(CpuLane(layout), [table]) as lane:
             poller = lane.poller.native_id
             before = os.sched_getaffinity(poller)
-            pins = driver.run(lambda: pin_lane_threads(lane, threading.get_native_id()))
+
+            def off():
+                with lane_threads_pinned(lane, enabled=False) as pins:
+                    return pins, os.sched_getaffinity(0)
+
+            assert driver.run(off) == ({}, mask)  # not enabled: nothing pinned
+            pinned = lane_threads_pinned(lane)
+            pins = driver.run(pinned.__enter__)
             assert pins == {
                 "engine": ThreadPin("engine", driver.native_id, reserved),
                 "lane_poller": ThreadPin("lane_poller", poller, reserved),
@@ -154,6 +162,8 @@ def test_an_in_process_driver_pins_its_own_thread_and_the_poller(table):
             assert device.wait(SETTLE_S)
             cpu = lane.lane
             assert np.array_equal(device.partial(1), cpu.run(table, x, rows, ids, weights))
+            driver.run(lambda: pinned.__exit__(None, None, None))
+            assert driver.own_affinity() == mask  # the driver's own mask is back
     finally:
         driver.stop()
 

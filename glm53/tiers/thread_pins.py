@@ -11,8 +11,8 @@ it pins the engine thread, found as the thread that built the fast lane (the eng
 on the engine thread), the lane's mailbox poller (a native thread that hands each published job
 to the workers and writes its result back: on a lane core it would take turns with that core's
 worker, and every job's fork-join would wait for both), and the loop's own thread. An
-in-process driver (bench/gpu_slice.py's fast rows) calls `pin_lane_threads` itself, so that it
-measures the served layout. `os.sched_setaffinity` on Linux sets one
+in-process driver (the benches' lane rows) pins itself and the poller the same way for a while
+(`lane_threads_pinned`), so that it measures the served layout. `os.sched_setaffinity` on Linux sets one
 thread's mask when given its native id (`threading.get_native_id()`), not the process's.
 Threads a pinned thread starts later inherit its mask (from the loop thread: the offload
 threads, created on first use, and any thread asyncio's default pool adds), which keeps them off
@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import msgspec
 
@@ -81,3 +82,16 @@ def pin_lane_threads(lane, engine_native_id: int) -> dict[str, ThreadPin]:
         "engine": pin_thread("engine", engine_native_id, reserved),
         "lane_poller": pin_thread("lane_poller", poller, reserved),
     }
+
+
+@contextmanager
+def lane_threads_pinned(lane, enabled: bool = True) -> Iterator[dict[str, ThreadPin]]:
+    """For an in-process driver (the benches): pin the calling thread, which drives the engine,
+    and `lane`'s poller as the server pins them (pin_lane_threads; nothing when not `enabled`),
+    yield the pins, and give the calling thread its own mask back on the way out (the poller
+    ends with its lane)."""
+    mask = os.sched_getaffinity(0)
+    try:
+        yield pin_lane_threads(lane, threading.get_native_id()) if enabled else {}
+    finally:
+        os.sched_setaffinity(0, mask)
