@@ -230,8 +230,7 @@ def measure(loaded, vocab, quick=False, step=None, layer_major=None, shapes=PREF
             run.update(hit_counts(before, loaded.ec.state()))
     if loaded.ec is not None:
         st1 = loaded.ec.state()
-        looked = (st1["hits"] - st0["hits"]) + (st1["misses"] - st0["misses"])
-        out["decode_hit_rate"] = (st1["hits"] - st0["hits"]) / looked if looked else None
+        out["decode_hit_rate"] = hit_counts(st0, st1)["hit_rate"]  # every concurrency's
         out["cache"] = st1
     # 8k at exllamav3's default 2,048-token chunks and as one 8,192-token chunk (fewer passes
     # over the experts: exact mode stages every uncached expert once per chunk and layer)
@@ -967,20 +966,22 @@ def plot(rows: dict, path: str) -> None:
 FIXED_SPLITS = (0, 10, 20, 30, 40)  # percent of the misses, issue #26's sweep
 
 
-def percent_list(text: str) -> list[int]:
-    pcts = [int(p) for p in text.split(",") if p.strip()]
-    bad = [p for p in pcts if not 0 <= p <= 100]
+def int_list(text: str, top: int, what: str) -> list[int]:
+    """A comma list of integers in 0..top (empty entries skipped); `what` names them in the
+    error."""
+    values = [int(v) for v in text.split(",") if v.strip()]
+    bad = [v for v in values if not 0 <= v <= top]
     if bad:
-        raise argparse.ArgumentTypeError(f"percentages must be in 0..100, got {bad}")
-    return pcts
+        raise argparse.ArgumentTypeError(f"{what} must be in 0..{top}, got {bad}")
+    return values
+
+
+def percent_list(text: str) -> list[int]:
+    return int_list(text, 100, "percentages")
 
 
 def us_list(text: str) -> list[int]:
-    values = [int(v) for v in text.split(",") if v.strip()]
-    bad = [v for v in values if not 0 <= v <= 1_000_000]
-    if bad:
-        raise argparse.ArgumentTypeError(f"spins must be in 0..1000000 us, got {bad}")
-    return values
+    return int_list(text, 1_000_000, "spins in us")
 
 
 def parse_args(argv=None) -> argparse.Namespace:

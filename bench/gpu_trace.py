@@ -47,24 +47,14 @@ PROMPT, FAST_STEPS = 512, 48
 
 
 def share_list(text: str) -> list[int | None]:
-    """'router,0,20' -> [None, 0, 20] (None: the router's own split)."""
-    out: list[int | None] = []
-    for v in (v.strip() for v in text.split(",")):
-        if not v:
-            continue
-        if v == "router":
-            out.append(None)
-            continue
-        try:
-            n = int(v)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"'router' or a percent 0-100, got {v!r}") from None
-        if not 0 <= n <= 100:
-            raise argparse.ArgumentTypeError(f"a percent 0-100, got {n}")
-        out.append(n)
-    if not out:
+    """'router,0,20' -> [None, 0, 20] (None: the router's own split; the percents as
+    bench/gpu_slice.py's --fixed-splits reads them)."""
+    from gpu_slice import percent_list
+
+    words = [v.strip() for v in text.split(",") if v.strip()]
+    if not words:
         raise argparse.ArgumentTypeError("name at least one share")
-    return out
+    return [None if v == "router" else percent_list(v)[0] for v in words]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
