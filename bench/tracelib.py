@@ -164,12 +164,13 @@ def summarize(
         raise ValueError(f"the trace has no '{SCENARIO}' range: record the scenario inside one")
     lo, hi = window
     wall = hi - lo
-    gpu = [e for e in evs if e.get("cat") in GPU_CATS and clip(e, lo, hi) is not None]
-    kernels = [e for e in gpu if e["cat"] == "kernel"]
-    copies = [e for e in gpu if e["cat"] == "gpu_memcpy"]
-    k_iv = [clip(e, lo, hi) for e in kernels]
-    c_iv = [clip(e, lo, hi) for e in copies]
-    all_iv = union(k_iv + c_iv + [clip(e, lo, hi) for e in gpu if e["cat"] == "gpu_memset"])
+    # each GPU event inside the window, with its interval clipped to it
+    gpu = [(e, iv) for e in evs if e.get("cat") in GPU_CATS and (iv := clip(e, lo, hi))]
+    kernels = [(e, iv) for e, iv in gpu if e["cat"] == "kernel"]
+    copies = [(e, iv) for e, iv in gpu if e["cat"] == "gpu_memcpy"]
+    k_iv = [iv for _, iv in kernels]
+    c_iv = [iv for _, iv in copies]
+    all_iv = union([iv for _, iv in gpu])
     out: dict = {"wall_ms": wall / 1e3, "gpu_events": len(gpu)}
     if not all_iv:
         out.update({"lead_ms": wall / 1e3, "tail_ms": 0.0, "gpu_span_ms": 0.0, "kernel_ms": 0.0,
@@ -193,7 +194,7 @@ def summarize(
     )
     # copies per direction: bytes, time (union), rate over that time
     by_dir: dict[str, list] = defaultdict(list)
-    for e, iv in zip(copies, c_iv, strict=True):
+    for e, iv in copies:
         by_dir[copy_direction(e)].append((e, iv))
     out["copies"] = {}
     for d, items in sorted(by_dir.items()):
@@ -206,29 +207,29 @@ def summarize(
             "gbps": nbytes / (t * 1e3) if t > 0 and nbytes else None,
         }
     streams: dict[str, list] = defaultdict(list)
-    for e, iv in zip(gpu, [clip(e, lo, hi) for e in gpu], strict=True):
+    for e, iv in gpu:
         streams[str((e.get("args") or {}).get("stream", e.get("tid")))].append(iv)
     out["streams"] = {
         s: {"events": len(iv), "busy_ms": length(iv) / 1e3} for s, iv in sorted(streams.items())
     }
     by_name: dict[str, list[float]] = defaultdict(list)
-    for e, iv in zip(kernels, k_iv, strict=True):
-        by_name[short_name(e["name"])].append(iv[1] - iv[0])
+    named: dict[str, list[float]] = defaultdict(list)
+    for e, iv in kernels:
+        name = short_name(e["name"])
+        by_name[name].append(iv[1] - iv[0])
+        fig = NAMED.get(name) if "anonymous namespace" in e["name"] else None
+        if fig is not None:
+            named[fig].append(iv[1] - iv[0])
     ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
     kernel_total = sum(sum(v) for v in by_name.values()) or 1.0
     out["kernels"] = [
         {"name": n, "count": len(v), "ms": sum(v) / 1e3, "share": sum(v) / kernel_total}
         for n, v in ranked[:top_kernels]
     ]
-    named: dict[str, list[float]] = defaultdict(list)
-    for e, iv in zip(kernels, k_iv, strict=True):
-        fig = NAMED.get(short_name(e["name"])) if "anonymous namespace" in e["name"] else None
-        if fig is not None:
-            named[fig].append(iv[1] - iv[0])
     out["named"] = {fig: spread(v) for fig, v in sorted(named.items())}
     # the longest idle gaps, with what ran around them and what the host was doing
     host = [e for e in evs if e.get("cat") in HOST_CALL_CATS + HOST_RANGE_CATS]
-    ordered = sorted(gpu, key=lambda e: e["ts"])
+    ordered = sorted((e for e, _ in gpu), key=lambda e: e["ts"])
     ends = sorted((e["ts"] + e["dur"], short_name(e["name"], 60)) for e in ordered)
     gaps = sorted((g for g in idle_iv if g[1] - g[0] >= min_gap_us), key=lambda g: g[0] - g[1])
     out["gaps"] = []
