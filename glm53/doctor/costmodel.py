@@ -389,13 +389,16 @@ def exact_chunk_s(x: CostInputs, geo: Geometry, tokens: int) -> float:
     return dense * c + (s + c) + (geo.num_moe_layers - 1) * max(c, s)
 
 
+def chunk_lengths(prompt_tokens: int, chunk_tokens: int) -> list[int]:
+    """The tokens of each chunk a prompt is prefilled in: full chunks, then the rest."""
+    return [min(chunk_tokens, prompt_tokens - s) for s in range(0, prompt_tokens, chunk_tokens)]
+
+
 def exact_prefill_tok_s(
     x: CostInputs, geo: Geometry, prompt_tokens: int, chunk_tokens: int
 ) -> float:
     """Exact mode's chunk-major prefill rate: exact_chunk_s over the prompt's chunks."""
-    seconds = 0.0
-    for start in range(0, prompt_tokens, chunk_tokens):
-        seconds += exact_chunk_s(x, geo, min(chunk_tokens, prompt_tokens - start))
+    seconds = sum(exact_chunk_s(x, geo, n) for n in chunk_lengths(prompt_tokens, chunk_tokens))
     return prompt_tokens / seconds
 
 

@@ -43,6 +43,7 @@ from glm53.doctor.costmodel import (
     _chunk_compute_s,
     _expert_ms,
     _pick_rates,
+    chunk_lengths,
 )
 from glm53.doctor.geometry import Geometry
 from glm53.plan.layer_major import (
@@ -112,10 +113,7 @@ def chunked_compute_s(x: CostInputs, geo: Geometry, prompt_tokens: int, chunk_to
     """GPU compute of a prompt run at `chunk_tokens`-token chunks, in either order: every chunk
     of every layer pays the layer's fixed cost per chunk (layer-major runs each chunk through
     a layer as its own forward, the same kernels as chunk-major), plus the cost per token."""
-    return sum(
-        _chunk_compute_s(x, geo, min(chunk_tokens, prompt_tokens - start))
-        for start in range(0, prompt_tokens, chunk_tokens)
-    )
+    return sum(_chunk_compute_s(x, geo, n) for n in chunk_lengths(prompt_tokens, chunk_tokens))
 
 
 def _step_s(
@@ -168,9 +166,8 @@ def predict_prefill(
     """Chunk-major, layer-major and the bounds for one prompt length (see the module doc)."""
     eb, _, _ = _expert_ms(x, geo)
     rates = _pick_rates(geo)
-    chunk_s = 0.0
-    for start in range(0, prompt_tokens, chunk_tokens):
-        chunk_s += _step_s(x, geo, min(chunk_tokens, prompt_tokens - start), x.vram_slots, None)
+    chunks = chunk_lengths(prompt_tokens, chunk_tokens)
+    chunk_s = sum(_step_s(x, geo, n, x.vram_slots, None) for n in chunks)
     layer_tok_s: float | None = prompt_tokens / chunk_s
     states, placement, states_pcie = 0, "normal path", 0
     if uses_layer_major(prompt_tokens, chunk_tokens):
