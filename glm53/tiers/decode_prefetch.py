@@ -30,7 +30,7 @@ The pipeline, per decode hook of MoE layer L (glm53.exl3.nvme_device.NvmeHome.ro
    slots pinned) and their reads queued on the store's reader threads; the hook returns at once.
 
 Ownership and ordering: as glm53.tiers.prefill_ahead, whose machinery (RamTier.begin_resident /
-finish_resident / release_wave, prefill_ahead.unhome_evicted) this reuses. The engine
+finish_resident / release_wave, RamHome.begin and collect) this reuses. The engine
 thread owns the tier; reader threads write only the bytes of the slots a wave gave them.
 
 Eviction contract: a slot is never evicted while the device may read it, nor while it is read
@@ -61,7 +61,6 @@ import numpy as np
 
 from glm53.modes import NVME_PREFETCH
 from glm53.tiers.gpu_home import RamHome
-from glm53.tiers.prefill_ahead import unhome_evicted
 from glm53.tiers.ram_tier import PendingWave, ReadFault
 
 log = logging.getLogger("glm53.tiers")
@@ -146,9 +145,8 @@ class DecodePrefetch:
             self._release_held()
             return
         try:
-            wave = self.tier.begin_resident(model_layer, np.array(want, dtype=np.int32))
+            wave = self.home.begin(model_layer, np.array(want, dtype=np.int32))
         except ReadFault as exc:  # a hit whose read is stuck: not expected (misses only)
-            self.home.defer_reconcile()  # as prefill_ahead: the victims of its misses absent
             self.counters["prefetch_faults"] += 1
             log.warning("decode prefetch skips MoE layer %d: %s", layer, exc)
             self._release_held()
@@ -159,7 +157,6 @@ class DecodePrefetch:
         self.wave, self.layer, self.ready = wave, layer, False
         self.counters["prefetch_waves"] += 1
         self.counters["prefetch_keys"] += len(wave.loads)
-        unhome_evicted(self.home, wave)  # the taken slots' keys absent, now (deferred)
 
     # --- the end of a forward, a fault, a check ----------------------------------------------
     def drain(self) -> None:

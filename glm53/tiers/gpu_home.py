@@ -220,6 +220,31 @@ class RamHome:
         bring the table in line with it, for the next take_pending."""
         self.defer(self._reconcile())
 
+    def begin(self, layer: int, experts: np.ndarray):
+        """A wave read ahead (prefill staging's, decode prefetch's) begun on this home's tier
+        (RamTier.begin_resident, `layer` the model's layer): the keys whose slots its misses
+        took go `absent` now (pending writes, written by the caller before the device runs on),
+        so that no table entry points at a slot being read into; the misses get their homes
+        when the wave is collected, once their bytes are there. A read fault (a hit whose read
+        is stuck) is raised again once the writes it made necessary are deferred: the misses it
+        had admitted were taken back and their victims are gone (defer_reconcile)."""
+        try:
+            wave = self.tier.begin_resident(layer, experts)
+        except ReadFault:
+            self.defer_reconcile()
+            raise
+        keys = []
+        for slot in wave.slots[wave.num_hits :].tolist():
+            old = int(self.slot_owner[slot])
+            if old >= 0 and self.home_of[old] == self.address(slot):
+                self.home_of[old] = self.absent
+                keys.append(old)
+            self.slot_owner[slot] = -1
+        if keys:
+            addrs = np.full(len(keys), self.absent, np.int64)
+            self.defer(HomeUpdate(np.array(keys, np.int64), addrs))
+        return wave
+
     def collect(self, wave):
         """A wave read ahead (prefill staging's, decode prefetch's) collected from this home's
         tier: its store reads counted in this home's totals (ahead or not: the bench's bytes a

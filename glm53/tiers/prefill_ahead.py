@@ -83,23 +83,6 @@ from glm53.tiers.ram_tier import PendingWave, ReadFault
 log = logging.getLogger("glm53.tiers")
 
 
-def unhome_evicted(home: RamHome, wave: PendingWave) -> None:
-    """The keys whose slots a begun wave's misses took go `absent` now (pending writes, written
-    by the caller before the device runs on): no table entry points at a slot being read into.
-    The misses get their homes when the wave is finished, once their bytes are there (shared
-    with glm53.tiers.decode_prefetch)."""
-    keys = []
-    for slot in wave.slots[wave.num_hits :].tolist():
-        old = int(home.slot_owner[slot])
-        if old >= 0 and home.home_of[old] == home.address(slot):
-            home.home_of[old] = home.absent
-            keys.append(old)
-        home.slot_owner[slot] = -1
-    if keys:
-        addrs = np.full(len(keys), home.absent, np.int64)
-        home.defer(HomeUpdate(np.array(keys, np.int64), addrs))
-
-
 class AheadReads:
     """The waves read ahead for one RamHome (layers are MoE indices)."""
 
@@ -141,19 +124,14 @@ class AheadReads:
         if len(want) == 0:
             return False
         try:
-            wave = self.tier.begin_resident(self.tier.source.moe_layers[layer], want)
-        except ReadFault as exc:  # the misses it admitted were taken back, their victims gone
-            self.home.defer_reconcile()
+            wave = self.home.begin(self.tier.source.moe_layers[layer], want)
+        except ReadFault as exc:  # the home deferred the writes the fault made necessary
             self.counters["faults"] += 1
             log.warning("prefill staging skips MoE layer %d: %s", layer, exc)
             return False
         self.out[layer] = wave
         self.counters["waves"] += 1
-        self._unhome_evicted(wave)
         return True
-
-    def _unhome_evicted(self, wave: PendingWave) -> None:
-        unhome_evicted(self.home, wave)
 
     def finish(self, layer: int) -> HomeUpdate | None:
         """Collect the wave of `layer` and return the home-table writes that make it visible
