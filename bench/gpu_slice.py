@@ -267,13 +267,16 @@ def measure(loaded, vocab, quick=False, step=None, layer_major=None, shapes=PREF
 # nvme_exact_ramNN_prefetch: nvme_exact_ramNN with decode prefetch (--nvme-prefetch next-layer,
 # glm53.tiers.decode_prefetch); measured only when --modes names it and --store is given (not
 # yet run on a GPU)
+# exact_loan: exact with the staging loan (--ec-stage-loan: the staging buffers are cache slots
+# in decode, glm53.tiers.vram_cache.StagingLoan); measured only when --modes names it (not yet
+# run on a GPU)
 ALL_MODES = ("stock", "zerocopy", "exact", "exact_clock", "stock_offload", "stock_offload_arena",
              "nvme_exact_ram70", "nvme_exact_ram40", "nvme_ram70", "nvme_ram40", "fast",
              "exact_layer_major", "stock_offload_stream", "nvme_exact_ram70_prefetch",
-             "nvme_exact_ram40_prefetch")  # fmt: skip
+             "nvme_exact_ram40_prefetch", "exact_loan")  # fmt: skip
 ON_REQUEST = ("fast", "exact_layer_major", "stock_offload_stream", "nvme_ram70",
               "nvme_ram40", "nvme_exact_ram70_prefetch",
-              "nvme_exact_ram40_prefetch")  # not in the default --modes  # fmt: skip
+              "nvme_exact_ram40_prefetch", "exact_loan")  # not in the default --modes  # fmt: skip
 NVME_RAM_SHARE = {"nvme_exact_ram70": 0.7, "nvme_exact_ram40": 0.4, "nvme_ram70": 0.7,
                   "nvme_ram40": 0.4, "nvme_exact_ram70_prefetch": 0.7,
                   "nvme_exact_ram40_prefetch": 0.4}  # fmt: skip
@@ -403,6 +406,8 @@ def measure_mode(args, mode) -> dict:
         kw = exact_kwargs(args, "exact", geo.n_experts, len(geo.moe_layers))
     if mode.startswith("exact"):
         kw = exact_kwargs(args, mode, geo.n_experts, len(geo.moe_layers))
+        if mode == "exact_loan":
+            kw["stage_loan"] = True
     if mode in NVME_RAM_SHARE:
         load_mode = "nvme-exact"
         kw = exact_kwargs(args, "exact", geo.n_experts, len(geo.moe_layers))
@@ -458,6 +463,8 @@ def measure_mode(args, mode) -> dict:
             row["stage_slots"] = loaded.stager.buf_slots if loaded.stager is not None else 0
             if loaded.stager is not None:  # copy-engine DMA of layer ranges, or an SM gather
                 row["stage_dma"] = bool(loaded.stager.dma)
+                if loaded.stager.loan is not None:  # slots above include the lent buffers
+                    row["stage_loan"] = loaded.stager.loan.stats()
             if loaded.nvme is not None and loaded.stager is None:  # a finding, not a failure
                 row["staging_off"] = "the VRAM plan left no room for staging buffers"
         if loaded.nvme is not None:
@@ -772,6 +779,11 @@ def combine(results: list[dict], args) -> dict:
         }
         if "exact" in rows
         else None,
+        "exact_loan_hit_rate_by_concurrency": {
+            c: rows["exact_loan"]["decode"][c].get("hit_rate") for c in ("c1", "c2", "c4")
+        }
+        if "exact_loan" in rows
+        else None,
         "zero_copy_gbps": zc_gbps,
         "roofline_tok_s": roof,
         "prefill8k_stream_bound_tok_s": stream_bound,
@@ -852,6 +864,13 @@ def combine(results: list[dict], args) -> dict:
         "exact_vs_stock_offload": ratio(ex, c1("stock_offload")),
         "exact_vs_best_stock_offload": ratio(ex, max(offload)) if offload else None,
         "exact_vs_exact_clock": ratio(ex, c1("exact_clock")),
+        "exact_loan_vs_exact": ratio(c1("exact_loan"), ex),
+        "exact_loan_c4_aggregate_vs_exact": ratio(
+            figures["decode_c4_aggregate_tok_s"].get("exact_loan"), c4_agg
+        ),
+        "exact_loan_vs_best_stock_offload": (
+            ratio(c1("exact_loan"), max(offload)) if offload else None
+        ),
         "nvme_exact_vs_exact_ram70": ratio(c1("nvme_exact_ram70"), ex),
         "nvme_exact_vs_exact_ram40": ratio(c1("nvme_exact_ram40"), ex),
         "nvme_exact_ram70_vs_disk_bound": vs_disk_bound("nvme_exact_ram70"),

@@ -302,6 +302,16 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
             group="tiers",
         ),
     ] = None
+    ec_stage_loan: Annotated[
+        bool,
+        _s(
+            "Exact and fast modes: lend the two prefill staging buffers (--ec-stage-gb) to the "
+            "expert cache between prefills, so decode has their VRAM as cache slots; a prefill "
+            "chunk takes them back (one device sync a prompt). Output unchanged. Not yet run on "
+            "a GPU: needs --allow-unrun-modes.",
+            group="tiers",
+        ),
+    ] = False
     ec_freq_window: Annotated[
         NonNegInt | None,
         _s(
@@ -324,10 +334,11 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     allow_unrun_modes: Annotated[
         bool,
         _s(
-            "GPU engine: also run the five paths that have not yet passed their GPU tests: "
+            "GPU engine: also run the six paths that have not yet passed their GPU tests: "
             "--mode nvme (the store and its RAM tier with the CPU lane; never run on a GPU), the "
             "layer split (--gpus with two or more entries; run only as 0,0 on one GPU), "
-            "--prefill layer-major (identity tests passed, the rest not yet), prefill staging "
+            "--prefill layer-major (identity tests passed, the rest not yet), the staging loan "
+            "(--ec-stage-loan; never run on a GPU), prefill staging "
             "from the store in the store modes (--ec-stage-gb, off there without this flag) and "
             "--nvme-prefetch next-layer (both failed their first GPU run; fix not yet rerun); "
             "for their GPU tests "

@@ -137,11 +137,14 @@ UNRUN = {
     "store-staging": "prefill staging from the store in nvme-exact and nvme (--ec-stage-gb: "
     "a layer's misses read ahead into the RAM tier and staged while the layer before computes, "
     "glm53.tiers.prefill_ahead)",
+    "stage-loan": "the staging loan (--ec-stage-loan: exact's prefill staging buffers serve "
+    "as expert-cache slots between prefills, glm53.tiers.vram_cache.StagingLoan)",
     "nvme-prefetch": "decode prefetch in nvme-exact and nvme (--nvme-prefetch next-layer: the "
     "next MoE layer's router run on this layer's input, its predicted experts read from the "
     "store ahead, glm53.tiers.decode_prefetch)",
 }
 UNRUN_STATUS = {
+    "stage-loan": "has not yet run on a GPU",
     "split": "has run only on one GPU (--gpus 0,0: both layer ranges on that GPU, equal to one "
     "GPU and to stock exllamav3 on an H200 on 2026-12-05), never over two devices",
     "layer-major": "passed its identity tests on a GPU (2026-12-05: equal to stock exllamav3's "

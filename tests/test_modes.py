@@ -67,18 +67,21 @@ def test_the_lane_runs_beside_the_gpu_only_in_the_gpu_engines_lane_modes():
 def test_the_unrun_flag_gates_only_what_has_not_passed_on_a_gpu(tmp_path):
     """fast and nvme-exact passed on the H200 (2026-12-02); the split over two or more GPUs
     (run only as 0,0 on one GPU), layer-major prefill (identity tests only), nvme mode (never
-    run), staging from the store and decode prefetch (failed, fix not rerun) have not, so only
-    they still need --allow-unrun-modes (staging: tests/test_gpu_engine_config.py), each
+    run), the staging loan (never run), staging from the store and decode prefetch (failed, fix
+    not rerun) have not, so only they still need --allow-unrun-modes (staging: tests/test_gpu_engine_config.py), each
     refusal saying where it stands."""
     from glm53.engine.gpu_create import create
 
-    assert set(modes.UNRUN) == {"split", "layer-major", "nvme", "store-staging", "nvme-prefetch"}
+    assert set(modes.UNRUN) == {
+        "split", "layer-major", "nvme", "store-staging", "stage-loan", "nvme-prefetch"
+    }  # fmt: skip
     assert set(modes.UNRUN_STATUS) == set(modes.UNRUN)
     create(settings("--mode", "fast")[0], tmp_path)
     create(settings("--mode", "nvme-exact", "--store", str(tmp_path))[0], tmp_path)
     nvme = ["--mode", "nvme", "--store", str(tmp_path)]
     for key, argv in (
-        ("split", ["--gpus", "0,1"]), ("layer-major", ["--prefill", "layer-major"]), ("nvme", nvme)
+        ("split", ["--gpus", "0,1"]), ("layer-major", ["--prefill", "layer-major"]), ("nvme", nvme),
+        ("stage-loan", ["--ec-stage-loan"]),
     ):  # fmt: skip
         with pytest.raises(ConfigurationError, match="--allow-unrun-modes runs it anyway") as info:
             create(settings(*argv)[0], tmp_path)
@@ -91,4 +94,5 @@ def test_the_unrun_flags_help_says_what_it_gates():
 
     text = setting_info("allow_unrun_modes").description
     assert "split" in text and "--prefill layer-major" in text and "--mode nvme " in text
+    assert "--ec-stage-loan" in text
     assert "--mode fast" not in text and "nvme-exact" not in text

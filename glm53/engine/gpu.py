@@ -329,6 +329,9 @@ class GpuEngine:
         if self.loaded is not None and self.loaded.ec is not None:
             with self._lock:
                 out["tiers"] = {"vram_cache": self.loaded.ec.state()}
+                loan = getattr(self.loaded.stager, "loan", None)
+                if loan is not None:  # the staging loan (--ec-stage-loan)
+                    out["tiers"]["vram_cache"].update(loan.stats())
                 if self.loaded.nvme is not None:
                     out["tiers"]["ram"] = self.loaded.nvme.stats()
                     if self.tier_check is not None:

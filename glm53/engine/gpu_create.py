@@ -53,6 +53,9 @@ def _refuse_unrun(settings: Settings) -> None:
             "--mode nvme: ",
             "Use --mode nvme-exact (the store, bit-identical) or --mode fast (the CPU lane).",
         )
+    # the loan outside exact's one-GPU load is refused as such (LoadOptions), flag or not
+    if settings.ec_stage_loan:
+        raise _unrun("stage-loan", "--ec-stage-loan: ", "Leave --ec-stage-loan out.")
     # prefetch outside the store modes is refused as such (EngineOptions), flag or not
     if settings.nvme_prefetch != "off" and rule("gpu", settings.mode).load == "nvme-exact":
         raise _unrun(
@@ -114,6 +117,7 @@ def engine_options(settings: Settings) -> EngineOptions:
         ec_reserve_gb=settings.ec_reserve_gb,
         ec_stage_gb=stage_gb,
         ec_freq_window=settings.ec_freq_window,
+        ec_stage_loan=settings.ec_stage_loan,
         vram_budget=settings.vram_budget,
         warmup=settings.warmup,
         gpus=settings.gpus,

@@ -85,6 +85,7 @@ class EngineOptions:
     ec_reserve_gb: float = 1.0
     ec_stage_gb: float | None = None
     ec_freq_window: int | None = None
+    ec_stage_loan: bool = False  # the staging buffers are cache slots in decode (StagingLoan)
     prefix_cache: bool = True
     recurrent_cache_gb: float = 4.0
     cache_tokens: int | None = None  # None: max_batch whole contexts, in pages
@@ -128,6 +129,12 @@ class EngineOptions:
                     f"--prefill layer-major runs on one GPU; --gpus {_gpus_text(self.gpus)} "
                     "names more"
                 )
+            if self.ec_stage_loan:
+                raise ConfigurationError(
+                    "--prefill layer-major lends cache slots to its own pass, and "
+                    "--ec-stage-loan lends the staging buffers to the cache: one at a time; "
+                    "leave one of them out"
+                )
         device, gpus = self.device, self.gpus
         if gpus is not None and len(gpus) == 1:
             device = f"cuda:{gpus[0]}"  # one entry: the one-GPU path on that GPU
@@ -141,7 +148,8 @@ class EngineOptions:
             mode=load_mode, device=self.device, cache_tokens=self.cache_tokens,
             max_batch=self.max_batch, max_chunk=self.chunk_size, ec_max_slots=self.ec_max_slots,
             ec_reserve_gb=self.ec_reserve_gb, ec_stage_gb=self.ec_stage_gb,
-            ec_freq_window=self.ec_freq_window, allow_unsupported=self.allow_unsupported,
+            ec_freq_window=self.ec_freq_window, stage_loan=self.ec_stage_loan,
+            allow_unsupported=self.allow_unsupported,
             vram_budget=self.vram_budget, gpus=self.gpus, store=self.store,
             ram_cap=self.ram_cap, read_timeout_s=self.read_timeout_s,
             nvme_prefetch=self.nvme_prefetch,

@@ -223,11 +223,14 @@ def install_fast_hooks() -> None:
         cache = self.__dict__.get("_g53_cache")
         nvme = self.__dict__.get("_g53_nvme")  # nvme mode: glm53.exl3.nvme_device.NvmeHome
         nxt = self.__dict__.get("_g53_next") if nvme is not None else None  # decode prefetch
+        loan = getattr(self.__dict__.get("_g53_stager"), "loan", None)  # exact's staging loan
 
         def fast_routed(bsz, cfg, z, params):
             if exact_call(bsz, params):
                 return routed(bsz, cfg, z, params)
             predicted = predict_next(nxt, bsz, z, params)  # before this layer's own routing
+            if loan is not None and fast.moe_index == 0:  # a decode forward starts: before the
+                loan.decode()  # publish reads which keys the cache holds
             selected, weights = fn(bsz, cfg, z, params)
             fast.publish(z.view(bsz, -1), selected, weights)
             if nvme is not None:  # resolve + point the picks as routed, admit the GPU's

@@ -264,6 +264,7 @@ def install_hooks() -> None:
         stager = self.__dict__.get("_g53_stager")
         nvme = self.__dict__.get("_g53_nvme")  # nvme-exact: glm53.exl3.nvme_device.NvmeHome
         nxt = self.__dict__.get("_g53_next")  # decode prefetch: the next MoE module
+        loan = getattr(stager, "loan", None)  # exact's staging loan (vram_cache.StagingLoan)
 
         def routed(bsz, cfg, z, params):
             predicted = predict_next(nxt, bsz, z, params)  # first: see predict_next
@@ -275,6 +276,8 @@ def install_hooks() -> None:
             if params.get("activate_all_experts"):
                 return selected, weights
             if bsz <= DECODE_MAX_ROWS:
+                if loan is not None and layer == 0:  # a decode forward starts
+                    loan.decode()
                 cache.route(layer, selected.reshape(-1), admit=True)
             elif stager is not None and bsz >= stager.min_rows:
                 stager.on_layer(layer)

@@ -222,8 +222,16 @@ def load(model_dir: str, options: LoadOptions | None = None) -> Loaded:
                 f"{ec_reserve_gb:.2f} GiB reserved (--ec-reserve-gb) leaves room for {fit}; "
                 "lower --ec-reserve-gb, --context or --max-batch"
             )
+        if o.stage_loan and stage_slots < 1:
+            raise Exl3Refused(
+                "--ec-stage-loan lends the prefill staging buffers to the expert cache, but "
+                "staging is off here (--ec-stage-gb 0, or too little VRAM for its smallest "
+                "buffers): leave --ec-stage-loan out, or give --ec-stage-gb a size"
+            )
+        # the staging loan (vram_cache.StagingLoan): the buffers are the cache's last slots
+        loan_slots = 2 * stage_slots if o.stage_loan else 0
         ec = DeviceExpertCache(
-            home.geo, slots, home_addr, hooks.table_addresses(moe), dev,
+            home.geo, slots + loan_slots, home_addr, hooks.table_addresses(moe), dev,
             freq_window=o.ec_freq_window,
         )  # fmt: skip
         stager = None
@@ -231,7 +239,9 @@ def load(model_dir: str, options: LoadOptions | None = None) -> Loaded:
             from glm53.tiers.vram_cache import PrefillStager
 
             dma = False if nvme_src is not None else o.stage_dma  # RAM-tier homes: gathered
-            stager = PrefillStager(ec, stage_slots, min_rows=o.stage_min_rows, dma=dma)
+            stager = PrefillStager(
+                ec, stage_slots, min_rows=o.stage_min_rows, dma=dma, loan=o.stage_loan
+            )
         # nvme-exact's stager is driven by its NvmeHome (the routing hook never calls it)
         hooks.attach_cache(moe, ec, stager)
         loaded.ec, loaded.stager = ec, stager

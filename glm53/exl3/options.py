@@ -51,6 +51,7 @@ class LoadOptions:
     ec_freq_window: int | None = None
     stage_min_rows: int = 256
     stage_dma: bool | None = None
+    stage_loan: bool = False  # exact: the staging buffers are cache slots in decode (StagingLoan)
     allow_unsupported: bool = False
     vram_budget: int | None = None
     gpus: tuple[int, ...] | None = None
@@ -79,6 +80,12 @@ class LoadOptions:
             raise ConfigurationError(
                 f"--nvme-prefetch {self.nvme_prefetch}: it reads the store ahead, and load "
                 f"mode {self.mode} reads no store; leave it off, or load nvme-exact"
+            )
+        if self.stage_loan and (self.mode is not LoadMode.EXACT or self.is_split):
+            raise ConfigurationError(
+                "--ec-stage-loan lends exact mode's staging buffers to its one-GPU expert cache; "
+                f"load mode {self.mode}{' split over --gpus' if self.is_split else ''} has no "
+                "such pair: leave it out"
             )
         if self.is_split and self.mode is LoadMode.STOCK:
             raise ConfigurationError(

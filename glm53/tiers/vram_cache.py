@@ -254,14 +254,16 @@ class DeviceExpertCache:
         Returns the number of keys placed."""
         import torch
 
-        keys = [int(k) for k in keys][: self.n_slots]
+        arr = np.frombuffer(self._struct.cpu().numpy().tobytes(), dtype=self._dtype).copy()
+        s = arr[0]
+        # lent slots (a staging loan's or a layer-major pass's) are not seeded: only the first
+        # n_active slots are CLOCK's
+        keys = [int(k) for k in keys][: int(s["n_active"])]
         if not keys:
             return 0
         if len(set(keys)) != len(keys):
             raise ValueError("the heat list repeats a key; every key may be seeded once")
         keys = keys[::-1]  # slot 0 <- coldest of the seeded keys
-        arr = np.frombuffer(self._struct.cpu().numpy().tobytes(), dtype=self._dtype).copy()
-        s = arr[0]
         if int(s["n_used"]) != 0:
             raise RuntimeError(
                 "internal error: seed() needs an empty cache; call it right after loading"
@@ -287,6 +289,75 @@ class DeviceExpertCache:
         self._struct.copy_(torch.from_numpy(arr.view(np.uint8).copy()).to(self.device))
         self.reset_tables()
         return len(keys)
+
+
+LOAN_AFTER_DECODE_STEPS = 4  # decode forwards in a row, with no staged prefill chunk, before a loan
+
+
+class StagingLoan:
+    """The staging buffers lent to the expert cache between prefills (`--ec-stage-loan`).
+
+    Exact mode's two staging buffers hold up to a quarter of the VRAM left after the model
+    (glm53.plan.vram.STAGE_SHARE) and nothing in decode. With a loan they are the cache's last
+    2 * buf_slots slots: CLOCK admits into them in decode, and the stager takes them back
+    (DeviceExpertCache.lend: their keys go home, every table entry is rewritten, one device
+    sync) before the first stage of a prefill chunk. They go back to CLOCK (`decode`) once
+    LOAN_AFTER_DECODE_STEPS decode forwards ran in a row with no staged chunk between them, so a
+    prompt prefilled chunk by chunk between decode steps (the Generator's iterations) keeps its
+    buffers, and each switch costs one sync per prompt, not one per iteration. Output is
+    unchanged either way: every table entry points at a valid copy of its expert (slot, buffer
+    or home). Not yet run on a GPU.
+
+    The loan starts with the buffers the stager's (`take`): the first forward of a server is a
+    prefill, and a heat-list seed then fills only the slots CLOCK holds, so the hottest keys are
+    not placed where the first prefill would send them home."""
+
+    def __init__(self, stager: PrefillStager):
+        self.stager, self.cache = stager, stager.cache
+        self.n = 2 * stager.buf_slots
+        if self.n >= self.cache.n_slots:
+            raise ValueError(
+                f"a staging loan needs more cache slots than its {self.n} staging records; the "
+                f"cache has {self.cache.n_slots}"
+            )
+        self.with_cache = False  # True: the buffers are CLOCK's slots (decode)
+        self.decode_run = 0
+        self.loans = self.recalls = 0
+
+    def take(self):
+        """The buffers' bytes, taken from CLOCK (the cache's last `n` slots)."""
+        tail = self.cache.lend(self.n)
+        self.with_cache, self.decode_run = False, 0
+        return tail
+
+    def prefill(self) -> None:
+        """A staged prefill chunk is about to stage: the buffers come back to the stager first."""
+        self.decode_run = 0
+        if self.with_cache:
+            self.cache.lend(self.n)  # syncs; the tail's keys go home, every entry rewritten
+            self.stager.owner, self.stager.unstaged = [-1, -1], None
+            self.stager.pending.clear()
+            self.with_cache = False
+            self.recalls += 1
+
+    def decode(self) -> None:
+        """A decode forward starts (its first MoE layer, before the route): after
+        LOAN_AFTER_DECODE_STEPS of them in a row the buffers go to CLOCK."""
+        if self.with_cache:
+            return
+        self.decode_run += 1
+        if self.decode_run < LOAN_AFTER_DECODE_STEPS or self.stager.hold:
+            return
+        self.stager.clear()  # no entry points into a buffer once CLOCK may fill it
+        self.cache.unlend()
+        self.with_cache = True
+        self.loans += 1
+
+    def stats(self) -> dict:
+        return {
+            "stage_loan_slots": self.n, "stage_loan_with_cache": self.with_cache,
+            "stage_loans": self.loans, "stage_recalls": self.recalls,
+        }  # fmt: skip
 
 
 def clock_heat_order(slot_key, slot_ref, hand: int, key_freq=None) -> list[int]:
@@ -348,15 +419,25 @@ class PrefillStager:
     once its records are resident in the RAM tier (glm53.tiers.prefill_ahead)."""
 
     def __init__(
-        self, cache: DeviceExpertCache, buf_slots: int, min_rows: int = 256, dma: bool | None = None
-    ):
+        self, cache: DeviceExpertCache, buf_slots: int, min_rows: int = 256, dma: bool | None = None,
+        loan: bool = False,
+    ):  # fmt: skip
         import torch
 
         if buf_slots < 1:
             raise ValueError(f"a staging buffer needs at least 1 slot, got {buf_slots}")
         self.cache, self.buf_slots, self.min_rows = cache, int(buf_slots), int(min_rows)
         dev, rb = cache.device, cache.geo.record_bytes
-        self.bufs = [torch.empty(self.buf_slots * rb, dtype=torch.uint8, device=dev) for _ in "ab"]
+        # the staging loan (`loan`): the two buffers are the cache's last 2 * buf_slots slots,
+        # CLOCK's in decode and the stager's in prefill (StagingLoan); else buffers of their own
+        self.loan = StagingLoan(self) if loan else None
+        if self.loan is not None:
+            tail = self.loan.take()
+            self.bufs = [tail[: self.buf_slots * rb], tail[self.buf_slots * rb :]]
+        else:
+            self.bufs = [
+                torch.empty(self.buf_slots * rb, dtype=torch.uint8, device=dev) for _ in "ab"
+            ]
         self.job_src = [torch.zeros(self.buf_slots, dtype=torch.int64, device=dev) for _ in "ab"]
         self.job_dst = [torch.zeros(self.buf_slots, dtype=torch.int64, device=dev) for _ in "ab"]
         self.n_jobs = [torch.zeros(1, dtype=torch.int32, device=dev) for _ in "ab"]
@@ -385,7 +466,19 @@ class PrefillStager:
 
     @property
     def nbytes(self) -> int:
+        """The VRAM of the buffers (with a loan, cache slots when the cache holds them)."""
         return 2 * self.buf_slots * self.cache.geo.record_bytes
+
+    def clear(self) -> None:
+        """No table entry points into a buffer from here on: the side stream's stages are done
+        and waited for, and every entry of a staged layer goes back to its slot or home."""
+        import torch
+
+        self.side.synchronize()
+        torch.cuda.current_stream(self.cache.device).wait_stream(self.side)
+        self.cache.reset_tables()
+        self.owner, self.unstaged = [-1, -1], None
+        self.pending.clear()
 
     def _stage(self, layer: int, stream) -> None:
         import torch
@@ -446,6 +539,8 @@ class PrefillStager:
         """Called after MoE layer `layer`'s router, before its MoE kernel, on a prefill chunk."""
         import torch
 
+        if self.loan is not None:
+            self.loan.prefill()
         main = torch.cuda.current_stream(self.cache.device)
         if (
             self.hold and layer in self.held and self.owner[layer % 2] == layer

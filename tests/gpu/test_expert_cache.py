@@ -296,6 +296,58 @@ def test_staging_gathers_when_asked_or_when_homes_are_not_contiguous():
         PrefillStager(cache2, buf_slots=16, min_rows=1, dma=True)
 
 
+def test_staging_loan_moves_the_buffers_between_clock_and_the_stager():
+    """--ec-stage-loan (vram_cache.StagingLoan): the buffers are the cache's last 2 x buf_slots
+    slots. They start as the stager's (a seed fills only CLOCK's slots), go to CLOCK after
+    LOAN_AFTER_DECODE_STEPS decode forwards in a row (decode then admits into them), and come
+    back before a prefill chunk stages (their keys home); every entry points at a byte-exact
+    copy of its expert throughout."""
+    from glm53.tiers.vram_cache import LOAN_AFTER_DECODE_STEPS, PrefillStager
+
+    geo, home, home_addr, tables, cache = make_setup(3, 16, (512, 512, 1024), 4 + 2 * 5)
+    stager = PrefillStager(cache, buf_slots=5, min_rows=1, loan=True)
+    loan, rb = stager.loan, geo.record_bytes
+    tail = cache._t["slots"].data_ptr() + 4 * rb
+    assert [b.data_ptr() for b in stager.bufs] == [tail, tail + 5 * rb]
+    assert not loan.with_cache and cache.seed(list(range(20))) == 4  # CLOCK's 4 slots only
+
+    def valid():
+        torch.cuda.synchronize()
+        t = tables.cpu().numpy()
+        for key in range(geo.n_keys):
+            layer, e = divmod(key, 16)
+            for p in range(3):
+                lo = key * rb + geo.part_off[p]
+                got = _read(int(t[layer, p, e]), geo.part_bytes[p])
+                assert torch.equal(got, home[lo : lo + geo.part_bytes[p]]), (key, p)
+
+    for layer in range(3):  # a prefill chunk stages through the buffers
+        stager.on_layer(layer)
+    valid()
+    rng = np.random.default_rng(1)
+    for step in range(LOAN_AFTER_DECODE_STEPS + 6):
+        loan.decode()
+        for layer in range(3):
+            cache.route(layer, torch.from_numpy(rng.choice(16, 4, replace=False)).cuda())
+        assert loan.with_cache == (step + 1 >= LOAN_AFTER_DECODE_STEPS)
+    keys = cache.slot_keys()
+    assert (keys[4:] >= 0).sum() > 0, "decode admitted nothing into the lent buffers"
+    valid()
+    stager.on_layer(0)  # the next prefill takes the buffers back: their keys go home
+    assert not loan.with_cache and (cache.slot_keys()[4:] < 0).all()
+    stager.on_layer(1)
+    stager.on_layer(2)
+    valid()
+    assert loan.stats() == {
+        "stage_loan_slots": 10, "stage_loan_with_cache": False, "stage_loans": 1,
+        "stage_recalls": 1,
+    }  # fmt: skip
+    for _ in range(LOAN_AFTER_DECODE_STEPS - 1):  # a decode step between two chunks: kept
+        loan.decode()
+        stager.on_layer(0)
+    assert loan.stats()["stage_loans"] == 1
+
+
 def _read(addr, nbytes):
     from glm53.tiers.vram_cache import _uva_tensor
 

@@ -143,6 +143,30 @@ def test_batch_admitted_together_matches_the_generator_at_that_batch(case, engin
         assert_same(g, w, f"{case['name']} batch job {i} ({len(case['prompts'][2][i])} tokens)")
 
 
+def test_staging_loan_changes_no_output(case, engine):
+    """--ec-stage-loan: the staging buffers serve as cache slots in decode and go back to the
+    stager before each staged prefill chunk. Every prompt alone, then the batch, equal to the
+    Generator; the buffers went to the cache and came back at least once each."""
+    engine.close()  # one copy of the model on the GPU at a time (the server fixture's too)
+    e = GpuEngine(case["path"], EngineOptions(
+        mode="exact", context=CONTEXT, max_batch=4, chunk_size=CHUNK,
+        ec_max_slots=expert_slots(case["path"], SHARE), ec_stage_loan=True,
+    ))  # fmt: skip
+    e.load()
+    try:
+        single = case["prompts"][0]
+        for n in LENGTHS:
+            (got,) = run_engine(e, [single[n]], N_NEW)
+            assert_same(got, case["single"][n], f"{case['name']} loan, prompt of {n}")
+        got = run_engine(e, case["prompts"][2], N_NEW)
+        for i, (g, w) in enumerate(zip(got, case["batch"], strict=True)):
+            assert_same(g, w, f"{case['name']} loan, batch job {i}")
+        vc = e.stats()["tiers"]["vram_cache"]
+        assert vc["stage_loans"] >= 1 and vc["stage_recalls"] >= 1, vc
+    finally:
+        e.close()
+
+
 @pytest.fixture(scope="module")
 def server(case, engine):
     engine.close()  # one copy of the model on the GPU at a time
