@@ -499,3 +499,23 @@ def test_nvme_prefetch_is_refused_by_the_other_engines_and_checked_in_the_load_o
         LoadOptions(mode=LoadMode.NVME_EXACT, nvme_prefetch="x")
     with pytest.raises(ConfigurationError, match="--nvme-prefetch 'x': one of off, next-layer"):
         EngineOptions(mode="nvme-exact", store="/x", nvme_prefetch="x")
+
+
+def test_the_staging_loan_reaches_the_load_in_exact_and_fast_modes(tmp_path):
+    for mode in ("exact", "fast"):
+        e = create(settings("--mode", mode, "--ec-stage-loan", "--allow-unrun-modes"), tmp_path)
+        assert e.options.ec_stage_loan and e.options.load.stage_loan
+    assert not create(settings("--mode", "exact"), tmp_path).options.load.stage_loan
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--mode", "nvme-exact", "--store", "/x"], "load mode nvme-exact has no such pair"),
+        (["--mode", "exact", "--gpus", "0,1"], "split over --gpus has no such pair"),
+        (["--mode", "exact", "--prefill", "layer-major"], "one at a time; leave one of them out"),
+    ],
+)
+def test_the_staging_loan_is_refused_where_it_has_no_buffers_to_lend(tmp_path, argv, match):
+    with pytest.raises(ConfigurationError, match=match):
+        create(settings(*argv, "--ec-stage-loan", "--allow-unrun-modes"), tmp_path)
