@@ -647,7 +647,9 @@ def prefill_inputs(rows: dict, mode: str, geo: Geometry, target: Geometry | None
 
 def predicted_slots(mode: str, row: dict, geo: Geometry) -> int | None:
     """The VRAM slots the cost model gives a row: every expert for stock, none for zerocopy,
-    the cache's for exact; None for rows it does not model (stock exllamav3's CPU offload)."""
+    the cache's for exact; None for rows it does not model (stock exllamav3's CPU offload).
+    exact_loan's `slots` count the lent staging buffers: right for its decode, while its
+    prefill has the cache's alone (so its prefill prediction is a little high)."""
     if mode == "stock":
         return geo.total_experts
     if mode == "zerocopy":

@@ -301,9 +301,9 @@ class MockCache:
 
 
 class MockLoaded:
-    """A mock of exl3_load's Loaded: the VRAM cache, no nvme tier."""
+    """A mock of exl3_load's Loaded: the VRAM cache, no nvme tier, no stager."""
 
-    ec, nvme = MockCache(), None
+    ec, nvme, stager = MockCache(), None, None
 
 
 class MockTokenizer:
