@@ -647,14 +647,18 @@ def prefill_inputs(rows: dict, mode: str, geo: Geometry, target: Geometry | None
 
 def predicted_slots(mode: str, row: dict, geo: Geometry) -> int | None:
     """The VRAM slots the cost model gives a row: every expert for stock, none for zerocopy,
-    the cache's for exact; None for rows it does not model (stock exllamav3's CPU offload).
-    exact_loan's `slots` count the lent staging buffers: right for its decode, while its
-    prefill has the cache's alone (so its prefill prediction is a little high)."""
+    the cache's for exact (without the staging loan's records: lent_slots); None for rows it
+    does not model (stock exllamav3's CPU offload)."""
     if mode == "stock":
         return geo.total_experts
     if mode == "zerocopy":
         return 0
-    return row.get("slots") if mode.startswith("exact") else None
+    return row["slots"] - lent_slots(row) if mode.startswith("exact") and "slots" in row else None
+
+
+def lent_slots(row: dict) -> int:
+    """The staging loan's records in a row's `slots` (exact_loan): cache slots in decode only."""
+    return (row.get("stage_loan") or {}).get("stage_loan_slots", 0)
 
 
 MEASURED = {  # prediction name -> how to read the measured row
@@ -679,7 +683,7 @@ def predictions(rows: dict, geo: Geometry, args) -> tuple[dict, dict]:
         x = msgspec.structs.replace(
             prediction_inputs(args, slots), **prefill_inputs(rows, mode, geo)
         )
-        pred = costmodel.exact_rows(x, geo)
+        pred = costmodel.exact_rows(x, geo, lent_slots(row))
         predicted[mode] = pred
         vs[mode] = {}
         for name, value in pred.items():

@@ -813,6 +813,40 @@ def test_gpu_slice_predicts_prefill_from_its_own_stock_row_and_exacts_staging(tm
     assert vs["stock"]["prefill_8192_tok_s"] == pytest.approx(1.04, abs=0.01)  # held out
 
 
+def test_gpu_slice_loan_row_is_predicted_with_the_lent_slots_in_decode_only(tmp_path):
+    """MOCK exact and exact_loan rows (made-up figures; the loan has not run on a GPU): the loan
+    row's `slots` count its 576 lent staging records; the cost model gives them to its decode
+    and not to its prefill, and the ratios set it against exact and the best stock offload."""
+    from glm53.doctor.geometry import Geometry
+
+    gs = _gpu_slice()
+    assert "exact_loan" not in gs.parse_args(["--model", "/x"]).modes  # on request
+    geo = Geometry("slice", 8, 6, 288, 8, 9_437_184, 1_000_000_000, 3)
+    info = {"moe_layers": 6, "experts": 288, "record_bytes": 9_437_184, "device": "MOCK",
+            "geometry": {f: getattr(geo, f) for f in geo.__struct_fields__}}  # fmt: skip
+    cache = {"layer_hit_rate": [0.4] * 6}
+    loan = {"stage_loan_slots": 576, "stage_loan_with_cache": True, "stage_loans": 3,
+            "stage_recalls": 2}  # fmt: skip
+    rows = {
+        "exact": _mock_row(130.0, 90.0, 60.0, 240.0, 1000.0, 5000.0, 11000.0,
+                           decode_hit_rate=0.43, cache=cache, slots=197),
+        "exact_loan": _mock_row(180.0, 120.0, 75.0, 300.0, 1000.0, 5000.0, 11000.0,
+                                decode_hit_rate=0.8, cache=cache, slots=197 + 576,
+                                stage_loan=loan),
+        "stock_offload_arena": _mock_row(70.0, 50.0, 28.0, 112.0, 300.0, 2400.0, 4600.0),
+    }  # fmt: skip
+    r = combine(tmp_path, rows, info)
+    pred = r["figures"]["predicted"]
+    assert pred["exact_loan"]["decode_c1_tok_s"] > pred["exact"]["decode_c1_tok_s"]
+    assert pred["exact_loan"]["hit_rate"] > pred["exact"]["hit_rate"]
+    for name in ("prefill_512_tok_s", "prefill_8192_tok_s", "prefill_8192_chunk8192_tok_s"):
+        assert pred["exact_loan"][name] == pytest.approx(pred["exact"][name])
+    ratios = r["ratios"]
+    assert ratios["exact_loan_vs_exact"] == 180.0 / 130.0
+    assert ratios["exact_loan_c4_aggregate_vs_exact"] == 300.0 / 240.0
+    assert ratios["exact_loan_vs_best_stock_offload"] == 180.0 / 70.0
+
+
 def test_gpu_slice_lane_rows_pin_as_the_server_does_unless_told_not_to():
     """The fast and nvme rows pin the driving thread and the lane's poller off the lane's cores
     (glm53.tiers.thread_pins.lane_threads_pinned, tested in tests/test_thread_pins.py) by default;

@@ -410,17 +410,21 @@ PREFILL_ROWS = (
 )
 
 
-def exact_rows(x: CostInputs, geo: Geometry = GLM53_FLASH) -> dict[str, float]:
+def exact_rows(
+    x: CostInputs, geo: Geometry = GLM53_FLASH, lent_slots: int = 0
+) -> dict[str, float]:
     """Exact mode's predicted figures under bench/gpu_slice.py's names: decode per stream at
     concurrency 1, 2 and 4, the aggregate at 4, the prefill rates and the decode hit rate. With
-    x.vram_slots = 0 this is the zero-copy floor, with every expert slotted the all-VRAM row."""
-    ms = {b: exact_decode_ms(x, geo, b) for b in (1, 2, 4)}
+    x.vram_slots = 0 this is the zero-copy floor, with every expert slotted the all-VRAM row.
+    `lent_slots`: the staging loan's records (--ec-stage-loan), cache slots in decode only."""
+    dx = msgspec.structs.replace(x, vram_slots=x.vram_slots + lent_slots) if lent_slots else x
+    ms = {b: exact_decode_ms(dx, geo, b) for b in (1, 2, 4)}
     out = {
         "decode_c1_tok_s": 1000 / ms[1],
         "decode_c2_per_stream_tok_s": 1000 / ms[2],
         "decode_c4_per_stream_tok_s": 1000 / ms[4],
         "decode_c4_aggregate_tok_s": 4000 / ms[4],
-        "hit_rate": hit_fraction(x.vram_slots / geo.total_experts),
+        "hit_rate": hit_fraction(dx.vram_slots / geo.total_experts),
     }
     for name, tokens, chunk in PREFILL_ROWS:
         out[name] = exact_prefill_tok_s(x, geo, tokens, chunk)
