@@ -410,9 +410,7 @@ PREFILL_ROWS = (
 )
 
 
-def exact_rows(
-    x: CostInputs, geo: Geometry = GLM53_FLASH, lent_slots: int = 0
-) -> dict[str, float]:
+def exact_rows(x: CostInputs, geo: Geometry = GLM53_FLASH, lent_slots: int = 0) -> dict[str, float]:
     """Exact mode's predicted figures under bench/gpu_slice.py's names: decode per stream at
     concurrency 1, 2 and 4, the aggregate at 4, the prefill rates and the decode hit rate. With
     x.vram_slots = 0 this is the zero-copy floor, with every expert slotted the all-VRAM row.
