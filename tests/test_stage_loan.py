@@ -103,3 +103,31 @@ def test_a_loan_needs_more_cache_slots_than_staging_records():
     cache = MockCache(8)
     with pytest.raises(ValueError, match="needs more cache slots than its 8 staging records"):
         StagingLoan(MockStager(cache, 4))
+
+
+def iterations_of_one_prompt(loan, chunks: int, cooldown: int) -> None:
+    """exllamav3 1.6.5's Generator.iterate while another job generates and a prompt of `chunks`
+    staged chunks is ingested (generator.py, the prefill round of iterate): an iteration with a
+    prefill pass runs the chunk, then the batched decode forward; `cooldown` iterations with
+    only the decode forward follow before the next pass."""
+    for _ in range(chunks):
+        loan.prefill()  # the chunk's first staged layer (PrefillStager.on_layer)
+        loan.decode()  # the same iteration's decode forward of the generating job
+        for _ in range(cooldown):
+            loan.decode()
+
+
+def test_glm53s_generator_settings_keep_the_buffers_through_a_prompt():
+    """The loan's one-sync-per-prompt schedule rests on glm53's Generator settings: with
+    prefill_cooldown 0 a prompt's chunks come on consecutive iterations (one decode forward
+    between two), fewer than LOAN_AFTER_DECODE_STEPS; exllamav3's default cooldown (4) would
+    lend and recall the buffers around every chunk (exact still, two syncs a chunk)."""
+    from glm53.exl3.prefix import generator_settings
+
+    cooldown = generator_settings(4, 2048, 4.0)["prefill_cooldown"]
+    cache, stager, loan = make()
+    iterations_of_one_prompt(loan, chunks=6, cooldown=cooldown)
+    assert cache.calls == [("lend", 8)] and loan.stats()["stage_recalls"] == 0
+    cache, stager, loan = make()
+    iterations_of_one_prompt(loan, chunks=6, cooldown=4)  # exllamav3 1.6.5's default
+    assert loan.stats()["stage_loans"] == 6 and loan.stats()["stage_recalls"] == 5

@@ -172,11 +172,13 @@ class DeviceExpertCache:
 
     def lend(self, n: int):
         """Take the last n slots out of CLOCK's reach for a layer-major prefill
-        (glm53.exl3.layer_major) and return their bytes (a uint8 CUDA tensor). The keys
-        they held go back to their homes (every table rewritten: no entry points into the lent
-        bytes, none points into a staging buffer either), and admissions use the first
-        n_slots - n slots only (`n_active`) until `unlend`. Synchronizes the device. Not yet
-        run on a GPU."""
+        (glm53.exl3.layer_major) or the staging buffers (StagingLoan: at load, then before each
+        staged prefill chunk that follows a loan) and return their bytes (a uint8 CUDA tensor).
+        The device sync comes first, so no copy that a decode step queued into them is still
+        pending when they change owner. The keys they held go back to their homes (every table
+        rewritten: no entry points into the lent bytes, none points into a staging buffer
+        either), and admissions use the first n_slots - n slots only (`n_active`) until
+        `unlend`. Synchronizes the device. Not yet run on a GPU."""
         import torch
 
         if not 0 < n < self.n_slots:
@@ -304,9 +306,13 @@ class StagingLoan:
     sync) before the first stage of a prefill chunk. They go back to CLOCK (`decode`) once
     LOAN_AFTER_DECODE_STEPS decode forwards ran in a row with no staged chunk between them, so a
     prompt prefilled chunk by chunk between decode steps (the Generator's iterations) keeps its
-    buffers, and each switch costs one sync per prompt, not one per iteration. Output is
-    unchanged either way: every table entry points at a valid copy of its expert (slot, buffer
-    or home). Not yet run on a GPU.
+    buffers, and each switch costs one sync per prompt, not one per iteration. That holds at
+    glm53's Generator settings (glm53.exl3.prefix.generator_settings: `prefill_cooldown` 0, so a
+    prompt's chunks come on consecutive iterations, one decode forward between two of them);
+    exllamav3 1.6.5's default cooldown of 4 puts 5 decode forwards between two chunks of a
+    prompt ingested while another job generates, and the loan would switch twice a chunk
+    (still exact, two syncs a chunk). Output is unchanged either way: every table entry points
+    at a valid copy of its expert (slot, buffer or home). Not yet run on a GPU.
 
     The loan starts with the buffers the stager's (`take`): the first forward of a server is a
     prefill, and a heat-list seed then fills only the slots CLOCK holds, so the hottest keys are

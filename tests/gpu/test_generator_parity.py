@@ -146,11 +146,14 @@ def test_batch_admitted_together_matches_the_generator_at_that_batch(case, engin
 def test_staging_loan_changes_no_output(case, engine):
     """--ec-stage-loan: the staging buffers serve as cache slots in decode and go back to the
     stager before each staged prefill chunk. Every prompt alone, then the batch, equal to the
-    Generator; the buffers went to the cache and came back at least once each."""
+    Generator; the buffers went to the cache and came back at least once each. The cache starts
+    from the heat list the exact engine saved as it closed (a seed fills CLOCK's slots only),
+    and the heat file stays in the test's directory."""
     engine.close()  # one copy of the model on the GPU at a time (the server fixture's too)
     e = GpuEngine(case["path"], EngineOptions(
         mode="exact", context=CONTEXT, max_batch=4, chunk_size=CHUNK,
         ec_max_slots=expert_slots(case["path"], SHARE), ec_stage_loan=True,
+        heat_file=str(case["tmp"] / "heat.json"),
     ))  # fmt: skip
     e.load()
     try:
