@@ -77,6 +77,9 @@ class MockExpertCache:
     def reset_tables(self):
         self.calls.append(("reset_tables",))
 
+    def empty(self, forget=False):  # the real one: tests/gpu/test_expert_cache.py
+        self.calls.append(("empty", forget))
+
     def slot_keys(self):
         return self._t["slot_key"].numpy()
 
@@ -192,9 +195,7 @@ def test_table_bad_fails_the_step_once_and_flushes_the_vram_cache(glue):
     home.bad += 3
     with pytest.raises(TierError, match="3 expert picks of this step found neither"):
         home.check_table_bad()
-    assert int(ec._t["key_slot"].max()) == -1 and lib.calls[-1] == ("reset_tables",)
-    off = ec._dtype.fields["n_used"][1]
-    assert ec._struct[off : off + 4].tolist() == [0, 0, 0, 0]
+    assert lib.calls[-1] == ("empty", False)  # every slot emptied, the counters kept
     home.check_table_bad()  # counted once
     assert home.stats()["table_bad"] == 3
 

@@ -30,6 +30,7 @@ from glm53.engine import gpu_tiers
 from glm53.engine.base import EngineError, FinishReason, JobOutput
 from glm53.engine.gpu_options import EngineOptions
 from glm53.exl3 import PAGE
+from glm53.tiers.heat import read_heat
 from glm53.units import GIB
 
 log = logging.getLogger("glm53.engine.gpu")
@@ -111,6 +112,8 @@ class GpuEngine:
                 "exllamav3 warm-up in %.1f s%s", time.perf_counter() - t0,
                 f"; passes that raised: {self.warmup_failed}" if self.warmup_failed else "",
             )  # fmt: skip
+            if self.loaded.ec is not None:  # its random picks are no traffic: a cold cache,
+                self.loaded.ec.empty(forget=True)  # which the heat list below may seed
         self.generator = exl3.make_generator(
             self.loaded, self.num_slots, self.chunk_size, self.recurrent_cache_gb
         )
@@ -123,9 +126,10 @@ class GpuEngine:
             gpu_tiers.start_nvme(self)
             if self.mode == "nvme":  # the lane over the warm RAM tier
                 gpu_tiers.start_lane(self)
-        elif self.loaded.ec is not None and os.path.isfile(self.heat_file):
-            with open(self.heat_file) as f:
-                self.loaded.ec.seed(json.load(f)["keys"])
+        elif self.loaded.ec is not None:
+            keys = read_heat(self.heat_file, self.loaded.ec.num_keys)  # [] without a usable one
+            if keys:
+                self.loaded.ec.seed(keys)
 
     def _start_layer_major(self) -> None:
         with open(os.path.join(self.model_dir, "config.json"), encoding="utf-8") as f:

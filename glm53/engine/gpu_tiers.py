@@ -10,9 +10,7 @@ glm53.modes' table (EngineOptions.load).
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 
 from glm53 import exl3
 from glm53.engine.base import FinishReason, JobOutput
@@ -44,11 +42,17 @@ def start_nvme(engine) -> None:
     engine.ram_heat_file = heat_path(
         engine.model_dir, "ram", engine.store, cache_dir=engine.cache_dir
     )
-    vram = []
-    if os.path.isfile(engine.heat_file):
-        with open(engine.heat_file) as f:
-            vram = json.load(f)["keys"]
-    warm = nvme.warm_start(read_heat(engine.ram_heat_file, nvme.tier.num_keys), vram)
+    ram = read_heat(engine.ram_heat_file, nvme.tier.num_keys)
+    if ram and nvme.tier.clock.n_used:
+        # exllamav3's warm-up (--warmup) ran real forwards, which read experts into the RAM tier:
+        # a tier in use is not seeded (RamTier.seed), so its heat list waits for the next start
+        log.warning(
+            "the warm-up read %d experts into the RAM tier, so its heat list %s is not used "
+            "this start (it is rewritten at shutdown)", nvme.tier.clock.n_used,
+            engine.ram_heat_file,
+        )  # fmt: skip
+        ram = []
+    warm = nvme.warm_start(ram, read_heat(engine.heat_file, nvme.ec.num_keys))
     log.info("nvme warm start: %s", warm)
     engine.verify_tiers = engine._verify_nvme
     result = engine.verify_tiers(64)

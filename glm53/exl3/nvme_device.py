@@ -373,15 +373,7 @@ class NvmeHome:
         )
 
     def flush_vram(self) -> None:
-        import torch
-
-        t = self.ec._t
-        t["key_slot"].fill_(-1)
-        t["slot_key"].fill_(-1)
-        t["slot_ref"].zero_()
-        off = self.ec._dtype.fields["n_used"][1]
-        self.ec._struct[off : off + 4] = torch.zeros(4, dtype=torch.uint8, device=self.device)
-        self.ec.reset_tables()
+        self.ec.empty()
 
     # --- start and checks --------------------------------------------------------------------
     def warm_start(self, ram_keys, vram_keys) -> dict:

@@ -144,6 +144,12 @@ class SplitCaches:
                 placed += cache.seed(per[k])
         return placed
 
+    def empty(self, forget: bool = False) -> None:
+        """Every part's cache emptied (DeviceExpertCache.empty)."""
+        for _, _, cache in self._live():
+            with self.guard(cache.device):
+                cache.empty(forget)
+
     def heat_list(self) -> list[int]:
         """Every part's heat list in global keys, interleaved one key of each part in turn
         (each part's own order kept), so that a one-GPU start takes a mix of both."""

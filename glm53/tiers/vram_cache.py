@@ -167,8 +167,36 @@ class DeviceExpertCache:
         if admit:
             self._cuda.ec_copy(self._ptr, self.copy_blocks, stream)
 
+    @property
+    def num_keys(self) -> int:
+        """Experts the cache can hold keys of (MoE layers x experts): a heat list's range."""
+        return self.geo.n_keys
+
     def reset_tables(self) -> None:
         self._cuda.ec_reset_tables(self._ptr, self._stream())
+
+    def empty(self, forget: bool = False) -> None:
+        """Every key out of its slot (the slots CLOCK holds; lent slots hold none) and every
+        table entry back home. `forget`: also the admission filter's counts and the counters,
+        as after exllamav3's warm-up (--warmup), whose random picks are no traffic to keep."""
+        import torch
+
+        t = self._t
+        t["key_slot"].fill_(-1)
+        t["slot_key"].fill_(-1)
+        t["slot_ref"].zero_()
+        torch.cuda.synchronize(self.device)
+        arr = np.frombuffer(self._struct.cpu().numpy().tobytes(), dtype=self._dtype).copy()
+        arr[0]["n_used"], arr[0]["hand"] = 0, 0
+        if forget:
+            t["key_freq"].zero_()
+            t["layer_hits"].zero_()
+            t["layer_misses"].zero_()
+            arr[0]["freq_events"] = 0
+            for name in COUNTERS:
+                arr[0][name] = 0
+        self._struct.copy_(torch.from_numpy(arr.view(np.uint8).copy()).to(self.device))
+        self.reset_tables()
 
     def lend(self, n: int):
         """Take the last n slots out of CLOCK's reach for a layer-major prefill

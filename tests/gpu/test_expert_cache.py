@@ -203,6 +203,27 @@ def test_seed_gives_the_filter_counts_in_heat_order():
     assert cache.heat_list() == [9, 3, 12]
 
 
+@pytest.mark.parametrize("forget", [False, True])
+def test_empty_sends_every_key_home_and_the_cache_fills_again(forget):
+    """DeviceExpertCache.empty: nvme's flush after a poisoned step (forget False: the counters
+    and the filter's counts stay) and the engine's after exllamav3's warm-up (forget True)."""
+    geo, home, home_addr, tables, cache = make_setup(2, 16, (512, 512, 1024), 6, freq_window=None)
+    for _ in range(3):
+        cache.route(0, torch.arange(4, dtype=torch.int64, device="cuda"))
+    before, freq = cache.state(), int(cache.key_freq().max())
+    assert before["used"] == 4 and freq == 3
+    cache.empty(forget)
+    model = ClockModel(6, geo.n_keys, cache.freq_window)
+    check_tables(geo, home, home_addr, tables, cache, model)  # every entry home, every slot free
+    st = cache.state()
+    assert st["used"] == 0 and st["hand"] == 0
+    assert st["hits"] == (0 if forget else before["hits"])
+    assert int(cache.key_freq().max()) == (0 if forget else freq)
+    assert cache.seed([5, 6]) == 2  # seed needs an empty cache: it takes one now
+    cache.route(1, torch.tensor([1, 2], dtype=torch.int64, device="cuda"))
+    assert cache.state()["admits"] == (2 if forget else before["admits"] + 2)
+
+
 def test_too_many_picks_is_a_clear_error():
     geo, home, home_addr, tables, cache = make_setup(1, 8, (512, 512, 1024), 4)
     with pytest.raises(ValueError, match="exceed the cache's limit"):
