@@ -96,3 +96,31 @@ def test_on_the_gpu_machine_a_file_skipped_for_a_missing_module_fails(tmp_path):
     assert "export GLM53_GPU_STRICT=1" in (REPO / "tools" / "gpu-check.sh").read_text()
     lax = _strict_run(tmp_path, strict=False)
     assert lax.returncode == 0 and "error" not in lax.stdout, lax.stdout
+
+
+def test_gpu_check_runs_several_groups_side_by_side(tmp_path):
+    """GLM53_GPU_GROUP=c,a: one pytest process a group, each with its own junit and log, the
+    deadline for each; an unknown group stops the call before anything runs. Here, without a
+    GPU, each process ends in seconds (its files skipped, or errors under GLM53_GPU_STRICT)."""
+    import os
+
+    dev, out = tmp_path / "dev", tmp_path / "out"
+    dev.mkdir()
+    (dev / "setup.sh").write_text("true\n")
+    env = {**os.environ, "GLM53_GPU_WORK": str(tmp_path / "work"), "GLM53_TESTS_DEADLINE": "120"}
+    run = subprocess.run(
+        ["bash", str(REPO / "tools" / "gpu-check.sh"), str(dev), str(out), "tests"],
+        env={**env, "GLM53_GPU_GROUP": "c,a"}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    log = (out / "gpu-check.log").read_text()
+    for g in ("a", "c"):
+        assert (out / f"gpu-tests-{g}.xml").is_file(), log
+        files = " ".join(f"tests/gpu/{f}" for f in groups()[g]["test"])
+        assert re.search(rf"start tests-{g}: timeout -s INT .*--junitxml=\S*gpu-tests-{g}.xml", log)
+        assert all(f in log for f in files.split()), (g, log)
+    assert not (out / "gpu-tests.xml").exists()
+    bad = subprocess.run(
+        ["bash", str(REPO / "tools" / "gpu-check.sh"), str(dev), str(tmp_path / "o2"), "tests"],
+        env={**env, "GLM53_GPU_GROUP": "a,z"}, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "no group z in tests/gpu/groups.txt" in bad.stderr

@@ -9,7 +9,8 @@
 # first-use compiles with the synthesis of the next. A Triton cache found at
 # DEVICE_DIR/triton-cache.tar.gz (or in its parts, .part-00 ...) is restored (and saved to
 # OUT_DIR in parts when GLM53_SAVE_TRITON is set; only the autotuner's choices, DEVICE_DIR/triton-autotune.tar.gz, when it is "autotune").
-# GLM53_GPU_GROUP=a|b|c|d|e|f runs one group of tests/gpu (tests/gpu/groups.txt: its files, and the
+# GLM53_GPU_GROUP=a|b|c|d|e|f runs one group of tests/gpu (a,c: several, side by side, below;
+# tests/gpu/groups.txt: its files, and the
 # checkpoints they need as the synth default); the groups together are the whole of tests/gpu,
 # each meant for one 10-minute device call (groups.txt has the times measured on the H200 on
 # 2026-12-02: a 8.6 min, b 8.3 min; c not yet measured). With a group,
@@ -27,21 +28,28 @@ DEV=$(realpath "${1:?usage: tools/gpu-check.sh DEVICE_DIR OUT_DIR [STAGES]}")
 OUT=$(realpath -m "${2:?usage: tools/gpu-check.sh DEVICE_DIR OUT_DIR [STAGES]}")
 STAGES=${3:-"build synth tests bench"}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
-GROUP=${GLM53_GPU_GROUP:-}
+# GLM53_GPU_GROUP=a,c (several, comma-separated): the groups' tests run side by side, one pytest
+# process each on the same GPU (own junit gpu-tests-G.xml, log tests-G.log, live log, basetemp),
+# after one build and one synth of every checkpoint they need; the deadline holds for each.
+GROUPS_LIST=$(echo "${GLM53_GPU_GROUP:-}" | tr ',' ' ')
 group_entries() {  # group_entries KIND: the values of this group's KIND lines in groups.txt
   sed 's/#.*//' "$REPO/tests/gpu/groups.txt" |
     awk -v g="$GROUP" -v k="$1" '$1 == g && $2 == k { for (i = 3; i <= NF; i++) print $i }'
 }
 group_synth="" group_tests="" deadline=0
-if [ -n "$GROUP" ]; then
-  group_synth=$(group_entries synth | tr '\n' ' ')
-  group_tests=$(group_entries test | sed 's|^|tests/gpu/|' | tr '\n' ' ')
-  if [ -z "$group_tests" ]; then
-    echo "GLM53_GPU_GROUP=$GROUP: no such group in tests/gpu/groups.txt" >&2
+for GROUP in $GROUPS_LIST; do
+  tests_of_group=$(group_entries test | sed 's|^|tests/gpu/|' | tr '\n' ' ')
+  if [ -z "$tests_of_group" ]; then
+    echo "GLM53_GPU_GROUP=$GLM53_GPU_GROUP: no group $GROUP in tests/gpu/groups.txt" >&2
     exit 2
   fi
+  for p in $(group_entries synth); do
+    case " $group_synth " in *" $p "*) ;; *) group_synth="$group_synth$p " ;; esac
+  done
+  group_tests="$group_tests$tests_of_group"
   deadline=${GLM53_TESTS_DEADLINE:-540}
-fi
+done
+GROUP=${GLM53_GPU_GROUP:-}
 WORK=${GLM53_GPU_WORK:-/tmp/glm53-gpu}
 mkdir -p "$OUT" "$WORK"
 export TRITON_CACHE_DIR=$WORK/triton-cache
@@ -150,9 +158,28 @@ if stage tests; then
   # --durations=0: every test's time in tests.log, to replace groups.txt's estimates;
   # GLM53_GPU_STRICT: a file skipped for a module it cannot import fails (tests/gpu/conftest.py)
   # GLM53_GPU_LIVE_LOG: each outcome and failure written as the test ends (a cut run keeps them)
-  export GLM53_GPU_STRICT=1 GLM53_GPU_LIVE_LOG=$OUT/tests-live.log
-  run tests "${limit[@]}" python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" \
-    --continue-on-collection-errors --durations=0 --junitxml="$OUT/gpu-tests.xml" -o junit_family=legacy "${tests[@]}"
+  export GLM53_GPU_STRICT=1
+  pytest_args=(-q -rs -p no:cacheprovider -o addopts="" --continue-on-collection-errors
+    --durations=0 -o junit_family=legacy)
+  set -- $GROUPS_LIST
+  if [ $# -gt 1 ] && [ -z "${GLM53_GPU_TESTS:-}" ]; then  # several groups: side by side
+    pids=()
+    for g in "$@"; do
+      GROUP=$g
+      g_tests=()
+      for t in $(group_entries test); do g_tests+=("$REPO/tests/gpu/$t"); done
+      (export GLM53_GPU_LIVE_LOG=$OUT/tests-live-$g.log
+        run "tests-$g" "${limit[@]}" python3 -m pytest "${pytest_args[@]}" \
+          --basetemp="$WORK/pytest-$g" --junitxml="$OUT/gpu-tests-$g.xml" "${g_tests[@]}") &
+      pids+=($!)
+    done
+    for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+    GROUP=$GLM53_GPU_GROUP
+  else
+    export GLM53_GPU_LIVE_LOG=$OUT/tests-live.log
+    run tests "${limit[@]}" python3 -m pytest "${pytest_args[@]}" \
+      --junitxml="$OUT/gpu-tests.xml" "${tests[@]}"
+  fi
 fi
 if stage bench; then
   # GLM53_BENCH picks the benchmarks, GLM53_BENCH_MODES the gpu_slice rows (default: all);
