@@ -65,6 +65,21 @@ def test_lane_latency_contract():
     assert r["config"]["threads"] == 1 and r["config"]["default_spin_us"] == 200
 
 
+def test_dram_contention_contract():
+    """Without a GPU (CI): the lane's rate alone, and the GPU's figures null with the reason."""
+    r = run_bench("dram_contention", "--seconds", "0.2", "--pool-experts", "16", "--hidden",
+                  "512", "--inter", "256")  # fmt: skip
+    f = r["figures"]
+    if r["config"]["gpu"] != "measured":
+        assert "no CUDA device" in r["config"]["gpu"]
+        assert f["gpu_zero_copy_alone_gbps"] is None and f["together_dma"] is None
+        assert r["ratios"]["sum_together_vs_best_alone_zero_copy"] is None
+    assert f["lane_alone_gbps"] > 0
+    lane = r["config"]["lane"]
+    assert lane["precision"] == "fast" and lane["experts_per_job"] == 8
+    assert lane["record_bytes"] == 3 * 512 * 256 * 3 // 8  # three mul1 linears at 3 bits
+
+
 def test_micro_gemv_contract():
     gemv = pytest.importorskip("glm53._gemv")
     # the fast kernel's A/B against its previous one runs where the CPU has a kept previous kernel

@@ -108,7 +108,7 @@ def test_gpu_check_runs_several_groups_side_by_side(tmp_path):
     dev.mkdir()
     (dev / "setup.sh").write_text("true\n")
     env = {**os.environ, "GLM53_GPU_WORK": str(tmp_path / "work"), "GLM53_TESTS_DEADLINE": "120"}
-    run = subprocess.run(
+    subprocess.run(
         ["bash", str(REPO / "tools" / "gpu-check.sh"), str(dev), str(out), "tests"],
         env={**env, "GLM53_GPU_GROUP": "c,a"}, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
