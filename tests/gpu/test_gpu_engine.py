@@ -107,3 +107,28 @@ def test_heat_list_round_trip(engine):
     path = engine.save_heat()
     keys = json.load(open(path))["keys"]
     assert keys and len(keys) <= engine.loaded.ec.n_slots
+
+
+def test_warmup_then_a_heat_list_seeds_a_cache_emptied_of_the_warmups_picks(engine):
+    """--warmup runs exllamav3's warm-up forwards through the routing hooks, which admit its
+    random picks into the cache; the load then empties the cache and its counts
+    (DeviceExpertCache.empty) so that the heat list seeds it (seed raised 'needs an empty cache'
+    before), and serves."""
+    engine.start("w", _req(list(range(100))), 8)
+    _drain(engine)
+    heat = engine.save_heat()
+    keys = json.load(open(heat))["keys"]
+    e = GpuEngine(DEMO, EngineOptions(
+        mode="exact", context=4096, max_batch=4, chunk_size=512, ec_max_slots=64,
+        heat_file=heat, warmup=True,
+    ))  # fmt: skip
+    try:
+        e.load()
+        st = e.stats()
+        assert st["warmup"]["ran"] and not st["warmup"]["passes_that_raised"], st["warmup"]
+        vc = st["tiers"]["vram_cache"]
+        assert vc["used"] == min(len(keys), 64) and vc["hits"] == vc["misses"] == 0, vc
+        e.start("after", _req([1, 2, 3]), 4)
+        assert len(_drain(e)["after"]) == 4
+    finally:
+        e.close()
