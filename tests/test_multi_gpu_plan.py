@@ -363,6 +363,9 @@ class StandInCache:
         self.seeded = list(keys)
         return len(self.seeded)
 
+    def empty(self, forget=False):
+        self.emptied = forget
+
     def heat_list(self):
         return list(self.heat)
 
@@ -391,6 +394,8 @@ def test_split_caches_map_global_keys_to_each_part(slice_):
     assert len(s["layer_hit_rate"]) == na + nb
     with pytest.raises(ValueError, match="outside"):
         caches.seed([(na + nb) * 288])
+    caches.empty(forget=True)  # after the warm-up: every part's cache
+    assert ca.emptied is True and cb.emptied is True
 
 
 # --- glm53 doctor ------------------------------------------------------------------------------
