@@ -342,7 +342,7 @@ class StagingLoan:
     (still exact, two syncs a chunk). Output is unchanged either way: every table entry points
     at a valid copy of its expert (slot, buffer or home). Not yet run on a GPU.
 
-    The loan starts with the buffers the stager's (`take`): the first forward of a server is a
+    The loan starts with the buffers as the stager's (`take`): the first forward of a server is a
     prefill, and a heat-list seed then fills only the slots CLOCK holds, so the hottest keys are
     not placed where the first prefill would send them home."""
 
