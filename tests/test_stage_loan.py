@@ -6,7 +6,7 @@ tests/gpu/test_generator_parity.py the loan against stock exllamav3's Generator.
 
 import pytest
 
-from glm53.tiers.vram_cache import LOAN_AFTER_DECODE_STEPS, StagingLoan
+from glm53.tiers.vram_cache import LOAN_AFTER_DECODE_STEPS, PrefillStager, StagingLoan
 
 
 class MockCache:
@@ -28,7 +28,9 @@ class MockCache:
 
 
 class MockStager:
-    """A mock of PrefillStager's parts the loan touches."""
+    """A mock of PrefillStager's parts the loan touches (its CUDA-free `forget` is the real one)."""
+
+    forget = PrefillStager.forget
 
     def __init__(self, cache, buf_slots):
         self.cache, self.buf_slots, self.hold = cache, buf_slots, False
@@ -36,8 +38,7 @@ class MockStager:
 
     def clear(self):
         self.cache.calls.append(("clear",))
-        self.owner, self.unstaged = [-1, -1], None
-        self.pending.clear()
+        self.forget()
 
 
 def make(n_slots=20, buf=4):

@@ -146,6 +146,16 @@ class DeviceExpertCache:
         self._cuda = _cuda
         self.lent = 0  # slots lent to a layer-major prefill (lend)
 
+    def _host_struct(self) -> np.ndarray:
+        """A host copy of the device struct, one element (a device read: waits for the stream)."""
+        return np.frombuffer(self._struct.cpu().numpy().tobytes(), dtype=self._dtype).copy()
+
+    def _store_struct(self, arr: np.ndarray) -> None:
+        """Write a host copy (_host_struct) back to the device struct, on the current stream."""
+        import torch
+
+        self._struct.copy_(torch.from_numpy(arr.view(np.uint8).copy()).to(self.device))
+
     def _stream(self) -> int:
         import torch
 
@@ -186,7 +196,7 @@ class DeviceExpertCache:
         t["slot_key"].fill_(-1)
         t["slot_ref"].zero_()
         torch.cuda.synchronize(self.device)
-        arr = np.frombuffer(self._struct.cpu().numpy().tobytes(), dtype=self._dtype).copy()
+        arr = self._host_struct()
         arr[0]["n_used"], arr[0]["hand"] = 0, 0
         if forget:
             t["key_freq"].zero_()
@@ -195,7 +205,7 @@ class DeviceExpertCache:
             arr[0]["freq_events"] = 0
             for name in COUNTERS:
                 arr[0][name] = 0
-        self._struct.copy_(torch.from_numpy(arr.view(np.uint8).copy()).to(self.device))
+        self._store_struct(arr)
         self.reset_tables()
 
     def lend(self, n: int):
@@ -212,7 +222,7 @@ class DeviceExpertCache:
         if not 0 < n < self.n_slots:
             raise ValueError(f"lend({n}): between 1 and {self.n_slots - 1} of {self.n_slots} slots")
         torch.cuda.synchronize(self.device)
-        arr = np.frombuffer(self._struct.cpu().numpy().tobytes(), dtype=self._dtype).copy()
+        arr = self._host_struct()
         s = arr[0]
         if int(s["n_active"]) != self.n_slots:
             raise RuntimeError(
@@ -226,7 +236,7 @@ class DeviceExpertCache:
         self._t["slot_ref"][keep:] = 0
         s["n_used"] = int(s["n_used"]) - int(keys.numel())
         s["n_active"], s["hand"] = keep, int(s["hand"]) % keep
-        self._struct.copy_(torch.from_numpy(arr.view(np.uint8).copy()).to(self.device))
+        self._store_struct(arr)
         self.reset_tables()
         self.lent = n
         rb = self.geo.record_bytes
@@ -239,14 +249,14 @@ class DeviceExpertCache:
         import torch
 
         torch.cuda.synchronize(self.device)
-        arr = np.frombuffer(self._struct.cpu().numpy().tobytes(), dtype=self._dtype).copy()
+        arr = self._host_struct()
         arr[0]["n_active"] = self.n_slots
-        self._struct.copy_(torch.from_numpy(arr.view(np.uint8).copy()).to(self.device))
+        self._store_struct(arr)
         self.lent = 0
 
     def state(self) -> dict:
         """Counters and per-layer hit rates (synchronizes with the device)."""
-        s = np.frombuffer(self._struct.cpu().numpy().tobytes(), dtype=self._dtype)[0]
+        s = self._host_struct()[0]
         out = {k: int(s[k]) for k in COUNTERS}
         out.update(slots=self.n_slots, used=int(s["n_used"]), hand=int(s["hand"]))
         out["freq_window"] = self.freq_window
@@ -271,7 +281,7 @@ class DeviceExpertCache:
         """The cached keys hottest first (the order seed() takes): by the filter's lookup
         counts when it is on, ties (and plain CLOCK) in the reverse of the order in which
         CLOCK would evict them from here on."""
-        s = np.frombuffer(self._struct.cpu().numpy().tobytes(), dtype=self._dtype)[0]
+        s = self._host_struct()[0]
         return clock_heat_order(
             self._t["slot_key"].cpu().numpy(), self._t["slot_ref"].cpu().numpy(), int(s["hand"]),
             self.key_freq() if self.freq_window else None,
@@ -284,7 +294,7 @@ class DeviceExpertCache:
         Returns the number of keys placed."""
         import torch
 
-        arr = np.frombuffer(self._struct.cpu().numpy().tobytes(), dtype=self._dtype).copy()
+        arr = self._host_struct()
         s = arr[0]
         # lent slots (a staging loan's or a layer-major pass's) are not seeded: only the first
         # n_active slots are CLOCK's
@@ -316,7 +326,7 @@ class DeviceExpertCache:
             [1 + (7 * i) // max(1, n - 1) for i in range(n)], dtype=torch.int32, device=self.device
         )
         arr[0]["n_used"] = len(keys)
-        self._struct.copy_(torch.from_numpy(arr.view(np.uint8).copy()).to(self.device))
+        self._store_struct(arr)
         self.reset_tables()
         return len(keys)
 
@@ -369,8 +379,7 @@ class StagingLoan:
         self.decode_run = 0
         if self.with_cache:
             self.cache.lend(self.n)  # syncs; the tail's keys go home, every entry rewritten
-            self.stager.owner, self.stager.unstaged = [-1, -1], None
-            self.stager.pending.clear()
+            self.stager.forget()
             self.with_cache = False
             self.recalls += 1
 
@@ -511,6 +520,12 @@ class PrefillStager:
         self.side.synchronize()
         torch.cuda.current_stream(self.cache.device).wait_stream(self.side)
         self.cache.reset_tables()
+        self.forget()
+
+    def forget(self) -> None:
+        """Drop what the stager knows of its buffers (their layers, pending stages, the last
+        unstage), once every table entry was rewritten from the cache (reset_tables, or
+        DeviceExpertCache.lend) and the side stream is idle: no entry points into them."""
         self.owner, self.unstaged = [-1, -1], None
         self.pending.clear()
 
