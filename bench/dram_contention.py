@@ -62,6 +62,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def reduce_into(torch, src, out) -> None:
+    """Sum the 1-D `src` into the 0-d `out` without allocating: every element read once. (torch
+    takes `out=` only with `dim`; without it the first H200 run on 2026-12-05 raised TypeError.)"""
+    torch.sum(src, dim=0, out=out)
+
+
 class GpuReader:
     """The GPU's side: `step()` queues one read of the whole pinned buffer and returns its bytes;
     `sync()` waits for every queued read."""
@@ -84,7 +90,7 @@ class GpuReader:
 
     def step(self) -> int:
         if self.how == "zero_copy":
-            self.torch.sum(self.src, out=self.out)
+            reduce_into(self.torch, self.src, self.out)
         else:
             self.dst.copy_(self.host, non_blocking=True)
         return self.nbytes

@@ -108,6 +108,24 @@ def test_micro_gemv_contract():
     assert f["cost_model"] is None
 
 
+def test_dram_contention_zero_copy_reduction_runs_in_torch():
+    """The GPU reader's reduction (a sum into a preallocated 0-d tensor) on CPU tensors: the
+    first H200 run raised TypeError there, which the CPU contract above cannot reach."""
+    import importlib.util
+
+    import torch
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location(
+        "dram_contention", ROOT / "bench" / "dram_contention.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    src, out = torch.arange(1000, dtype=torch.float32), torch.empty((), dtype=torch.float32)
+    module.reduce_into(torch, src, out)
+    assert out.item() == 999 * 1000 / 2
+
+
 def _gpu_slice():
     import importlib.util
 
