@@ -11,11 +11,12 @@ a MoE layer, flat from 10 % to 40 % of the misses (bench/results/README.md). A j
 experts is 0.25-0.5 ms of kernel at 16 threads; what the rest is (the poller's sleep after its
 idle spin, the workers' futex wake, the hand-offs) is what this measures, on any host, without a
 GPU. `--spins-us` sets MailboxLane.idle_spin_ns (the poller's and the workers' spin after a job,
-200 us by default): a gap longer than the spin finds the lane asleep.
+5 ms by default since this bench's H200 run of 2026-12-05, 200 us before): a gap longer than the
+spin finds the lane asleep.
 
 Figures, per spin, experts per job and gap: the round trip's median and 90th percentile in us,
 and the anchor's median (`pool_us`, back to back, the same jobs). Ratios: `asleep_vs_awake`, the
-round trip after the longest gap at the default spin over the same at the longest spin (what
+round trip after the longest gap at the shortest spin over the same at the longest spin (what
 waking costs), and `round_trip_vs_pool`, the round trip at no gap over the anchor (what the
 mailbox adds to a job whose lane is awake). As served, the poller and this thread (the device's
 stand-in) run on the cores the lane's layout leaves (glm53.tiers.thread_pins; none with --cpus,
@@ -55,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gaps-us", type=int_list, default=[0, 500, 1500, 4000],
                    help="idle time before each job, us")  # fmt: skip
     p.add_argument("--spins-us", type=int_list, default=[200, 5000],
-                   help="MailboxLane.idle_spin_ns values, us (the lane's default is 200)")  # fmt: skip
+                   help="MailboxLane.idle_spin_ns values, us (the lane's default is 5000; it was 200)")  # fmt: skip
     p.add_argument("--jobs", type=int, default=40, help="timed jobs a point")
     p.add_argument("--pool-experts", type=int, default=96,
                    help="experts to walk (96 of this shape: about 0.9 GB)")  # fmt: skip
@@ -159,7 +160,7 @@ def main(argv=None) -> dict:
 
     k0, long_gap = args.experts[0], max(args.gaps_us)
     default_us = default_spin // 1000
-    asleep = median(default_us, k0, long_gap)
+    asleep = median(min(args.spins_us), k0, long_gap)
     awake = median(max(args.spins_us), k0, long_gap)
     no_gap = median(args.spins_us[0], k0, min(args.gaps_us))
     ratios = {

@@ -62,7 +62,7 @@ def test_lane_latency_contract():
     assert r["ratios"]["asleep_vs_awake"] == want
     want = points["spin200_k1_gap0"]["median_us"] / r["figures"]["pool"]["1"]["median_us"]
     assert r["ratios"]["round_trip_vs_pool"] == want
-    assert r["config"]["threads"] == 1 and r["config"]["default_spin_us"] == 200
+    assert r["config"]["threads"] == 1 and r["config"]["default_spin_us"] == 5000
 
 
 def test_dram_contention_contract():

@@ -26,6 +26,7 @@ from glm53.tiers.cpu_lane import (
     reference_moe,
 )
 from glm53.tiers.lane_mailbox import (
+    IDLE_SPIN_NS,
     LANE_DEV_FIELDS,
     MAX_PICKS,
     MAX_ROWS,
@@ -352,14 +353,14 @@ def test_the_lanes_idle_spin_is_set_live_and_every_job_is_answered_at_any_spin(l
     cpu = CpuLane(LaneLayout((0, 0)))
     rng = np.random.default_rng(30 + spin_us)
     with MailboxLane(cpu, [table]) as lane:
-        assert lane.idle_spin_ns == 200_000 and cpu.pool.idle_spin_ns == 200_000  # the defaults
+        assert lane.idle_spin_ns == IDLE_SPIN_NS == cpu.pool.idle_spin_ns  # the default, both
         lane.idle_spin_ns = spin_us * 1000
         assert lane.idle_spin_ns == spin_us * 1000 == lane.poller.spin_ns
         assert cpu.pool.idle_spin_ns == spin_us * 1000
         device = MockDevice(lane.mailboxes[0])
         for i in range(6):
-            if i % 2:
-                time.sleep(0.002)  # past a 0 or 200 us spin: the lane is asleep when this comes
+            if i % 2:  # past a 0 or 200 us spin (the lane is asleep when this comes), inside 50 ms
+                time.sleep(0.002)
             x = fp16_rows(rng, 2)
             rows, ids, weights = random_picks(rng, 2, len(experts), 4)
             device.publish(x, rows, ids, weights)

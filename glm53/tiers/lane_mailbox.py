@@ -22,6 +22,15 @@ from glm53 import _gemv, _lane
 from glm53.errors import BuildMismatch
 from glm53.tiers.cpu_lane import SWIGLU_LIMIT, CpuLane
 
+# How long the lane stays awake after a job (the poller and the pool's workers alike) before it
+# sleeps. A decode step's MoE layers come 1-2 ms apart, so a shorter spin makes every job after
+# a layer without one pay the wake: on the H200 host (14 threads, one decode row) a one-expert job
+# took 325 us right after the last and 720-837 us after a 0.5-4 ms gap at a 200 us spin, and
+# 310-370 us after any of those gaps at 5 ms; fast mode's fixed-split sweep went from 116.7 to
+# 140.2 tok/s at 10 % of the misses on the lane, fallbacks from 30 to 0
+# (bench/results/h200-lane_latency-2026-12-05.json, h200-gpu_slice-fast-spin-2026-12-05.json).
+# The lane sleeps again 5 ms after a step's last job: between requests it holds no core.
+IDLE_SPIN_NS = 5_000_000
 PICK_DTYPE = np.dtype([("row", "<i4"), ("expert", "<i4"), ("weight", "<f4")])
 MAX_ROWS = _lane.MAX_ROWS
 MAX_PICKS = _lane.MAX_PICKS
@@ -153,7 +162,7 @@ class MailboxLane:
         lane: CpuLane,
         tables: Sequence[_gemv.ExpertTable],
         act_limit: float = SWIGLU_LIMIT,
-        spin_ns: int = 200_000,
+        spin_ns: int = IDLE_SPIN_NS,
         max_sleep_ns: int = 200_000,
     ):
         if not tables:
@@ -162,6 +171,7 @@ class MailboxLane:
         self.tables = list(tables)
         self.mailboxes = [Mailbox(t.hidden) for t in self.tables]
         self.poller = _lane.Lane(lane.pool, len(self.tables), spin_ns, max_sleep_ns)
+        lane.pool.idle_spin_ns = spin_ns  # the workers wake as the poller does
         for i, (mbox, table) in enumerate(zip(self.mailboxes, self.tables, strict=True)):
             self.poller.set_slot(i, mbox.buf, table, act_limit, lane.variant, lane.precision)
         self.poller.start()
