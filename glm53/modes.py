@@ -86,7 +86,7 @@ RULES: dict[tuple[Engine, Mode], ModeRule] = {
     ("gpu", Mode.NVME_EXACT): ModeRule(
         True, store="needs", one_gpu=True, load="nvme-exact", name="nvme-exact"
     ),
-    ("gpu", Mode.NVME): ModeRule(  # not yet run on a GPU: UNRUN["nvme"]
+    ("gpu", Mode.NVME): ModeRule(  # GPU tests passed on an H200, 2026-12-05 (6 of 6)
         True, store="needs", lane=True, one_gpu=True, load="nvme-exact", name="nvme mode"
     ),
     **{("cpu", m): ModeRule(True) for m in Mode if m is not Mode.AUTO},
@@ -127,29 +127,28 @@ NVME_PREFETCH = ("off", "next-layer")
 # What has not yet passed its GPU tests: never run on a GPU, run only in part, or run and failed
 # with the fix not yet rerun. Served only with --allow-unrun-modes (for those tests).
 # key -> what it is, for the refusal; UNRUN_STATUS: key -> where it stands (the results:
-# bench/results/README.md). fast and nvme-exact passed theirs (H200, 2026-12-02): not here.
+# bench/results/README.md). fast and nvme-exact passed theirs (H200, 2026-12-02), nvme mode and
+# the staging loan in exact mode theirs (2026-12-05): not here (the loan only beside fast's lane).
 UNRUN = {
     "split": "the layer split over several GPUs (docs/multi-gpu.md)",
     "layer-major": "--prefill layer-major (every chunk through a layer before the next, "
     "docs/layer-major.md)",
-    "nvme": "the GPU engine's nvme mode (nvme-exact + the CPU lane over the RAM tier, "
-    "docs/fast-mode.md)",
     "store-staging": "prefill staging from the store in nvme-exact and nvme (--ec-stage-gb: "
     "a layer's misses read ahead into the RAM tier and staged while the layer before computes, "
     "glm53.tiers.prefill_ahead)",
-    "stage-loan": "the staging loan (--ec-stage-loan: exact's prefill staging buffers serve "
-    "as expert-cache slots between prefills, glm53.tiers.vram_cache.StagingLoan)",
+    "stage-loan": "the staging loan in fast mode (--ec-stage-loan: the prefill staging buffers "
+    "serve as expert-cache slots between prefills, glm53.tiers.vram_cache.StagingLoan)",
     "nvme-prefetch": "decode prefetch in nvme-exact and nvme (--nvme-prefetch next-layer: the "
     "next MoE layer's router run on this layer's input, its predicted experts read from the "
     "store ahead, glm53.tiers.decode_prefetch)",
 }
 UNRUN_STATUS = {
-    "stage-loan": "has not yet run on a GPU",
+    "stage-loan": "passed its GPU tests in exact mode (H200, 2026-12-05: torch.equal to stock "
+    "exllamav3's Generator); with fast mode's lane it has not yet run on a GPU",
     "split": "has run only on one GPU (--gpus 0,0: both layer ranges on that GPU, equal to one "
     "GPU and to stock exllamav3 on an H200 on 2026-12-05), never over two devices",
     "layer-major": "passed its identity tests on a GPU (2026-12-05: equal to stock exllamav3's "
     "chunk-major prefill); its cancel, staging and interleave tests have not yet passed",
-    "nvme": "has not yet run on a GPU",
     "store-staging": "failed its first GPU run on 2026-12-05; the fix of its cause (a first-hook "
     "ordering bug) has not yet run on a GPU",
     "nvme-prefetch": "failed its first GPU run on 2026-12-05 (with prefill staging on, whose "

@@ -91,21 +91,20 @@ def test_reference_host_predictions_land_near_the_seeds_measurements():
     assert checks["store-odirect"].verdict == Verdict.OK
 
 
-def test_desktop_with_one_gen4_nvme_and_64_gb_runs_nvme_exact_and_shows_nvme_as_not_served():
+def test_desktop_with_one_gen4_nvme_and_64_gb_runs_nvme_with_nvme_exact_as_the_exact_one():
     host, plan, checks = doctor("desktop-4090-gen4-64g")
-    # exact and fast need 111 GiB of RAM; of the store modes, nvme is faster, but this build's
-    # GPU engine runs it only with --allow-unrun-modes: nvme-exact is what runs
-    assert plan.mode == Mode.NVME_EXACT and plan.planned == Mode.NVME
-    assert plan.headline.startswith("nvme-exact: 9.0 tok/s decode at concurrency 1")
-    assert "nvme would give 11.3 tok/s, but it has not yet run on a GPU (serve runs it " in (
-        plan.headline
-    )
+    # exact and fast need 111 GiB of RAM; of the store modes nvme is faster (it passed its GPU
+    # tests on 2026-12-05, so it is served and recommended), nvme-exact the bit-exact one
+    assert (plan.mode, plan.planned, plan.exact_alternative) == (Mode.NVME, None, Mode.NVME_EXACT)
+    assert plan.headline.startswith("nvme: 11.3 tok/s decode at concurrency 1")
+    assert "not yet run" not in plan.headline
     assert plan.steps == [
         "glm53 download --dir /var/lib/glm53/GLM-5.3-Flash-exl3-3.05bpw",
         "glm53 store pack --model /var/lib/glm53/GLM-5.3-Flash-exl3-3.05bpw "
         "--out /var/lib/glm53/glm53-store",
-        "glm53 serve --model /var/lib/glm53/GLM-5.3-Flash-exl3-3.05bpw --mode nvme-exact "
-        "--store /var/lib/glm53/glm53-store --ram-cap 33.5G --ec-max-slots 1376",
+        "glm53 serve --model /var/lib/glm53/GLM-5.3-Flash-exl3-3.05bpw --mode nvme "
+        "--store /var/lib/glm53/glm53-store --ram-cap 33.5G --cpus 2-15 --ct-b 0.259 "
+        "--ec-max-slots 1376",
     ]
     for mode in (Mode.EXACT, Mode.FAST):
         assert not option(plan, mode).feasible
@@ -211,7 +210,7 @@ def test_report_json_holds_probes_checks_and_plan():
     host, plan, checks = doctor("desktop-4090-gen4-64g")
     doc = msgspec.json.decode(to_json(DoctorReport(host, list(checks.values()), plan)))
     assert set(doc) == {"host", "checks", "plan"}
-    assert (doc["plan"]["mode"], doc["plan"]["planned"]) == ("nvme-exact", "nvme")
+    assert (doc["plan"]["mode"], doc["plan"]["planned"]) == ("nvme", None)
     assert doc["host"]["gpus"][0]["processes"][0]["name"] == "/usr/lib/xorg/Xorg"
     assert {"name", "verdict", "detail", "fix"} <= set(doc["checks"][0])
 

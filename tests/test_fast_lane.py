@@ -74,14 +74,13 @@ def rows(n):
     return (rng.standard_normal((n, HIDDEN)) * 4).astype(np.float16).astype(np.float32)
 
 
-def test_nvme_modes_lane_says_it_has_not_run_on_a_gpu(table):
+def test_nvme_modes_lane_says_its_own_status_not_fast_modes(table):
     """The nvme mode lane (glm53.exl3.fast.start_fast on an nvme-exact load) is the same
-    FastLane; its /stats status must not claim fast mode's H200 run
-    (tests/gpu/test_nvme_mode_gpu.py's served test reads it)."""
+    FastLane; its /stats status is its own, not fast mode's (tests/gpu/test_nvme_mode_gpu.py's
+    served test reads it)."""
     with MailboxLane(CpuLane(LaneLayout((0,))), [table]) as lane:
         st = FastLane(lane, LaneRouter(1, EXPERT_BYTES), status=NVME_STATUS).stats()
-    assert st["status"] == NVME_STATUS and "not yet run on a GPU" in st["status"]
-    assert "passed on an H200" not in st["status"]
+    assert st["status"] == NVME_STATUS != STATUS and st["status"].startswith("nvme mode")
 
 
 @pytest.mark.parametrize("ct_b, sends", [(1e-4, True), (1e3, False)])

@@ -33,16 +33,14 @@ def test_exact_mode_maps_every_setting(tmp_path):
     )
 
 
-def test_nvme_mode_is_refused_until_its_gpu_tests_ran_and_maps_store_and_lane_settings(tmp_path):
-    """nvme (nvme-exact + the lane over the RAM tier) has never run on a GPU: only with
-    --allow-unrun-modes; then nvme-exact's settings and fast mode's lane settings reach it, and
-    its load is nvme-exact's (glm53.modes' table)."""
-    with pytest.raises(ConfigurationError, match="not yet run on a GPU.*--allow-unrun-modes"):
-        create(settings("--mode", "nvme", "--store", str(tmp_path)), tmp_path)
+def test_nvme_mode_is_served_and_maps_store_and_lane_settings(tmp_path):
+    """nvme (nvme-exact + the lane over the RAM tier) passed its GPU tests on an H200 on
+    2026-12-05: served without --allow-unrun-modes; nvme-exact's settings and fast mode's lane
+    settings reach it, and its load is nvme-exact's (glm53.modes' table)."""
     with pytest.raises(ConfigurationError, match="--mode nvme .*pass --store DIR"):
-        create(settings("--mode", "nvme", "--allow-unrun-modes"), tmp_path)
+        create(settings("--mode", "nvme"), tmp_path)
     e = create(
-        settings("--mode", "nvme", "--allow-unrun-modes", "--store", str(tmp_path),
+        settings("--mode", "nvme", "--store", str(tmp_path),
                  "--ram-cap", "8G", "--read-timeout", "5", "--cpus", "0", "--cpu-threads", "1",
                  "--ct-precision", "exact", "--ct-b", "0.2"),
         tmp_path,
@@ -51,8 +49,8 @@ def test_nvme_mode_is_refused_until_its_gpu_tests_ran_and_maps_store_and_lane_se
     assert (e.mode, o.store, o.ram_cap, o.read_timeout_s) == ("nvme", str(tmp_path), 8 << 30, 5.0)
     assert (o.lane_cpus, o.lane_threads, o.lane_precision, o.ct_b) == ("0", 1, "exact", 0.2)
     assert o.load.mode == "nvme-exact"
-    assert e.fast is None and "nvme mode: not yet run on a GPU" in e.description
-    auto = create(settings("--mode", "nvme", "--allow-unrun-modes", "--store", "/x"), tmp_path)
+    assert e.fast is None and "not yet run" not in e.description
+    auto = create(settings("--mode", "nvme", "--store", "/x"), tmp_path)
     assert auto.options.lane_precision == "fast"  # auto beside the GPU, as fast mode
     for argv, match in (
         (["--gpus", "0,1"], "nvme mode runs on one GPU"),
@@ -60,7 +58,7 @@ def test_nvme_mode_is_refused_until_its_gpu_tests_ran_and_maps_store_and_lane_se
         (["--chunk-size", "300"], "multiple of 256"),
     ):
         with pytest.raises(ConfigurationError, match=match):
-            create(settings("--mode", "nvme", "--allow-unrun-modes", "--store", "/x", *argv),
+            create(settings("--mode", "nvme", "--store", "/x", *argv),
                    tmp_path)  # fmt: skip
 
 

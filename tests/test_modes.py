@@ -41,7 +41,8 @@ def test_the_table_names_a_rule_for_every_engine_and_mode():
     from glm53.doctor.plan import SERVED_MODES
 
     # the doctor recommends what the GPU engine serves without --allow-unrun-modes
-    assert SERVED_MODES == modes.recommended("gpu") == (Mode.EXACT, Mode.FAST, Mode.NVME_EXACT)
+    want = (Mode.EXACT, Mode.FAST, Mode.NVME_EXACT, Mode.NVME)
+    assert SERVED_MODES == modes.recommended("gpu") == want
     gpu = {m: modes.rule("gpu", m) for m in modes.TierMode}
     assert modes.rule("gpu", Mode.AUTO) == gpu[Mode.EXACT]  # auto is exact on the GPU engine
     assert [m for m, r in gpu.items() if r.store == "needs"] == [Mode.NVME, Mode.NVME_EXACT]
@@ -65,23 +66,25 @@ def test_the_lane_runs_beside_the_gpu_only_in_the_gpu_engines_lane_modes():
 
 
 def test_the_unrun_flag_gates_only_what_has_not_passed_on_a_gpu(tmp_path):
-    """fast and nvme-exact passed on the H200 (2026-12-02); the split over two or more GPUs
-    (run only as 0,0 on one GPU), layer-major prefill (identity tests only), nvme mode (never
-    run), the staging loan (never run), staging from the store and decode prefetch (failed, fix
-    not rerun) have not, so only they still need --allow-unrun-modes (staging: tests/test_gpu_engine_config.py), each
-    refusal saying where it stands."""
+    """fast and nvme-exact passed on the H200 (2026-12-02), nvme mode and the staging loan in
+    exact mode (2026-12-05); the split over two or more GPUs (run only as 0,0 on one GPU),
+    layer-major prefill (identity tests only), the loan beside fast mode's lane (never run),
+    staging from the store and decode prefetch (failed, fix not rerun) have not, so only they
+    still need --allow-unrun-modes (staging: tests/test_gpu_engine_config.py), each refusal
+    saying where it stands."""
     from glm53.engine.gpu_create import create
 
     assert set(modes.UNRUN) == {
-        "split", "layer-major", "nvme", "store-staging", "stage-loan", "nvme-prefetch"
+        "split", "layer-major", "store-staging", "stage-loan", "nvme-prefetch"
     }  # fmt: skip
     assert set(modes.UNRUN_STATUS) == set(modes.UNRUN)
     create(settings("--mode", "fast")[0], tmp_path)
     create(settings("--mode", "nvme-exact", "--store", str(tmp_path))[0], tmp_path)
-    nvme = ["--mode", "nvme", "--store", str(tmp_path)]
+    create(settings("--mode", "nvme", "--store", str(tmp_path))[0], tmp_path)
+    create(settings("--mode", "exact", "--ec-stage-loan")[0], tmp_path)
     for key, argv in (
-        ("split", ["--gpus", "0,1"]), ("layer-major", ["--prefill", "layer-major"]), ("nvme", nvme),
-        ("stage-loan", ["--ec-stage-loan"]),
+        ("split", ["--gpus", "0,1"]), ("layer-major", ["--prefill", "layer-major"]),
+        ("stage-loan", ["--mode", "fast", "--ec-stage-loan"]),
     ):  # fmt: skip
         with pytest.raises(ConfigurationError, match="--allow-unrun-modes runs it anyway") as info:
             create(settings(*argv)[0], tmp_path)
@@ -93,6 +96,5 @@ def test_the_unrun_flags_help_says_what_it_gates():
     from glm53.config import setting_info
 
     text = setting_info("allow_unrun_modes").description
-    assert "split" in text and "--prefill layer-major" in text and "--mode nvme " in text
-    assert "--ec-stage-loan" in text
-    assert "--mode fast" not in text and "nvme-exact" not in text
+    assert "split" in text and "--prefill layer-major" in text and "--ec-stage-loan" in text
+    assert "--mode fast" not in text and "nvme-exact" not in text and "--mode nvme" not in text

@@ -60,8 +60,6 @@ class GpuEngine:
         self.description = f"GPU engine (exllamav3 1.6.5 Generator, mode {o.mode}) on {model_dir}"
         if self.gpus:  # two or more entries: the layers split over them (glm53.exl3.split)
             self.description += f", layers split over GPUs {','.join(map(str, self.gpus))}"
-        if self.mode == "nvme":
-            self.description += " (nvme mode: not yet run on a GPU)"
         if self.prefill == "layer-major":
             self.description += (
                 ", layer-major prefill (identity tests passed on a GPU; cancel, staging and "

@@ -47,15 +47,10 @@ def _refuse_unrun(settings: Settings) -> None:
     # layer-major elsewhere than exact mode is refused as such (EngineOptions), flag or not
     if settings.prefill == "layer-major" and resolved("gpu", settings.mode) is Mode.EXACT:
         raise _unrun("layer-major", "", "Leave --prefill out (chunk).")
-    if resolved("gpu", settings.mode) is Mode.NVME:
-        raise _unrun(
-            "nvme",
-            "--mode nvme: ",
-            "Use --mode nvme-exact (the store, bit-identical) or --mode fast (the CPU lane).",
-        )
-    # the loan outside exact's one-GPU load is refused as such (LoadOptions), flag or not
-    if settings.ec_stage_loan:
-        raise _unrun("stage-loan", "--ec-stage-loan: ", "Leave --ec-stage-loan out.")
+    # the loan outside exact's one-GPU load is refused as such (LoadOptions), flag or not; in
+    # exact mode it passed its GPU tests, beside fast mode's lane it has not run
+    if settings.ec_stage_loan and resolved("gpu", settings.mode) is Mode.FAST:
+        raise _unrun("stage-loan", "--ec-stage-loan in --mode fast: ", "Leave --ec-stage-loan out.")
     # prefetch outside the store modes is refused as such (EngineOptions), flag or not
     if settings.nvme_prefetch != "off" and rule("gpu", settings.mode).load == "nvme-exact":
         raise _unrun(

@@ -4,8 +4,8 @@ router (glm53.tiers.fast_lane.FastLane, the host side, which needs no exllamav3)
 nvme-exact load the same start is nvme mode (the lane over the RAM tier: glm53.tiers.nvme_lane).
 Only the GPU engine's `--mode fast` / `--mode nvme` call it. fast mode ran on an H200
 (2026-12-02: its device tests 21 of 22, the one failure a fidelity bound; 2026-12-05:
-bench/gpu_slice.py's fast row) and is served without --allow-unrun-modes; nvme mode has not yet
-run on a GPU and is served only with that flag.
+bench/gpu_slice.py's fast row and its GPU tests 5 of 5 inside exllamav3's own floor) and nvme
+mode (2026-12-05: 6 of 6) are served without --allow-unrun-modes.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Fast mode's hooks around stock exllamav3 1.6.5's MoE decode forward (cuda/lane_cuda.h's
 sequence). The GPU engine attaches them in `--mode fast` (glm53.exl3.fast.start_fast), served
 without --allow-unrun-modes: on an H200 tests/gpu/test_fast_mode_gpu.py and the lane's device
-tests passed 21 of 22 on 2026-12-02 (the one failure a fidelity bound), and
-bench/gpu_slice.py's fast row ran on 2026-12-05.
+tests passed 21 of 22 on 2026-12-02 (the one failure a fidelity bound), and on 2026-12-05
+bench/gpu_slice.py's fast row ran and test_fast_mode_gpu.py passed 5 of 5, nvme mode's 6 of 6.
 
 nvme mode uses the same hooks over nvme-exact's load: the publish reads the RAM tier's key -> slot
 table (`key_lane`: a miss the RAM tier does not hold stays on the GPU), and the picks then go

@@ -2,7 +2,7 @@
 the per-step plumbing between them: `glm53 serve --mode fast` (glm53.engine.gpu_create.create).
 Its device-side tests passed on an H200 (2026-12-02: 21 of 22, the one failure a fidelity bound;
 tests/gpu/test_fast_mode_gpu.py and the lane's; 2026-12-05: the lane's and the kernel's again,
-and bench/gpu_slice.py's fast row). docs/fast-mode.md has the protocol.
+bench/gpu_slice.py's fast row, and test_fast_mode_gpu.py 5 of 5 against exllamav3's own floor). docs/fast-mode.md has the protocol.
 
 `glm53.exl3.fast.start_fast` builds it on an exact-mode load: a `MailboxLane` whose expert tables
 point into the pinned home's arenas (the lane reads the same bytes the GPU reads zero-copy: no
@@ -21,13 +21,13 @@ from glm53.tiers.lane_mailbox import MAX_PICKS, MailboxLane
 from glm53.tiers.lane_router import LaneRouter
 
 STATUS = (
-    "served; device tests passed on an H200 (2026-12-02: 21 of 22, one fidelity bound; "
-    "2026-12-05: the lane's and the kernel's again)"
+    "served; GPU tests passed on an H200 (2026-12-05: 5 of 5, inside exllamav3's own "
+    "batch-1-vs-batch-4 floor; the lane's device tests the same day)"
 )
-# nvme mode's lane (the same FastLane over the RAM tier, glm53.tiers.nvme_lane): its GPU tests
-# (tests/gpu/test_nvme_mode_gpu.py) have not yet run
+# nvme mode's lane (the same FastLane over the RAM tier, glm53.tiers.nvme_lane)
 NVME_STATUS = (
-    "nvme mode: the lane over the RAM tier, not yet run on a GPU (served with --allow-unrun-modes)"
+    "nvme mode: the lane over the RAM tier; served; its GPU tests passed on an H200 "
+    "(2026-12-05: 6 of 6)"
 )
 
 

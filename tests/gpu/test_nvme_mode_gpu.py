@@ -2,10 +2,10 @@
 experts' home) + fast mode's CPU lane over the RAM tier (glm53.tiers.nvme_lane), GpuEngine(
 mode="nvme").
 
-WRITTEN FOR THE NEXT GPU SESSION, NOT YET RUN: this session had no GPU. The CI side is
-tests/test_nvme_lane.py (the lane over real RAM-tier records, the route's residency and pointing
-against mocked device tables), tests/test_read_faults.py and tests/test_gpu_engine_config.py (the
-gate: serve refuses --mode nvme without --allow-unrun-modes).
+Run on an H200 on 2026-12-05: 6 of 6 passed on the first run (bench/results/README.md). The CI
+side is tests/test_nvme_lane.py (the lane over real RAM-tier records, the route's residency and
+pointing against mocked device tables), tests/test_read_faults.py and
+tests/test_gpu_engine_config.py (nvme mode served and its settings).
 
 - A lane made to stall (its poller's stall hook) must give stock exllamav3's tokens and logits
   bit for bit (nvme-exact's answer, which equals stock: tests/gpu/test_nvme_exact_gpu.py), with
@@ -13,7 +13,7 @@ gate: serve refuses --mode nvme without --allow-unrun-modes).
 - A working lane, teacher-forced on exact's greedy tokens: decode KL of nvme against exact and
   top-1 agreement, at c1 and at c4, each no worse than exllamav3's own batch-1 vs batch-4 floor
   on the same checkpoint and tokens (test_fast_mode_gpu.py's reference runs, shared).
-- The real server (`--mode nvme --allow-unrun-modes`) answers the real openai client at c1 and
+- The real server (`--mode nvme`) answers the real openai client at c1 and
   c4, and /stats shows the lane and the RAM tier.
 
 Needs GLM53_TEST_SLICE and the session's slice store (conftest.py's `slice_store`).
@@ -173,7 +173,7 @@ def server(case, working):
     working.close()  # one model and one lane at a time: the lane's threads poll on the CPUs
     tmp = case["tmp"] / "server"
     tmp.mkdir()
-    args = ["--engine", "gpu", "--mode", "nvme", "--allow-unrun-modes", "--model",
+    args = ["--engine", "gpu", "--mode", "nvme", "--model",
             case["path"], "--store", str(case["store"]), "--ram-cap",
             str(case["cap"][RAM_SHARES[0]]), "--context", str(CONTEXT), "--chunk-size",
             str(CHUNK), "--max-batch", "4", "--ec-max-slots", str(case["slots"])]  # fmt: skip
