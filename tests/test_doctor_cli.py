@@ -95,10 +95,12 @@ def test_warnings_alone_exit_0(capsys):
     "fixture, failed, last",
     [
         (NOGPU, "gpu", "glm53 serve --demo"),
-        # exact and fast do not fit its 64 GB; nvme-exact does, once exllamav3 is installed
+        # exact and fast do not fit its 64 GB; nvme (the fastest store mode) does, once
+        # exllamav3 is installed
         (DESKTOP, "exllamav3, ram-exact, ram-fast", "glm53 serve --model "
-         "/var/lib/glm53/GLM-5.3-Flash-exl3-3.05bpw --mode nvme-exact --store "
-         "/var/lib/glm53/glm53-store --ram-cap 33.5G --ec-max-slots 1376"),
+         "/var/lib/glm53/GLM-5.3-Flash-exl3-3.05bpw --mode nvme --store "
+         "/var/lib/glm53/glm53-store --ram-cap 33.5G --cpus 2-15 --ct-b 0.259 "
+         "--ec-max-slots 1376"),
     ],
 )  # fmt: skip
 def test_a_failed_check_exits_1_naming_it_beside_the_plan(capsys, fixture, failed, last):
