@@ -56,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gaps-us", type=int_list, default=[0, 500, 1500, 4000],
                    help="idle time before each job, us")  # fmt: skip
     p.add_argument("--spins-us", type=int_list, default=[200, 5000],
-                   help="MailboxLane.idle_spin_ns values, us (the lane's default is 5000; it was 200)")  # fmt: skip
+                   help="MailboxLane.idle_spin_ns values, us (its default: 5000)")  # fmt: skip
     p.add_argument("--jobs", type=int, default=40, help="timed jobs a point")
     p.add_argument("--pool-experts", type=int, default=96,
                    help="experts to walk (96 of this shape: about 0.9 GB)")  # fmt: skip

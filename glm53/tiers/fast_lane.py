@@ -2,7 +2,8 @@
 the per-step plumbing between them: `glm53 serve --mode fast` (glm53.engine.gpu_create.create).
 Its device-side tests passed on an H200 (2026-12-02: 21 of 22, the one failure a fidelity bound;
 tests/gpu/test_fast_mode_gpu.py and the lane's; 2026-12-05: the lane's and the kernel's again,
-bench/gpu_slice.py's fast row, and test_fast_mode_gpu.py 5 of 5 against exllamav3's own floor). docs/fast-mode.md has the protocol.
+bench/gpu_slice.py's fast row, and test_fast_mode_gpu.py 5 of 5 against exllamav3's own floor).
+docs/fast-mode.md has the protocol.
 
 `glm53.exl3.fast.start_fast` builds it on an exact-mode load: a `MailboxLane` whose expert tables
 point into the pinned home's arenas (the lane reads the same bytes the GPU reads zero-copy: no
