@@ -4,8 +4,8 @@ read faults isolated to the requests that needed the record (glm53.tiers.read_fa
 
 Modes: fast = exact's tiers + the lane (glm53.tiers.fast_lane); nvme-exact = the RAM tier over
 --store as the experts' home (glm53.tiers.gpu_home); nvme = nvme-exact + the same lane over the
-RAM tier (glm53.tiers.nvme_lane), NOT YET RUN ON A GPU. Which load each mode takes is
-glm53.modes' table (EngineOptions.load).
+RAM tier (glm53.tiers.nvme_lane; its GPU tests passed on an H200, 2026-12-05). Which load each
+mode takes is glm53.modes' table (EngineOptions.load).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ log = logging.getLogger("glm53.engine.gpu")
 
 
 def start_lane(engine) -> None:
-    """fast or nvme (nvme: not yet run on a GPU): the CPU lane (over the pinned home, or in nvme
+    """fast or nvme: the CPU lane (over the pinned home, or in nvme
     mode over the RAM tier), the hooks and the router (glm53.exl3.fast, glm53.tiers.fast_lane).
     The lane's settings are engine.options' (--cpus, --cpu-threads, --ct-precision, --ct-b)."""
     from glm53.tiers.cpu_lane import CpuLane, device_pci_address, lane_layout
