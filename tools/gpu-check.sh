@@ -107,40 +107,71 @@ if stage build; then
 fi
 cd "$WORK" || exit 2  # import the installed package, not the source tree
 
-warm_pids=()
-warm() {  # warm PRESET: with the "warm" stage, tools/exl3_warm.py on it in the background
-  stage warm || return 0
-  [ "$1" = slice-resharded ] && return 0  # the slice's geometry: the same kernels
-  log "start warm-$1 (background)"
-  python3 "$REPO/tools/exl3_warm.py" "$WORK/$1" >"$OUT/warm-$1.log" 2>&1 &
-  warm_pids+=($!)
+# The checkpoints are written on two chains at once: the slices one after another (the disk is
+# their bound) and the demo beside them (its router fit decodes on one CPU thread, about 110 s).
+# A preset is ready (WORK/.ready-PRESET; .failed-PRESET if its synth failed) once it is written
+# and, with the "warm" stage, warmed by tools/exl3_warm.py (its first-use compiles). Groups run
+# side by side each start their tests as soon as their own presets are ready; everything else
+# waits for all of them.
+ready() {  # ready PRESET: warm it (with the "warm" stage), then mark it ready
+  if stage warm && [ "$1" != slice-resharded ]; then  # the slice's geometry: the same kernels
+    local t0=$SECONDS
+    log "start warm-$1"
+    python3 "$REPO/tools/exl3_warm.py" "$WORK/$1" >"$OUT/warm-$1.log" 2>&1 ||
+      log "warm-up of $1 failed (see warm-$1.log)"
+    log "end warm-$1 in $((SECONDS - t0)) s: $(grep '^warm ' "$OUT/warm-$1.log" | tr '\n' ';')"
+  fi
+  touch "$WORK/.ready-$1"
 }
-if stage synth; then
-  # the quick presets first, so that their warm-up (the "warm" stage) overlaps the slow ones
-  presets=${GLM53_SYNTH:-${group_synth:-demo slice slice-resharded}}
-  ordered=$(for p in $presets; do case $p in slice) echo "0 $p" ;; slice-resharded) echo "1 $p" ;;
-    demo) echo "2 $p" ;; *) echo "3 $p" ;; esac; done | sort -s -n -k1,1 | cut -d' ' -f2)
-  for preset in $ordered; do
-    if [ -d "$WORK/$preset" ]; then warm "$preset"; continue; fi
-    if [ "$preset" = slice-resharded ]; then
-      # uniform routing, rewritten in other shards and tensor order by a separate tool; the
-      # source goes to RAM (/dev/shm) so that the disk never holds three slices
-      tmp=/dev/shm/glm53-slice-uniform
-      rm -rf "$tmp"
-      run synth-slice-uniform python3 -m glm53 synth --preset slice --routing uniform --out "$tmp" &&
-        run reshard python3 "$REPO/tools/reshard_checkpoint.py" "$tmp" "$WORK/$preset"
-      rm -rf "$tmp"
-      continue
+prepare() {  # prepare PRESET...: write each (unless there), one after another; warm each beside
+  local preset tmp pids=() rc=0
+  for preset in "$@"; do
+    if [ ! -d "$WORK/$preset" ]; then
+      if [ "$preset" = slice-resharded ]; then
+        # uniform routing, rewritten in other shards and tensor order by a separate tool; the
+        # source goes to RAM (/dev/shm) so that the disk never holds three slices
+        tmp=/dev/shm/glm53-slice-uniform
+        rm -rf "$tmp"
+        run synth-slice-uniform python3 -m glm53 synth --preset slice --routing uniform \
+          --out "$tmp" && run reshard python3 "$REPO/tools/reshard_checkpoint.py" "$tmp" \
+          "$WORK/$preset"
+        local synth_rc=$?
+        rm -rf "$tmp"
+      else
+        run "synth-$preset" python3 -m glm53 synth --preset "$preset" --routing glm53 \
+          --out "$WORK/$preset"
+        local synth_rc=$?
+      fi
+      if [ $synth_rc -ne 0 ]; then touch "$WORK/.failed-$preset"; rc=1; continue; fi
     fi
-    run "synth-$preset" python3 -m glm53 synth --preset "$preset" --routing glm53 --out "$WORK/$preset" &&
-      warm "$preset"
+    ready "$preset" &
+    pids+=($!)
   done
+  for pid in "${pids[@]}"; do wait "$pid"; done
+  return $rc
+}
+chain_pids=()
+if stage synth; then
+  presets=${GLM53_SYNTH:-${group_synth:-demo slice slice-resharded}}
+  rm -f "$WORK"/.ready-* "$WORK"/.failed-*
+  disk_chain=$(for p in $presets; do case $p in slice) echo "0 $p" ;; slice-resharded) echo "1 $p" ;;
+    demo) ;; *) echo "2 $p" ;; esac; done | sort -s -n -k1,1 | cut -d' ' -f2 | tr '\n' ' ')
+  case " $presets " in *" demo "*) prepare demo & chain_pids+=($!) ;; esac
+  [ -n "$disk_chain" ] && { prepare $disk_chain & chain_pids+=($!); }
 fi
-if [ ${#warm_pids[@]} -gt 0 ]; then
-  t0=$SECONDS
-  for pid in "${warm_pids[@]}"; do wait "$pid" || log "a warm-up failed (see warm-*.log)"; done
-  log "warm-ups done, waited $((SECONDS - t0)) s after the last synth: $(cat "$OUT"/warm-*.log | grep '^warm ' | tr '\n' ';')"
-fi
+wait_chains() {  # every checkpoint written and warmed
+  local t0=$SECONDS pid
+  for pid in "${chain_pids[@]}"; do wait "$pid" || status=1; done
+  chain_pids=()
+  log "checkpoints ready, waited $((SECONDS - t0)) s"
+}
+wait_ready() {  # wait_ready PRESET...: until each is ready (1 if one failed)
+  local p
+  for p in "$@"; do
+    until [ -e "$WORK/.ready-$p" ] || [ -e "$WORK/.failed-$p" ]; do sleep 1; done
+    [ -e "$WORK/.ready-$p" ] || return 1
+  done
+}
 export GLM53_TEST_DEMO=$WORK/demo GLM53_TEST_SLICE=$WORK/slice GLM53_TEST_DEEP=$WORK/deep
 export GLM53_TEST_SLICE_RESHARDED=$WORK/slice-resharded
 if stage tests; then
@@ -148,13 +179,6 @@ if stage tests; then
   for t in ${GLM53_GPU_TESTS:-${group_tests:-tests/gpu}}; do
     case $t in /*) tests+=("$t") ;; *) tests+=("$REPO/$t") ;; esac
   done
-  limit=()  # a group: SIGINT before the call's limit, so that pytest still writes its report
-  if [ "$deadline" -gt 0 ]; then
-    left=$((deadline - SECONDS))
-    [ "$left" -gt 10 ] || left=10
-    limit=(timeout -s INT -k 30 "$left")
-    log "tests of group $GROUP: SIGINT after $left s"
-  fi
   # --durations=0: every test's time in tests.log, to replace groups.txt's estimates;
   # GLM53_GPU_STRICT: a file skipped for a module it cannot import fails (tests/gpu/conftest.py)
   # GLM53_GPU_LIVE_LOG: each outcome and failure written as the test ends (a cut run keeps them)
@@ -168,20 +192,40 @@ if stage tests; then
       GROUP=$g
       g_tests=()
       for t in $(group_entries test); do g_tests+=("$REPO/tests/gpu/$t"); done
+      g_synth=$(group_entries synth | tr '\n' ' ')
       (export GLM53_GPU_LIVE_LOG=$OUT/tests-live-$g.log
-        run "tests-$g" "${limit[@]}" python3 -m pytest "${pytest_args[@]}" \
+        # shellcheck disable=SC2086  # word splitting intended: a list of presets
+        stage synth && { wait_ready $g_synth || log "group $g: a checkpoint failed ($g_synth)"; }
+        g_limit=()  # the same deadline, counted from this script's start
+        if [ "$deadline" -gt 0 ]; then
+          g_left=$((deadline - SECONDS))
+          [ "$g_left" -gt 10 ] || g_left=10
+          g_limit=(timeout -s INT -k 30 "$g_left")
+          log "tests of group $g start: SIGINT after $g_left s"
+        fi
+        run "tests-$g" "${g_limit[@]}" python3 -m pytest "${pytest_args[@]}" \
           --basetemp="$WORK/pytest-$g" --junitxml="$OUT/gpu-tests-$g.xml" "${g_tests[@]}") &
       pids+=($!)
     done
     for pid in "${pids[@]}"; do wait "$pid" || status=1; done
     GROUP=$GLM53_GPU_GROUP
+    wait_chains
   else
+    wait_chains
+    limit=()  # a group: SIGINT before the call's limit, so that pytest still writes its report
+    if [ "$deadline" -gt 0 ]; then
+      left=$((deadline - SECONDS))
+      [ "$left" -gt 10 ] || left=10
+      limit=(timeout -s INT -k 30 "$left")
+      log "tests of group $GROUP: SIGINT after $left s"
+    fi
     export GLM53_GPU_LIVE_LOG=$OUT/tests-live.log
     run tests "${limit[@]}" python3 -m pytest "${pytest_args[@]}" \
       --junitxml="$OUT/gpu-tests.xml" "${tests[@]}"
   fi
 fi
 if stage bench; then
+  wait_chains
   # GLM53_BENCH picks the benchmarks, GLM53_BENCH_MODES the gpu_slice rows (default: all);
   # each row is written to OUT/rows/ as soon as it is measured, so a cut run keeps its rows
   for b in ${GLM53_BENCH:-gpu_slice micro_gemv lane_latency}; do
