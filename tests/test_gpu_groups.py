@@ -4,24 +4,36 @@ reads the manifest the way this test does."""
 
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 GPU = REPO / "tests" / "gpu"
-PRESETS = {"demo", "slice", "slice-resharded", "deep"}
+PRESETS = {"demo", "slice", "slice-resharded", "deep", "store"}
 ENV_PRESET = {"DEMO": "demo", "SLICE": "slice", "SLICE_RESHARDED": "slice-resharded"}
+
+
+def _entries():
+    for line in (GPU / "groups.txt").read_text().splitlines():
+        words = line.split("#", 1)[0].split()
+        if words:
+            yield line, words
 
 
 def groups() -> dict[str, dict[str, list[str]]]:
     out: dict[str, dict[str, list[str]]] = {}
-    for line in (GPU / "groups.txt").read_text().splitlines():
-        words = line.split("#", 1)[0].split()
-        if not words:
+    for line, words in _entries():
+        if words[0] == "call":
             continue
         group, kind, *values = words
         assert kind in ("synth", "test"), line
         out.setdefault(group, {"synth": [], "test": []})[kind] += values
     return out
+
+
+def calls() -> dict[str, list[str]]:
+    """call N GROUP...: the groups one device call runs side by side."""
+    return {w[1]: w[2:] for _, w in _entries() if w[0] == "call"}
 
 
 def test_every_gpu_test_file_is_in_exactly_one_group():
@@ -31,9 +43,9 @@ def test_every_gpu_test_file_is_in_exactly_one_group():
     assert len(set(listed)) == len(listed)
 
 
-def test_six_groups_each_with_presets_gpu_check_knows():
+def test_seven_groups_each_with_presets_gpu_check_knows():
     g = groups()
-    assert sorted(g) == ["a", "b", "c", "d", "e", "f"]
+    assert sorted(g) == ["a", "b", "c", "d", "e", "f", "g"]
     for name, entry in g.items():
         assert entry["synth"] and set(entry["synth"]) <= PRESETS, name
         assert entry["test"], name
@@ -45,6 +57,23 @@ def test_each_group_synthesizes_the_checkpoints_its_files_name():
             named = re.findall(r"GLM53_TEST_(SLICE_RESHARDED|SLICE|DEMO)\b", (GPU / f).read_text())
             missing = {ENV_PRESET[n] for n in named} - set(entry["synth"])
             assert not missing, f"group {name}: {f} names {missing}, not synthesized"
+            if "slice_store" in (GPU / f).read_text():  # conftest.py's fixture: the call's store
+                assert "store" in entry["synth"], f"group {name}: {f} reads the store"
+
+
+def test_two_calls_run_every_group_once_and_a_store_writer_shares_its_store_with_no_one():
+    """groups.txt's calls partition the groups; a group whose files write store bytes (the
+    verify test's flip_byte) is the only group of its call on the call's one store: another
+    group's engines would read the flipped bytes."""
+    c, g = calls(), groups()
+    listed = [x for members in c.values() for x in members]
+    assert len(c) == 2 and sorted(listed) == sorted(g), c
+    for members in c.values():
+        on_store = [x for x in members if "store" in g[x]["synth"]]
+        writers = [
+            x for x in on_store if any("flip_byte(" in (GPU / f).read_text() for f in g[x]["test"])
+        ]
+        assert not writers or on_store == writers[:1], (members, on_store, writers)
 
 
 def test_gpu_check_reads_the_same_groups():
@@ -124,3 +153,53 @@ def test_gpu_check_runs_several_groups_side_by_side(tmp_path):
         env={**env, "GLM53_GPU_GROUP": "a,z"}, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert bad.returncode == 2 and "no group z in tests/gpu/groups.txt" in bad.stderr
+
+
+def test_a_carried_demo_is_unpacked_while_its_synth_sources_match(tmp_path):
+    """tools/carry-checkpoint.sh writes the demo here and packs it with tools/synth-stamp.sh's
+    hash; gpu-check.sh's synth stage unpacks it instead of synthesizing (the same bytes as a
+    fresh `glm53 synth`), and a tarball from other synth sources is refused by name and the
+    demo synthesized."""
+    import filecmp
+    import os
+    import tarfile
+
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    (dev / "setup.sh").write_text("true\n")
+    subprocess.run(["bash", str(REPO / "tools" / "carry-checkpoint.sh"), str(dev)], check=True,
+                   capture_output=True, timeout=600)  # fmt: skip
+    tarball = dev / "ckpt-demo.tar.gz"
+    stamp = subprocess.run(["bash", str(REPO / "tools" / "synth-stamp.sh")], check=True,
+                           capture_output=True, text=True).stdout.strip()  # fmt: skip
+    with tarfile.open(tarball) as t:
+        assert t.extractfile("demo/.glm53-synth-stamp").read().decode().strip() == stamp
+
+    def synth_stage(work):
+        out = tmp_path / f"out-{work}"
+        subprocess.run(
+            ["bash", str(REPO / "tools" / "gpu-check.sh"), str(dev), str(out), "synth"],
+            env={**os.environ, "GLM53_GPU_WORK": str(tmp_path / work), "GLM53_SYNTH": "demo"},
+            capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        return (out / "gpu-check.log").read_text()
+
+    log = synth_stage("carried")
+    assert f"demo: carried ({tarball}, synth sources {stamp})" in log, log
+    assert "start synth-demo" not in log and (tmp_path / "carried" / ".ready-demo").exists(), log
+    # what it unpacked is what `glm53 synth` writes
+    fresh = tmp_path / "fresh"
+    subprocess.run([sys.executable, "-m", "glm53", "synth", "--preset", "demo", "--out",
+                    str(fresh)], check=True, capture_output=True, timeout=600)  # fmt: skip
+    cmp = filecmp.dircmp(fresh, tmp_path / "carried" / "demo")
+    assert not cmp.diff_files and not cmp.left_only, (cmp.diff_files, cmp.left_only)
+    # a tarball from other sources: refused by name, and the demo synthesized instead
+    stale = tmp_path / "stale-tarball"
+    with tarfile.open(tarball) as t:
+        t.extractall(stale, filter="data")
+    (stale / "demo" / ".glm53-synth-stamp").write_text("0123456789abcdef\n")
+    with tarfile.open(tarball, "w:gz") as t:
+        t.add(stale / "demo", arcname="demo")
+    log = synth_stage("stale")
+    assert f"{tarball} was written by other synth sources (0123456789abcdef, these are " in log
+    assert "start synth-demo" in log and "end synth-demo rc=0" in log, log

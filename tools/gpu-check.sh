@@ -9,13 +9,17 @@
 # first-use compiles with the synthesis of the next. A Triton cache found at
 # DEVICE_DIR/triton-cache.tar.gz (or in its parts, .part-00 ...) is restored (and saved to
 # OUT_DIR in parts when GLM53_SAVE_TRITON is set; only the autotuner's choices, DEVICE_DIR/triton-autotune.tar.gz, when it is "autotune").
-# GLM53_GPU_GROUP=a|b|c|d|e|f runs one group of tests/gpu (a,c: several, side by side, below;
-# tests/gpu/groups.txt: its files, and the
-# checkpoints they need as the synth default); the groups together are the whole of tests/gpu,
-# each meant for one 10-minute device call (groups.txt has the times measured on the H200 on
-# 2026-12-02: a 8.6 min, b 8.3 min; c not yet measured). With a group,
-# pytest gets SIGINT at GLM53_TESTS_DEADLINE seconds after this script started (default 540; 0:
+# GLM53_GPU_GROUP=a|b|c|d|e|f|g runs one group of tests/gpu (several, comma-separated: side by
+# side, below); tests/gpu/groups.txt lists each group's files and the checkpoints they need
+# (the synth default; "store" is the slice's store, packed once for the call and named by
+# GLM53_TEST_SLICE_STORE); the groups together are the whole of tests/gpu, and groups.txt says
+# which groups make the two calls and what each took. With a group, pytest gets SIGINT at
+# GLM53_TESTS_DEADLINE seconds after this script started (default 540; 0:
 # none), so that a run about to be cut still writes gpu-tests.xml with what ran.
+# A checkpoint carried in DEVICE_DIR/ckpt-PRESET.tar.gz (tools/carry-checkpoint.sh: the demo,
+# written on the CPU beforehand) is unpacked instead of synthesized while its synth sources'
+# hash (tools/synth-stamp.sh) matches these sources; otherwise it is synthesized, and the log
+# says why.
 # GLM53_SYNTH picks the checkpoints (default: the group's, else "demo slice slice-resharded"; also "deep"), GLM53_GPU_TESTS narrows the tests (paths or node ids; default: the group's, else tests/gpu), GLM53_BENCH the benchmarks,
 # GLM53_BENCH_MODES the gpu_slice rows, GLM53_OFFLOAD_TIMEOUT its stock-offload subprocesses,
 # GLM53_GPU_SLICE_ARGS further gpu_slice arguments (e.g. "--model $GLM53_TEST_DEEP --vram-budget 24G"),
@@ -114,7 +118,8 @@ cd "$WORK" || exit 2  # import the installed package, not the source tree
 # side by side each start their tests as soon as their own presets are ready; everything else
 # waits for all of them.
 ready() {  # ready PRESET: warm it (with the "warm" stage), then mark it ready
-  if stage warm && [ "$1" != slice-resharded ]; then  # the slice's geometry: the same kernels
+  # the resharded slice has the slice's widths (the same kernels); the store is no checkpoint
+  if stage warm && [ "$1" != slice-resharded ] && [ "$1" != store ]; then
     local t0=$SECONDS
     log "start warm-$1"
     python3 "$REPO/tools/exl3_warm.py" "$WORK/$1" >"$OUT/warm-$1.log" 2>&1 ||
@@ -123,20 +128,39 @@ ready() {  # ready PRESET: warm it (with the "warm" stage), then mark it ready
   fi
   touch "$WORK/.ready-$1"
 }
+carried() {  # carried PRESET: unpack DEVICE_DIR/ckpt-PRESET.tar.gz (tools/carry-checkpoint.sh)
+  local tarball="$DEV/ckpt-$1.tar.gz" want got
+  [ -f "$tarball" ] || return 1
+  want=$("$REPO/tools/synth-stamp.sh")
+  got=$(tar -xzf "$tarball" -O "$1/.glm53-synth-stamp" 2>/dev/null)
+  if [ "$got" != "$want" ]; then
+    log "$tarball was written by other synth sources ($got, these are $want): synthesizing $1"
+    return 1
+  fi
+  tar -xzf "$tarball" -C "$WORK" && log "$1: carried ($tarball, synth sources $got)"
+}
 prepare() {  # prepare PRESET...: write each (unless there), one after another; warm each beside
   local preset tmp pids=() rc=0
   for preset in "$@"; do
     if [ ! -d "$WORK/$preset" ]; then
       if [ "$preset" = slice-resharded ]; then
-        # uniform routing, rewritten in other shards and tensor order by a separate tool; the
-        # source goes to RAM (/dev/shm) so that the disk never holds three slices
+        # a second geometry (64 routed experts, not 288: 3.6 GB, not 16, so that a call's disk
+        # holds it beside the store) with uniform routing, rewritten in other shards and tensor
+        # order by a separate tool; the source goes to RAM (/dev/shm)
         tmp=/dev/shm/glm53-slice-uniform
         rm -rf "$tmp"
         run synth-slice-uniform python3 -m glm53 synth --preset slice --routing uniform \
-          --out "$tmp" && run reshard python3 "$REPO/tools/reshard_checkpoint.py" "$tmp" \
+          --experts 64 --out "$tmp" && run reshard python3 "$REPO/tools/reshard_checkpoint.py" "$tmp" \
           "$WORK/$preset"
         local synth_rc=$?
         rm -rf "$tmp"
+      elif [ "$preset" = store ]; then
+        # the slice's store, packed once for every group of the call (GLM53_TEST_SLICE_STORE)
+        run pack-store python3 -m glm53 store pack --model "$WORK/slice" --out "$WORK/store" \
+          --no-mtp
+        local synth_rc=$?
+      elif carried "$preset"; then
+        local synth_rc=0
       else
         run "synth-$preset" python3 -m glm53 synth --preset "$preset" --routing glm53 \
           --out "$WORK/$preset"
@@ -155,7 +179,8 @@ if stage synth; then
   presets=${GLM53_SYNTH:-${group_synth:-demo slice slice-resharded}}
   rm -f "$WORK"/.ready-* "$WORK"/.failed-*
   disk_chain=$(for p in $presets; do case $p in slice) echo "0 $p" ;; slice-resharded) echo "1 $p" ;;
-    demo) ;; *) echo "2 $p" ;; esac; done | sort -s -n -k1,1 | cut -d' ' -f2 | tr '\n' ' ')
+    store) echo "2 $p" ;; demo) ;; *) echo "3 $p" ;; esac; done |
+    sort -s -n -k1,1 | cut -d' ' -f2 | tr '\n' ' ')
   case " $presets " in *" demo "*) prepare demo & chain_pids+=($!) ;; esac
   [ -n "$disk_chain" ] && { prepare $disk_chain & chain_pids+=($!); }
 fi
@@ -174,6 +199,7 @@ wait_ready() {  # wait_ready PRESET...: until each is ready (1 if one failed)
 }
 export GLM53_TEST_DEMO=$WORK/demo GLM53_TEST_SLICE=$WORK/slice GLM53_TEST_DEEP=$WORK/deep
 export GLM53_TEST_SLICE_RESHARDED=$WORK/slice-resharded
+case " ${GLM53_SYNTH:-${group_synth:-}} " in *" store "*) export GLM53_TEST_SLICE_STORE=$WORK/store ;; esac
 if stage tests; then
   tests=()  # GLM53_GPU_TESTS paths are relative to the repository (this script runs from $WORK)
   for t in ${GLM53_GPU_TESTS:-${group_tests:-tests/gpu}}; do
@@ -246,6 +272,7 @@ if stage bench; then
       && tail -1 "$OUT/bench-$b.log" >"$OUT/$b.json"
   done
 fi
+[ ${#chain_pids[@]} -eq 0 ] || wait_chains  # a call without tests or bench: the synth alone
 # the Triton cache is large (about 150 MB packed); save it only when asked, with what a later
 # load needs (the compiled kernels, their metadata and launchers, not the IR), in parts of at
 # most 15 MiB (the device tool brings back files of up to 16 MiB)

@@ -367,6 +367,30 @@ def moe_modules(model) -> list:
     return found
 
 
+def prefill_moe_count(model, moe: list) -> int:
+    """How many of `moe` (moe_modules' list, in layer order) a prefill forward runs: exllamav3's
+    prefill (`Model.prefill_ls`) stops at the last module with a KV cache
+    (`Model.last_kv_module_idx`), and that block returns after its attention (TransformerBlock's
+    forward with params["prefill"]), so the MoE layers in it and after it run only in decode and
+    in full forwards. The PrefillStager stages no layer ahead past this count."""
+    last = getattr(model, "last_kv_module_idx", None)
+    if last is None:
+        return len(moe)
+    ran: set[int] = set()
+
+    def walk(mod):
+        ran.add(id(mod))
+        for sub in getattr(mod, "modules", []):
+            walk(sub)
+
+    for mod in model.modules[:last]:
+        walk(mod)
+    count = sum(1 for m in moe if id(m) in ran)
+    if any(id(m) in ran for m in moe[count:]):
+        raise RuntimeError("internal error: the MoE modules are not in the model's layer order")
+    return count
+
+
 def table_addresses(modules) -> list[int]:
     """[layer][gate, up, down] device addresses of the trellis pointer tables."""
     out = []

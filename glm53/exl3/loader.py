@@ -240,8 +240,9 @@ def load(model_dir: str, options: LoadOptions | None = None) -> Loaded:
 
             dma = False if nvme_src is not None else o.stage_dma  # RAM-tier homes: gathered
             stager = PrefillStager(
-                ec, stage_slots, min_rows=o.stage_min_rows, dma=dma, loan=o.stage_loan
-            )
+                ec, stage_slots, min_rows=o.stage_min_rows, dma=dma, loan=o.stage_loan,
+                prefill_layers=hooks.prefill_moe_count(model, moe),
+            )  # fmt: skip
         # nvme-exact's stager is driven by its NvmeHome (the routing hook never calls it)
         hooks.attach_cache(moe, ec, stager)
         loaded.ec, loaded.stager = ec, stager

@@ -305,15 +305,17 @@ def load_split(
     if mode == "exact":
         loaded.ec = _attach_caches(
             plan, moe, geo, home, home_addr, ec_freq_window, stage_min_rows, stage_dma,
-            ec_reserve_gb,
+            ec_reserve_gb, hooks.prefill_moe_count(model, moe),
         )  # fmt: skip
     return loaded
 
 
-def _attach_caches(plan, moe, geo, home, home_addr, freq_window, min_rows, dma, reserve_gb):
+def _attach_caches(plan, moe, geo, home, home_addr, freq_window, min_rows, dma, reserve_gb,
+                   prefill_moe: int):  # fmt: skip
     """One DeviceExpertCache (+ PrefillStager) per part with MoE layers, over its layers'
     home records and pointer tables; the planned slots, fewer where the device has less free
-    now than planned (shared in proportion among the parts on one device)."""
+    now than planned (shared in proportion among the parts on one device). `prefill_moe`: the
+    MoE layers a prefill forward runs (hooks.prefill_moe_count), counted from the first."""
     import torch
 
     from glm53.tiers.vram_cache import CacheGeometry, DeviceExpertCache, PrefillStager
@@ -347,7 +349,10 @@ def _attach_caches(plan, moe, geo, home, home_addr, freq_window, min_rows, dma, 
             )  # fmt: skip
             stager = None
             if part.stage_slots > 0:
-                stager = OnDevice(PrefillStager(ec, part.stage_slots, min_rows, dma), dev)
+                ran = max(0, min(len(mods), prefill_moe - first))  # of this part's layers
+                stager = OnDevice(
+                    PrefillStager(ec, part.stage_slots, min_rows, dma, prefill_layers=ran), dev
+                )
         hooks.attach_cache(mods, OnDevice(ec, dev), stager)
         caches.append(ec)
     return SplitCaches(plan, caches, n_e, guard=torch.cuda.device)

@@ -465,13 +465,20 @@ class PrefillStager:
 
     def __init__(
         self, cache: DeviceExpertCache, buf_slots: int, min_rows: int = 256, dma: bool | None = None,
-        loan: bool = False,
+        loan: bool = False, prefill_layers: int | None = None,
     ):  # fmt: skip
         import torch
 
         if buf_slots < 1:
             raise ValueError(f"a staging buffer needs at least 1 slot, got {buf_slots}")
         self.cache, self.buf_slots, self.min_rows = cache, int(buf_slots), int(min_rows)
+        # the MoE layers a prefill forward runs (glm53.exl3.hooks.prefill_moe_count): exllamav3's
+        # prefill stops in the last KV block, after its attention, so its MoE layer (the last one)
+        # never runs there and staging it ahead would copy a whole layer for nothing
+        n_l = cache.geo.n_layers
+        self.prefill_layers = n_l if prefill_layers is None else int(prefill_layers)
+        if not 0 <= self.prefill_layers <= n_l:
+            raise ValueError(f"prefill_layers {prefill_layers} is not in [0, {n_l}]")
         dev, rb = cache.device, cache.geo.record_bytes
         # the staging loan (`loan`): the two buffers are the cache's last 2 * buf_slots slots,
         # CLOCK's in decode and the stager's in prefill (StagingLoan); else buffers of their own
@@ -601,7 +608,7 @@ class PrefillStager:
             return
         if self.wait_staged(layer) is None:  # not staged ahead: staged now, on the main stream
             self._stage(layer, main)
-        if layer + 1 < self.cache.geo.n_layers:
+        if layer + 1 < self.prefill_layers:
             self.stage_ahead(layer + 1)
 
     # the two halves of on_layer; nvme-exact (glm53.exl3.nvme_device) calls them itself, since

@@ -141,12 +141,17 @@ def test_each_moe_layer_is_staged_once_per_pass(case, engine):
     (got,) = run_engine(engine, [case["prompts"]["staged"]], N_NEW)
     assert_same(got, case["ref"]["staged"], "8k, staged once per layer")
     assert _lm(engine)["passes"] == passes + 1, _lm(engine)
-    moe = len(engine.loaded.moe)
-    # chunk-major would stage every layer for each of the 7 full chunks
-    assert stager.stages - stages == moe
+    # exllamav3's prefill stops in the last KV block after its attention, so the last MoE
+    # layer's MLP never runs there (glm53.exl3.hooks.prefill_moe_count) and is not staged: on
+    # an H100 on 2026-12-05 this test counted 35 skips, 5 layers x 7, with 6 stages (the
+    # stager then staged the last layer ahead for nothing)
+    ran = stager.prefill_layers
+    assert ran == len(engine.loaded.moe) - 1
+    # chunk-major would stage every layer for each of the 8 forwards that reach the stager
+    assert stager.stages - stages == ran
     # the 8 forwards of [0, 7936) reach the stager (the 255-token one is under its 256 rows):
     # the first stages each layer, the other 7 find it staged
-    assert stager.skips - skips == moe * 7
+    assert stager.skips - skips == ran * 7
 
 
 def test_a_pass_publishes_checkpoints_a_later_prefix_reuses_exactly(case, engine):
