@@ -463,6 +463,9 @@ def measure_mode(args, mode) -> dict:
             row["stage_slots"] = loaded.stager.buf_slots if loaded.stager is not None else 0
             if loaded.stager is not None:  # copy-engine DMA of layer ranges, or an SM gather
                 row["stage_dma"] = bool(loaded.stager.dma)
+                # the MoE layers the stager stages in prefill (all but the last since
+                # 2026-12-05; rows without the field staged every one: prefill_inputs)
+                row["stage_layers"] = loaded.stager.prefill_layers
                 if loaded.stager.loan is not None:  # slots above include the lent buffers
                     row["stage_loan"] = loaded.stager.loan.stats()
             if loaded.nvme is not None and loaded.stager is None:  # a finding, not a failure
@@ -637,11 +640,22 @@ def prefill_inputs(rows: dict, mode: str, geo: Geometry, target: Geometry | None
             pass  # no straight line through them: keep the spec-scaled rate
         else:
             fields |= {"prefill_chunk_ms": chunk_ms, "prefill_token_us": token_us}
-    dma = (rows.get(mode) or {}).get("stage_dma")
+    row = rows.get(mode) or {}
+    dma = row.get("stage_dma")
     if dma is True:
         fields["stage_records"] = (target or geo).experts_per_layer
     elif dma is False:
         fields["stage_overlap"] = False
+    if dma is not None and target is None:  # (another geometry: what this code stages)
+        # a staged row without `stage_layers` was measured before the stager stopped staging
+        # the last MoE layer (whose MLP no prefill runs): it staged all of them
+        staged = row.get("stage_layers", geo.num_moe_layers)
+        if staged not in (geo.num_moe_layers, geo.prefill_moe_layers):
+            raise ValueError(
+                f"row {mode} staged {staged} MoE layers in prefill; the cost model knows "
+                f"{geo.num_moe_layers} (every one) or {geo.prefill_moe_layers} (those a prefill runs)"
+            )
+        fields["stage_last_layer"] = staged == geo.num_moe_layers
     return fields
 
 
@@ -734,7 +748,10 @@ def combine(results: list[dict], args) -> dict:
     ex = c1("exact")
     stream_bound = chunk_bound = stream_bound_32k = None
     if zc_gbps:
-        touched = n_moe * info["experts"] * rec  # an 8k prompt touches every routed expert
+        # an 8k prompt touches every routed expert of every MoE layer a prefill runs (all but
+        # the last: exllamav3's prefill stops after the last block's attention)
+        prefill_moe = Geometry(**info["geometry"]).prefill_moe_layers
+        touched = prefill_moe * info["experts"] * rec
         # the issue's bound: every touched expert streamed once at the measured bandwidth
         stream_bound = 8192 / (touched / (zc_gbps * 1e9))
         # what chunked prefill (2,048-token chunks) must stream when nothing stays resident
@@ -944,8 +961,9 @@ def combine(results: list[dict], args) -> dict:
         "chunk; each length warmed once first; target ref = min(stock at its faster chunk, "
         "stream bound)",
         "long_prefill": "32k at 2,048-token chunks for the stock, exact, exact_layer_major and "
-        "stock_offload_stream rows (--long-prefill); stream once = every routed expert crossing "
-        "the link once per layer per prompt at zero_copy_gbps",
+        "stock_offload_stream rows (--long-prefill); stream once = every routed expert of the MoE "
+        "layers a prefill runs (all but the last) crossing the link once per prompt at "
+        "zero_copy_gbps",
         "stream_t": next(
             (r["info"].get("stream_t") for r in results if r["mode"] == "stock_offload_stream"),
             None,

@@ -9,6 +9,7 @@ import sys
 import types
 from pathlib import Path
 
+import msgspec
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -570,7 +571,8 @@ def test_gpu_slice_layer_major_rows_give_issue_28s_ratios(tmp_path):
     # zero-copy rate: 8 picks x 8 layers x 9,437,184 B a token over (1/25 - 1/200) s
     gbps = 64 * 9_437_184 / (1 / 25 - 1 / 200) / 1e9
     assert figures["zero_copy_gbps"] == pytest.approx(gbps)
-    every_expert_s = 8 * 288 * 9_437_184 / (gbps * 1e9)  # one pass over the routed experts
+    # one pass over the routed experts of the 7 MoE layers a prefill runs (not the 8th, the last)
+    every_expert_s = 7 * 288 * 9_437_184 / (gbps * 1e9)
     assert figures["prefill8k_stream_bound_tok_s"] == pytest.approx(8192 / every_expert_s)
     assert figures["prefill32k_stream_bound_tok_s"] == pytest.approx(32768 / every_expert_s)
     assert figures["prefill_32768_tok_s"] == {"stock": 19000.0, "zerocopy": None, "exact": 4400.0,
@@ -836,7 +838,8 @@ def test_gpu_slice_predicts_prefill_from_its_own_stock_row_and_exacts_staging(tm
     fit = costmodel.prefill_compute_fit(geo, (512, stock["p512"]), (8192, stock["p8192_c8192"]))
     x = costmodel.CostInputs(vram_slots=197, pcie_gbps=50.0, vram_gbps=4800.0,
                              gpu_fp16_tflops=989.0, prefill_chunk_ms=fit[0],
-                             prefill_token_us=fit[1], stage_records=288)  # fmt: skip
+                             prefill_token_us=fit[1], stage_records=288,
+                             stage_last_layer=True)  # the run predates stage_layers  # fmt: skip
     want = costmodel.exact_rows(x, geo)
     assert r["figures"]["predicted"]["exact"] == pytest.approx(want)
     vs = r["ratios"]["measured_vs_predicted"]
@@ -904,3 +907,35 @@ def test_gpu_slice_nvme_rows_ram_cap_and_read_rate_on_a_real_store(small_store):
     assert (rate["records_read"], rate["bytes_read"], rate["batch_records"]) == (16, 16 * record, 3)
     assert rate["bytes_per_s"] == rate["bytes_read"] / rate["seconds"]
     json.dumps(rate)  # the row's info holds it as JSON
+
+
+def test_gpu_slice_predicts_a_rows_prefill_with_the_layers_its_stager_staged():
+    """A staged exact row says how many MoE layers its stager stages in prefill (stage_layers:
+    all but the last since 2026-12-05, glm53.exl3.hooks.prefill_moe_count); a row without the
+    field predates it and staged every one. Any other count is refused, naming both it knows;
+    a prediction for another geometry (full_model) takes what this code stages."""
+    from glm53.doctor import costmodel
+    from glm53.doctor.geometry import Geometry
+
+    gs = _gpu_slice()
+    geo = Geometry("slice", 8, 6, 288, 8, 9_437_184, 713_091_196, 3)
+    rows = {"exact": {"stage_dma": True, "stage_layers": 5}}
+    assert gs.prefill_inputs(rows, "exact", geo) == {"stage_records": 288,
+                                                     "stage_last_layer": False}  # fmt: skip
+    old = {"exact": {"stage_dma": True}}
+    assert gs.prefill_inputs(old, "exact", geo)["stage_last_layer"] is True
+    assert "stage_last_layer" not in gs.prefill_inputs(old, "exact", geo, target=geo)
+    with pytest.raises(
+        ValueError, match=r"staged 3 MoE layers in prefill; .* 6 \(every one\) or 5"
+    ):
+        gs.prefill_inputs({"exact": {"stage_dma": False, "stage_layers": 3}}, "exact", geo)
+    # the last layer unstaged: a link-bound chunk saves that layer's stage over its compute
+    x = costmodel.CostInputs(vram_slots=197, pcie_gbps=50.0, vram_gbps=4800.0,
+                             gpu_fp16_tflops=989.0, prefill_chunk_ms=8.0, prefill_token_us=4.0,
+                             stage_records=288)  # fmt: skip
+    c = costmodel._chunk_compute_s(x, geo, 2048) / geo.num_layers
+    s = costmodel._staged_s(x, geo)
+    assert s > c
+    both = costmodel.exact_chunk_s(x, geo, 2048)
+    every = costmodel.exact_chunk_s(msgspec.structs.replace(x, stage_last_layer=True), geo, 2048)
+    assert every - both == pytest.approx(s - c)

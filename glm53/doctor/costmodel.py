@@ -198,6 +198,9 @@ class CostInputs(msgspec.Struct, frozen=True):
     # the previous layer's compute (copy-engine DMA) or runs after it (an SM gather kernel)
     stage_records: int | None = None
     stage_overlap: bool = True
+    # the stager before 2026-12-05 also staged the last MoE layer ahead, whose MLP no prefill
+    # forward runs (Geometry.prefill_moe_layers): the committed H200 prefill runs did
+    stage_last_layer: bool = False
 
 
 class Prediction(msgspec.Struct, frozen=True):
@@ -380,13 +383,18 @@ def exact_chunk_s(x: CostInputs, geo: Geometry, tokens: int) -> float:
     dense layers compute; the first MoE layer's stage runs on the main stream after its
     router, so it adds in full; each later MoE layer's stage was started after the previous
     layer's router, so that layer costs the slower of its compute and its stage (copy-engine
-    DMA), or both one after the other (x.stage_overlap False: an SM gather kernel)."""
+    DMA), or both one after the other (x.stage_overlap False: an SM gather kernel). The last
+    layer computes its attention only (Geometry.prefill_moe_layers) and stages nothing."""
     c = _chunk_compute_s(x, geo, tokens) / geo.num_layers
     s = _staged_s(x, geo)
-    dense = geo.num_layers - geo.num_moe_layers
+    # the MoE layers staged: those a prefill runs (the last one's MLP never does), and with
+    # x.stage_last_layer the last one too (its copy queued behind the others, paid as theirs)
+    staged = geo.num_moe_layers if x.stage_last_layer else geo.prefill_moe_layers
     if not x.stage_overlap:
-        return geo.num_layers * c + geo.num_moe_layers * s
-    return dense * c + (s + c) + (geo.num_moe_layers - 1) * max(c, s)
+        return geo.num_layers * c + staged * s
+    if staged == 0:
+        return geo.num_layers * c
+    return (geo.num_layers - staged) * c + (s + c) + (staged - 1) * max(c, s)
 
 
 def chunk_lengths(prompt_tokens: int, chunk_tokens: int) -> list[int]:

@@ -39,6 +39,14 @@ class Geometry(msgspec.Struct, frozen=True):
     def total_experts(self) -> int:
         return self.num_moe_layers * self.experts_per_layer
 
+    @property
+    def prefill_moe_layers(self) -> int:
+        """The MoE layers a prefill forward runs: all but the last. exllamav3's prefill stops
+        in the last KV block after its attention (its MLP only ever runs in decode), and in
+        glm5_next the dense layers come first, so that block's MLP is the last MoE layer
+        (glm53.exl3.hooks.prefill_moe_count; the slice's layer-major staging test counts it)."""
+        return max(0, self.num_moe_layers - 1)
+
 
 def _flash_non_expert_bytes() -> int:
     """GLM-5.3-Flash at K=3 with its 6-bit lm_head, from the block sizes of the layouts that

@@ -30,7 +30,8 @@ touched experts not in the RAM tier from the store first, one read after another
   hidden states take the expert cache's VRAM when they fit (glm53.plan.layer_major.vram_room
   says why lending beats pinning) and those slots stream like any miss; else they go to pinned
   RAM. Prompts of at most one chunk keep the normal path, so both predictions agree there.
-- stream once: the prompt's touched experts of every MoE layer crossing the link once, VRAM
+- stream once: the prompt's touched experts of every MoE layer a prefill runs (all but the
+  last: Geometry.prefill_moe_layers) crossing the link once, VRAM
   cache ignored (bench/gpu_slice.py's stream bound).
 """
 
@@ -142,9 +143,10 @@ def _step_s(
     rate = x.pcie_gbps * 1e9
     store = link.store_bytes / (x.store_gbps * 1e9) if x.store_gbps else 0.0
     first_moe = geo.num_layers - geo.num_moe_layers  # glm5_next: dense layers come first
+    moe_end = first_moe + geo.prefill_moe_layers  # the last layer's MLP never runs in prefill
     seconds = 0.0
     for layer in range(geo.num_layers):
-        h2d = link.pcie_bytes if layer >= first_moe else 0.0
+        h2d = link.pcie_bytes if first_moe <= layer < moe_end else 0.0
         d2h = 0.0
         if states is not None:
             h2d += states.h2d_bytes_per_layer if layer > 0 else 0
@@ -156,7 +158,7 @@ def _step_s(
             seconds += compute + h2d / rate
         else:
             seconds += max(compute, h2d / rate, d2h / rate)
-        seconds += store if layer >= first_moe else 0.0
+        seconds += store if first_moe <= layer < moe_end else 0.0
     return seconds
 
 
@@ -184,7 +186,7 @@ def predict_prefill(
             layer_tok_s = prompt_tokens / step_s
             states, placement = plan.state_bytes, str(plan.placement)
             states_pcie = plan.h2d_bytes_per_prompt + plan.d2h_bytes_per_prompt
-    once = geo.num_moe_layers * sum(touched(rates, prompt_tokens)) * eb / (x.pcie_gbps * 1e9)
+    once = geo.prefill_moe_layers * sum(touched(rates, prompt_tokens)) * eb / (x.pcie_gbps * 1e9)
     return PrefillRow(
         prompt_tokens=prompt_tokens,
         num_chunks=num_chunks(prompt_tokens, chunk_tokens),
