@@ -50,9 +50,10 @@ class MockStager:
     `stage_ahead` records the layer and checks, as the stage kernel would read them, that the
     home table entry of every expert the host trusts as staged points at that expert's record."""
 
-    def __init__(self, home, ec, calls, buf_slots=16, min_rows=4):
+    def __init__(self, home, ec, calls, buf_slots=16, min_rows=4, prefill_layers=LAYERS):
         self.home, self.ec, self.calls = home, ec, calls
         self.buf_slots, self.min_rows, self.hold = buf_slots, min_rows, False
+        self.prefill_layers = prefill_layers  # PrefillStager's: the MoE layers a prefill runs
         self.pending: dict = {}
         self.side = types.SimpleNamespace(synchronize=lambda: calls.append(("side_sync",)))
         self.copied: dict = {}
@@ -199,6 +200,27 @@ def test_a_staged_forward_reads_ahead_stages_ahead_and_points_only_what_was_not_
     ahead_reads = home.staging_stats()["stage_reads"]
     assert ahead_reads > 0 and home.stats()["ram_reads"] >= ahead_reads  # totals count both
     check_table(home, ec)
+
+
+def test_the_last_moe_layer_is_neither_read_ahead_nor_staged_when_no_prefill_runs_it(staged):
+    """exllamav3's prefill stops in the last KV block after its attention, so the last MoE
+    layer's hook never runs in a prefill (PrefillStager.prefill_layers, LAYERS - 1 here): the
+    forward's waves stop at the layer before it, no record of the last layer is read from the
+    store, and nothing stages it."""
+    home, ec, lib, stager = staged
+    stager.prefill_layers = LAYERS - 1
+    log = home.tier.source.reader.log
+    log.clear()
+    for layer in range(LAYERS - 1):  # the hooks a prefill forward runs
+        home.route(layer, prefill(seed=layer), decode=False, params={})
+        check_table(home, ec)
+    assert [c[1] for c in lib.calls if c[0] == "stage_ahead"] == list(range(1, LAYERS - 1))
+    source = home.tier.source
+    last = {source.offset(source.moe_layers[LAYERS - 1], e) // RECORD for e in range(EXPERTS)}
+    read = {r for kind, r in log if kind == "submit"}
+    assert read and not read & last, sorted(read & last)
+    assert home.ahead.idle() or LAYERS - 1 not in home.ahead.out
+    assert home.staging_stats()["stage_layers"] == LAYERS - 2
 
 
 def test_a_decode_step_after_a_staged_forward_drains_every_pin(staged):

@@ -272,7 +272,7 @@ class NvmeHome:
         at a forward's first staged hook): its home-table writes."""
 
         ahead, nxt = self.ahead, layer + 1
-        if nxt >= self.ec.geo.n_layers:
+        if nxt >= self.stager.prefill_layers:  # the last MoE layer never runs in prefill
             return self.home.take_pending()
         if layer != self._next_staged:
             ahead.begin(nxt, ahead_slots[0])
@@ -311,11 +311,13 @@ class NvmeHome:
 
     def _after_point(self, layer: int, ahead_slots) -> None:
         """The stage of this layer seen complete (its wave unpinned); the wave of layer + 2
-        begun (its reads run while this layer and the next one compute)."""
+        begun (its reads run while this layer and the next one compute), if a prefill runs that
+        layer (PrefillStager.prefill_layers: not the last MoE layer, whose MLP only decode runs,
+        so its experts are not read from the store ahead for nothing)."""
         if self._stage_event is not None:
             self._stage_event.synchronize()
         self.ahead.release(layer)
-        if layer + 2 < self.ec.geo.n_layers and len(ahead_slots) > 1:
+        if layer + 2 < self.stager.prefill_layers and len(ahead_slots) > 1:
             self.ahead.begin(layer + 2, ahead_slots[1])
             self._write(self.home.take_pending())  # the slots it took: absent from now on
         self._next_staged = layer + 1
