@@ -203,3 +203,33 @@ def test_a_carried_demo_is_unpacked_while_its_synth_sources_match(tmp_path):
     log = synth_stage("stale")
     assert f"{tarball} was written by other synth sources (0123456789abcdef, these are " in log
     assert "start synth-demo" in log and "end synth-demo rc=0" in log, log
+
+
+def test_the_store_is_packed_once_for_the_call_and_named_to_every_test(tmp_path):
+    """A group naming `store` (GLM53_SYNTH here): gpu-check.sh packs the slice's store once,
+    after the slice, with `glm53 store pack` (real O_DIRECT writes), and the tests see it as
+    GLM53_TEST_SLICE_STORE, complete (its manifest written). The slice is played by a demo
+    checkpoint in the slice's place (the real one is 16 GB)."""
+    import os
+
+    dev, work, out = tmp_path / "dev", tmp_path / "work", tmp_path / "out"
+    dev.mkdir()
+    (dev / "setup.sh").write_text("true\n")
+    subprocess.run([sys.executable, "-m", "glm53", "synth", "--preset", "demo", "--out",
+                    str(work / "slice")], check=True, capture_output=True, timeout=600)  # fmt: skip
+    probe = tmp_path / "test_probe.py"
+    probe.write_text(
+        "import os\nfrom pathlib import Path\n\n\ndef test_store():\n"
+        "    store = Path(os.environ['GLM53_TEST_SLICE_STORE'])\n"
+        f"    assert store == Path({str(work / 'store')!r})\n"
+        "    assert (store / 'manifest.json').is_file()\n"
+    )
+    env = {**os.environ, "GLM53_GPU_WORK": str(work), "GLM53_SYNTH": "slice store",
+           "GLM53_GPU_TESTS": str(probe)}  # fmt: skip
+    subprocess.run(["bash", str(REPO / "tools" / "gpu-check.sh"), str(dev), str(out), "synth tests"],
+                   env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    log = (out / "gpu-check.log").read_text()
+    assert "start synth-slice" not in log, log  # already there: kept
+    assert re.search(rf"start pack-store: python3 -m glm53 store pack --model {work}/slice", log)
+    assert "end pack-store rc=0" in log and "end tests rc=0" in log, log
+    assert log.count("start pack-store") == 1, log
