@@ -112,3 +112,91 @@ def test_bounded_ends_silently_when_the_loop_breaks_and_counts_tensor_prompts_by
             pass
     tensor = torch.zeros(1, 600, dtype=torch.long)
     assert gpu_kit.iteration_limit([tensor], 8) == gpu_kit.iteration_limit([[0] * 600], 8)
+
+
+def _mock_reference(log: Path):
+    """MOCK of tools/exl3_reference.py: one result per prompt, each computation logged."""
+
+    def run(cmd, **kw):
+        spec = json.loads(Path(cmd[2]).read_text())
+        with open(log, "a") as f:
+            f.write(json.dumps([p for r in spec["runs"] for p in r["prompts"]]) + "\n")
+        out = [[{"tokens": [len(p)], "logits": torch.zeros(1, 4)} for p in r["prompts"]]
+               for r in spec["runs"]]  # fmt: skip
+        torch.save(out, cmd[3])
+
+    return run
+
+
+def test_a_unit_saved_in_the_shared_directory_is_loaded_not_computed_again(tmp_path, monkeypatch):
+    """GLM53_REFERENCE_DIR: what one process computed, another (here: the same module with its
+    memory cleared) loads; only a unit nobody computed yet runs, and a checkpoint written again
+    (its config.json newer) is computed again."""
+    import os
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    log = tmp_path / "computed.log"
+    monkeypatch.setenv("GLM53_REFERENCE_DIR", str(tmp_path / "shared"))
+    monkeypatch.setattr(gpu_kit, "_DECLARED", [])
+    monkeypatch.setattr(gpu_kit.subprocess, "run", _mock_reference(log))
+    spec = {"model": str(model), "max_new_tokens": 3, "runs": [{"prompts": [[1], [2, 3]]}]}
+    monkeypatch.setattr(gpu_kit, "_REFERENCE", {})
+    (first,) = gpu_kit.stock_reference(spec, tmp_path)
+    monkeypatch.setattr(gpu_kit, "_REFERENCE", {})  # another process
+    (again,) = gpu_kit.stock_reference(spec, tmp_path)
+    assert [r["tokens"] for r in again] == [[1], [2]] == [r["tokens"] for r in first]
+    more = dict(spec, runs=[{"prompts": [[1], [4, 5, 6]]}])
+    (third,) = gpu_kit.stock_reference(more, tmp_path)
+    assert [r["tokens"] for r in third] == [[1], [3]]
+    assert log.read_text().splitlines() == ["[[1], [2, 3]]", "[[4, 5, 6]]"]
+    st = (model / "config.json").stat()
+    os.utime(model / "config.json", ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    monkeypatch.setattr(gpu_kit, "_REFERENCE", {})
+    gpu_kit.stock_reference(spec, tmp_path)
+    assert log.read_text().splitlines()[-1] == "[[1], [2, 3]]"
+
+
+def test_two_processes_on_one_checkpoint_take_turns_and_the_second_computes_nothing(tmp_path):
+    """Two real processes ask for the same units at the same moment (each waits for the other's
+    start mark first); the per-checkpoint lock makes the second wait for the first and then
+    load its units: one computation in all."""
+    import subprocess
+    import sys
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    log = tmp_path / "computed.log"
+    script = tmp_path / "ask.py"
+    script.write_text(f"""
+import sys, time
+from pathlib import Path
+sys.path.insert(0, {str(Path(gpu_kit.__file__).parent)!r})
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import gpu_kit, test_gpu_kit
+real = test_gpu_kit._mock_reference(Path({str(log)!r}))
+def slow(cmd, **kw):
+    time.sleep(2)  # long enough for the other process to reach the lock
+    real(cmd, **kw)
+gpu_kit.subprocess.run = slow
+me, other = Path(sys.argv[1]), Path(sys.argv[2])
+me.touch()
+while not other.exists():
+    time.sleep(0.01)
+spec = {{"model": {str(model)!r}, "max_new_tokens": 3, "runs": [{{"prompts": [[7], [8, 9]]}}]}}
+(got,) = gpu_kit.stock_reference(spec, Path(sys.argv[3]))
+assert [r["tokens"] for r in got] == [[1], [2]], got
+""")
+    env = {**__import__("os").environ, "GLM53_REFERENCE_DIR": str(tmp_path / "shared")}
+    procs = []
+    for me, other in (("a", "b"), ("b", "a")):
+        work = tmp_path / f"work-{me}"
+        work.mkdir()
+        procs.append(subprocess.Popen(
+            [sys.executable, str(script), str(tmp_path / me), str(tmp_path / other), str(work)],
+            env=env,
+        ))  # fmt: skip
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    assert log.read_text().splitlines() == ["[[7], [8, 9]]"]

@@ -199,6 +199,10 @@ wait_ready() {  # wait_ready PRESET...: until each is ready (1 if one failed)
 }
 export GLM53_TEST_DEMO=$WORK/demo GLM53_TEST_SLICE=$WORK/slice GLM53_TEST_DEEP=$WORK/deep
 export GLM53_TEST_SLICE_RESHARDED=$WORK/slice-resharded
+# stock exllamav3's reference runs, saved by the pytest process that computed them for the others
+# of this call and of later calls on this machine (tests/gpu/gpu_kit.py: one checkpoint's
+# reference processes take turns, so side-by-side groups never load it into VRAM at once)
+export GLM53_REFERENCE_DIR=$WORK/reference
 case " ${GLM53_SYNTH:-${group_synth:-}} " in *" store "*) export GLM53_TEST_SLICE_STORE=$WORK/store ;; esac
 if stage tests; then
   tests=()  # GLM53_GPU_TESTS paths are relative to the repository (this script runs from $WORK)

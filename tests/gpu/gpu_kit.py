@@ -7,11 +7,21 @@ The reference is shared across the session: a test file names the runs it will a
 module-level `reference_specs()` (conftest.py declares those of every collected file before the
 first test), and the first `stock_reference` call on a checkpoint runs every declared run of that
 checkpoint in one subprocess (one model load); each prompt run alone, and each set of prompts run
-together, is computed once and handed to every file that asks for it."""
+together, is computed once and handed to every file that asks for it.
+
+Across processes: with GLM53_REFERENCE_DIR (tools/gpu-check.sh sets it, one directory per
+machine), every unit computed is also saved there, and a process loads a unit saved by another
+before computing it. The reference processes of one checkpoint take turns (a lock per checkpoint
+in that directory), so groups run side by side do not load the same checkpoint into VRAM at once,
+and each finds what the others have computed. A saved unit is keyed by the checkpoint's path and
+its config.json's mtime too, so a checkpoint written again is computed again."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
+import hashlib
 import json
 import os
 import subprocess
@@ -127,6 +137,45 @@ def _units(spec: dict) -> list[tuple[str, dict]]:
     return out
 
 
+def _shared_dir() -> Path | None:
+    d = os.environ.get("GLM53_REFERENCE_DIR")
+    return Path(d) if d else None
+
+
+def _shared_file(d: Path, spec: dict, key: str) -> Path:
+    config = Path(spec["model"], "config.json")
+    written = config.stat().st_mtime_ns if config.exists() else 0
+    return d / (hashlib.sha1(f"{written} {key}".encode()).hexdigest() + ".pt")
+
+
+@contextlib.contextmanager
+def _turn(d: Path | None, spec: dict):
+    """This process's turn at the checkpoint's reference (an exclusive lock in the shared
+    directory); nothing without one."""
+    if d is None:
+        yield
+        return
+    d.mkdir(parents=True, exist_ok=True)
+    name = hashlib.sha1(_load_key(spec).encode()).hexdigest() + ".lock"
+    with open(d / name, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _from_shared(d: Path | None, spec: dict, units: dict) -> None:
+    """Load into _REFERENCE the units another process saved; drop them from `units`."""
+    if d is None:
+        return
+    for key in list(units):
+        f = _shared_file(d, spec, key)
+        if f.is_file():
+            _REFERENCE[key] = torch.load(f)
+            del units[key]
+
+
 def declare_reference(spec: dict) -> None:
     """Name runs a test will ask stock_reference for, so that the first call on the checkpoint
     computes them in the same process (conftest.py declares every collected file's)."""
@@ -140,22 +189,12 @@ def stock_reference(spec: dict, tmp: Path) -> list:
     tools/exl3_reference.py process."""
     wanted = _units(spec)
     missing = {key: unit for key, unit in wanted if key not in _REFERENCE}
+    shared = _shared_dir()
     if missing:
-        for other in _DECLARED:
-            if _load_key(other) == _load_key(spec):
-                for key, unit in _units(other):
-                    if key not in _REFERENCE:
-                        missing.setdefault(key, unit)
-        batch = dict(spec, runs=list(missing.values()))
-        (tmp / "spec.json").write_text(json.dumps(batch))
-        subprocess.run(
-            [sys.executable, str(REPO / "tools" / "exl3_reference.py"), str(tmp / "spec.json"),
-             str(tmp / "ref.pt")],
-            check=True, timeout=1200,
-        )  # fmt: skip
-        results = torch.load(tmp / "ref.pt")
-        for (key, unit), res in zip(missing.items(), results, strict=True):
-            _REFERENCE[key] = res if _whole(unit) else res[0]
+        with _turn(shared, spec):
+            _from_shared(shared, spec, missing)
+            if missing:
+                _compute(spec, missing, tmp, shared)
     out, i = [], 0
     for r in spec["runs"]:
         n = 1 if _whole(r) else len(r["prompts"])
@@ -163,6 +202,31 @@ def stock_reference(spec: dict, tmp: Path) -> list:
         out.append(got[0] if _whole(r) else got)
         i += n
     return out
+
+
+def _compute(spec: dict, missing: dict, tmp: Path, shared: Path | None) -> None:
+    """Run `missing` with every declared unit of the same checkpoint not yet known (here or in
+    the shared directory) in one tools/exl3_reference.py process; keep and share the results."""
+    for other in _DECLARED:
+        if _load_key(other) == _load_key(spec):
+            more = {key: unit for key, unit in _units(other) if key not in _REFERENCE}
+            _from_shared(shared, spec, more)
+            for key, unit in more.items():
+                missing.setdefault(key, unit)
+    batch = dict(spec, runs=list(missing.values()))
+    (tmp / "spec.json").write_text(json.dumps(batch))
+    subprocess.run(
+        [sys.executable, str(REPO / "tools" / "exl3_reference.py"), str(tmp / "spec.json"),
+         str(tmp / "ref.pt")],
+        check=True, timeout=1200,
+    )  # fmt: skip
+    results = torch.load(tmp / "ref.pt")
+    for (key, unit), res in zip(missing.items(), results, strict=True):
+        _REFERENCE[key] = res if _whole(unit) else res[0]
+        if shared is not None:  # written whole, then renamed: a reader never sees a part
+            f = _shared_file(shared, spec, key)
+            torch.save(_REFERENCE[key], f.with_suffix(".part"))
+            os.replace(f.with_suffix(".part"), f)
 
 
 def bounded(limit: int, what):
