@@ -205,11 +205,13 @@ def test_a_carried_demo_is_unpacked_while_its_synth_sources_match(tmp_path):
     assert "start synth-demo" in log and "end synth-demo rc=0" in log, log
 
 
-def test_the_store_is_packed_once_for_the_call_and_named_to_every_test(tmp_path):
+def test_the_store_is_packed_once_and_kept_by_later_calls_while_it_is_the_slices(tmp_path):
     """A group naming `store` (GLM53_SYNTH here): gpu-check.sh packs the slice's store once,
     after the slice, with `glm53 store pack` (real O_DIRECT writes), and the tests see it as
-    GLM53_TEST_SLICE_STORE, complete (its manifest written). The slice is played by a demo
-    checkpoint in the slice's place (the real one is 16 GB)."""
+    GLM53_TEST_SLICE_STORE, complete (its manifest written). A later call on the same machine
+    compares the store with the slice (`glm53 store compare`) and keeps it, or packs it again
+    when a byte differs. The slice is played by a demo checkpoint in the slice's place (the real
+    one is 16 GB)."""
     import os
 
     dev, work, out = tmp_path / "dev", tmp_path / "work", tmp_path / "out"
@@ -233,3 +235,19 @@ def test_the_store_is_packed_once_for_the_call_and_named_to_every_test(tmp_path)
     assert re.search(rf"start pack-store: python3 -m glm53 store pack --model {work}/slice", log)
     assert "end pack-store rc=0" in log and "end tests rc=0" in log, log
     assert log.count("start pack-store") == 1, log
+    # a later call on the same machine: the store is compared with the slice and kept ...
+    out2, out3 = tmp_path / "out2", tmp_path / "out3"
+    subprocess.run(["bash", str(REPO / "tools" / "gpu-check.sh"), str(dev), str(out2), "synth tests"],
+                   env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    log = (out2 / "gpu-check.log").read_text()
+    assert "end compare-store rc=0" in log and "start pack-store" not in log, log
+    assert "end tests rc=0" in log, log
+    # ... unless a byte of it differs (a verify test cut between its flip and its flip back)
+    from store_kit import flip_byte
+
+    flip_byte(work / "store" / "experts.bin", 4097)  # the first record (compare reads it)
+    subprocess.run(["bash", str(REPO / "tools" / "gpu-check.sh"), str(dev), str(out3), "synth tests"],
+                   env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    log = (out3 / "gpu-check.log").read_text()
+    assert "end compare-store rc=1" in log and "packing again" in log, log
+    assert "end pack-store rc=0" in log and "end tests rc=0" in log, log

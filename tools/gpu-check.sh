@@ -142,6 +142,12 @@ carried() {  # carried PRESET: unpack DEVICE_DIR/ckpt-PRESET.tar.gz (tools/carry
 prepare() {  # prepare PRESET...: write each (unless there), one after another; warm each beside
   local preset tmp pids=() rc=0
   for preset in "$@"; do
+    # a store an earlier call left (group g flips bytes of it and back; a cut run may not have)
+    if [ "$preset" = store ] && [ -d "$WORK/store" ] && ! run compare-store python3 -m glm53 \
+      store compare --store "$WORK/store" --model "$WORK/slice" --sample 50; then
+      log "the store an earlier call left is not the slice's (compare-store.log): packing again"
+      rm -rf "$WORK/store"
+    fi
     if [ ! -d "$WORK/$preset" ]; then
       if [ "$preset" = slice-resharded ]; then
         # a second geometry (64 routed experts, not 288: 3.6 GB, not 16, so that a call's disk
