@@ -150,7 +150,7 @@ prepare() {  # prepare PRESET...: write each (unless there), one after another; 
     fi
     if [ ! -d "$WORK/$preset" ]; then
       if [ "$preset" = slice-resharded ]; then
-        # a second geometry (64 routed experts, not 288: 3.6 GB, not 16, so that a call's disk
+        # a second geometry (64 routed experts, not 288: 4.1 GB, not 16, so that a call's disk
         # holds it beside the store) with uniform routing, rewritten in other shards and tensor
         # order by a separate tool; the source goes to RAM (/dev/shm)
         tmp=/dev/shm/glm53-slice-uniform
