@@ -183,8 +183,12 @@ def slow(cmd, **kw):
 gpu_kit.subprocess.run = slow
 me, other = Path(sys.argv[1]), Path(sys.argv[2])
 me.touch()
-while not other.exists():
+for _ in range(6000):  # at most a minute for the other process to start
+    if other.exists():
+        break
     time.sleep(0.01)
+else:
+    sys.exit("the other process never started")
 spec = {{"model": {str(model)!r}, "max_new_tokens": 3, "runs": [{{"prompts": [[7], [8, 9]]}}]}}
 (got,) = gpu_kit.stock_reference(spec, Path(sys.argv[3]))
 assert [r["tokens"] for r in got] == [[1], [2]], got
@@ -198,5 +202,9 @@ assert [r["tokens"] for r in got] == [[1], [2]], got
             [sys.executable, str(script), str(tmp_path / me), str(tmp_path / other), str(work)],
             env=env,
         ))  # fmt: skip
-    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    try:
+        assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            p.kill()
     assert log.read_text().splitlines() == ["[[7], [8, 9]]"]
