@@ -156,7 +156,8 @@ def _turn(d: Path | None, spec: dict):
         yield
         return
     d.mkdir(parents=True, exist_ok=True)
-    name = hashlib.sha1(_load_key(spec).encode()).hexdigest() + ".lock"
+    # per checkpoint, whatever the cache size or chunk: one copy of its experts in VRAM at a time
+    name = hashlib.sha1(os.path.realpath(spec["model"]).encode()).hexdigest() + ".lock"
     with open(d / name, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
