@@ -251,3 +251,70 @@ def test_the_store_is_packed_once_and_kept_by_later_calls_while_it_is_the_slices
     log = (out3 / "gpu-check.log").read_text()
     assert "end compare-store rc=1" in log and "packing again" in log, log
     assert "end pack-store rc=0" in log and "end tests rc=0" in log, log
+
+
+MOCK_PYTHON3 = r"""#!/bin/bash
+# MOCK of python3 for tools/gpu-check.sh's orchestration: synth, reshard, store pack and the
+# warm-up only make their output (after a pause, so the chains overlap); pytest records the
+# files it was given. Each call is logged with its start and end order.
+log="$MOCK_LOG"
+echo "start $*" >>"$log"
+case "$*" in
+  *"glm53 synth"*) out=${*##*--out }; out=${out%% *}; sleep 0.3; mkdir -p "$out" ;;
+  *reshard_checkpoint.py*) sleep 0.2; mkdir -p "${@: -1}" ;;
+  *"glm53 store pack"*) out=${*##*--out }; out=${out%% *}; sleep 0.3; mkdir -p "$out" ;;
+  *exl3_warm.py*) sleep 0.2; echo "warm $2: load 0.1 s, warm-up 0.1 s" ;;
+  *"-m pytest"*) sleep 0.1 ;;
+esac
+echo "end $*" >>"$log"
+"""
+
+
+def test_side_by_side_groups_start_when_their_own_checkpoints_are_ready(tmp_path):
+    """gpu-check.sh's synth stage with the groups of call 1 (a, c, d, g): MOCK python3 (above)
+    stands in for synth, reshard, pack, warm-up and pytest. The slices are written one after
+    another and the demo beside them; each group's pytest starts only after every checkpoint it
+    names is written and warmed (the store packed once, after the slice), and the call waits for
+    both chains."""
+    import os
+
+    dev, out, work, bin_ = (tmp_path / d for d in ("dev", "out", "work", "bin"))
+    for d in (dev, bin_):
+        d.mkdir()
+    (dev / "setup.sh").write_text("true\n")
+    (bin_ / "python3").write_text(MOCK_PYTHON3)
+    (bin_ / "python3").chmod(0o755)
+    log = tmp_path / "calls.log"
+    env = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}", "MOCK_LOG": str(log),
+           "GLM53_GPU_WORK": str(work), "GLM53_GPU_GROUP": "a,c,d,g",
+           "GLM53_TESTS_DEADLINE": "300"}  # fmt: skip
+    run = subprocess.run(
+        ["bash", str(REPO / "tools" / "gpu-check.sh"), str(dev), str(out), "synth warm tests"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    check = (out / "gpu-check.log").read_text()
+    assert run.returncode == 0, check
+    calls = log.read_text().splitlines()
+
+    def at(prefix: str, what: str) -> int:
+        return next(i for i, c in enumerate(calls) if c.startswith(prefix) and what in c)
+
+    def ready(preset: str) -> int:  # the end of its warm-up, or of its writing when not warmed
+        if preset in ("slice-resharded", "store"):
+            what = {"slice-resharded": "reshard_checkpoint.py", "store": "store pack"}[preset]
+            return at("end", what)
+        return at("end", f"exl3_warm.py {work}/{preset}")
+
+    for g in ("a", "c", "d", "g"):
+        start = at("start", f"gpu-tests-{g}.xml")
+        for preset in groups()[g]["synth"]:
+            assert ready(preset) < start, (g, preset, calls)
+    # the slices one after another, the store after the slice; the demo beside them
+    assert at("end", "--preset slice --routing glm53") < at(
+        "start", "--preset slice --routing uniform"
+    )
+    assert at("end", "reshard_checkpoint.py") < at("start", "store pack")
+    assert at("start", "--preset demo") < at("end", "--preset slice --routing glm53")
+    assert sum("store pack" in c for c in calls) == 2  # one start, one end: packed once
+    assert "--experts 64" in calls[at("start", "--routing uniform")]
+    assert check.rstrip().endswith("done, status 0"), check
