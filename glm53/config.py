@@ -136,8 +136,9 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
             "Prefill order for prompts longer than one chunk: chunk (each chunk through every "
             "layer, exllamav3's Generator) or layer-major (every chunk through a layer before "
             "the next: each touched expert crosses PCIe once per layer per prompt, same output). "
-            "GPU engine, exact mode; layer-major passed its identity tests on a GPU but not yet "
-            "its cancel, staging and interleave tests, so it needs --allow-unrun-modes.",
+            "GPU engine, exact mode; layer-major passed 5 of its 6 GPU tests (identity, cancel, "
+            "interleave), the sixth (a staging count) fixed and not yet rerun, so it needs "
+            "--allow-unrun-modes.",
             group="scheduling",
         ),
     ] = "chunk"
@@ -190,8 +191,10 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
             "Decode prefetch in --mode nvme-exact and nvme (GPU engine): next-layer runs each "
             "MoE layer's router for the next layer on this layer's input and reads the "
             "predicted experts the RAM tier lacks from the store while this layer computes (a "
-            "hint: the output is unchanged). It failed its first GPU run (with prefill staging "
-            "on) and has not run since, so it needs --allow-unrun-modes; off until measured.",
+            "hint: the output is unchanged). Its GPU tests passed in-process (H100, 2026-12-05: "
+            "torch.equal to stock exllamav3 at RAM 40 % and 70 %, with prefill staging from "
+            "the store on), which is still gated, so it needs --allow-unrun-modes; off until "
+            "measured.",
             group="tiers",
         ),
     ] = "off"
@@ -297,8 +300,8 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
             "VRAM (GiB) of the two prefill staging buffers; default: two whole MoE layers when "
             "they take at most a quarter of the VRAM left after the model, else that quarter. "
             "0 turns staging off. In nvme-exact and nvme (staging from the store) it is off "
-            "unless --allow-unrun-modes: that path failed its first GPU run and its fix has not "
-            "yet run on a GPU.",
+            "unless --allow-unrun-modes: its in-process GPU tests and the served one at RAM 40 % "
+            "passed (H100, 2026-12-05); the rest of them have not yet run.",
             group="tiers",
         ),
     ] = None
@@ -338,12 +341,12 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
         _s(
             "GPU engine: also run the five paths that have not yet passed their GPU tests: the "
             "layer split (--gpus with two or more entries; run only as 0,0 on one GPU), "
-            "--prefill layer-major (identity tests passed, the rest not yet), the staging loan "
-            "in fast mode (--ec-stage-loan; run in exact mode only), prefill staging "
-            "from the store in the store modes (--ec-stage-gb, off there without this flag) and "
-            "--nvme-prefetch next-layer (both failed their first GPU run; fix not yet rerun); "
-            "for their GPU tests "
-            "(tests/gpu/test_multi_gpu.py, test_layer_major_gpu.py, test_nvme_exact_gpu.py). "
+            "--prefill layer-major (5 of its 6 GPU tests passed, the sixth's count fixed since), "
+            "the staging loan in fast mode (--ec-stage-loan; run in exact mode only), prefill "
+            "staging from the store in the store modes (--ec-stage-gb, off there without this "
+            "flag) and --nvme-prefetch next-layer (their in-process GPU tests passed; the served "
+            "and read-fault ones not yet); for their GPU tests (tests/gpu/test_multi_gpu.py, "
+            "test_layer_major_gpu.py, test_nvme_exact_gpu.py, test_nvme_exact_store_gpu.py). "
             "Without it the GPU engine refuses them (store staging is off "
             "by default, and a size for it refused). Every other mode and path runs without it.",
             group="tiers",

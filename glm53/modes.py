@@ -14,8 +14,8 @@ The GPU engine maps `auto` to exact. The CPU engine runs one path for every mode
 over the store or the shards; the mode only picks the lane's precision), and the scripted
 engine replays a script whatever the mode says: both serve every mode, as they always have.
 
-What has not yet passed its GPU tests (never run on a GPU, run only in part, or run and failed
-with the fix not yet rerun) is gated by --allow-unrun-modes, and only that: `UNRUN` names it and
+What has not yet passed all of its GPU tests (never run on a GPU, run only in part, or run and
+failed with the fix not yet rerun) is gated by --allow-unrun-modes, and only that: `UNRUN` names it and
 `UNRUN_STATUS` says where each stands. It imports nothing from glm53.
 """
 
@@ -124,8 +124,8 @@ def lane_runs_beside_gpu(engine: str, mode: Mode | str) -> bool:
 NVME_PREFETCH = ("off", "next-layer")
 
 
-# What has not yet passed its GPU tests: never run on a GPU, run only in part, or run and failed
-# with the fix not yet rerun. Served only with --allow-unrun-modes (for those tests).
+# What has not yet passed all of its GPU tests: never run on a GPU, run only in part, or run and
+# failed with the fix not yet rerun. Served only with --allow-unrun-modes (for those tests).
 # key -> what it is, for the refusal; UNRUN_STATUS: key -> where it stands (the results:
 # bench/results/README.md). fast and nvme-exact passed theirs (H200, 2026-12-02), nvme mode and
 # the staging loan in exact mode theirs (2026-12-05): not here (the loan only beside fast's lane).
@@ -147,12 +147,15 @@ UNRUN_STATUS = {
     "exllamav3's Generator); with fast mode's lane it has not yet run on a GPU",
     "split": "has run only on one GPU (--gpus 0,0: both layer ranges on that GPU, equal to one "
     "GPU and to stock exllamav3 on an H200 on 2026-12-05), never over two devices",
-    "layer-major": "passed its identity tests on a GPU (2026-12-05: equal to stock exllamav3's "
-    "chunk-major prefill); its cancel, staging and interleave tests have not yet passed",
-    "store-staging": "failed its first GPU run on 2026-12-05; the fix of its cause (a first-hook "
-    "ordering bug) has not yet run on a GPU",
-    "nvme-prefetch": "failed its first GPU run on 2026-12-05 (with prefill staging on, whose "
-    "fix came after) and has not run since",
+    "layer-major": "passed 5 of its 6 GPU tests (2026-12-05: identity with stock exllamav3's "
+    "chunk-major prefill, cancel, interleave, short prompt, checkpoint reuse); its staging "
+    "test's count was fixed and has not yet rerun",
+    "store-staging": "passed its in-process GPU tests at RAM 40 % and 70 % and the served one at "
+    "40 % (H100, 2026-12-05, after the first-hook fix); the served case at 70 % and the "
+    "read-fault tests with it (tests/gpu/test_nvme_exact_store_gpu.py) have not yet run",
+    "nvme-prefetch": "passed its in-process GPU tests at RAM 40 % and 70 %, alone and at batch "
+    "4, with prefill staging on (H100, 2026-12-05); gated with store staging, whose remaining "
+    "GPU tests have not yet run",
 }
 
 

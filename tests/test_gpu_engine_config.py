@@ -142,7 +142,7 @@ def test_nvme_exact_has_run_on_a_gpu_and_is_served_without_the_flag(tmp_path):
 @pytest.mark.parametrize("mode", ["nvme-exact", "nvme"])
 def test_staging_from_the_store_is_off_until_its_gpu_tests_ran(tmp_path, mode):
     """Prefill staging in the store modes reads ahead from the store (glm53.tiers.
-    prefill_ahead), which failed its first GPU run, its fix not yet rerun: off by default there,
+    prefill_ahead), whose served and read-fault GPU tests have not yet run: off by default there,
     a size for it
     refused, on (exact mode's default) with --allow-unrun-modes; exact mode keeps its own."""
     base = ["--mode", mode, "--store", str(tmp_path)]
@@ -323,14 +323,14 @@ def test_layer_major_prefill_is_refused_until_its_gpu_tests_ran_unless_asked_for
     interleave tests: it still needs --allow-unrun-modes."""
     with pytest.raises(
         ConfigurationError,
-        match="--prefill layer-major .*passed its identity tests on a GPU.*have not yet passed",
+        match="--prefill layer-major .*passed 5 of its 6 GPU tests.*has not yet rerun",
     ):
         create(settings("--mode", "exact", "--prefill", "layer-major"), tmp_path)
     e = create(
         settings("--mode", "exact", "--prefill", "layer-major", "--allow-unrun-modes"), tmp_path
     )
     assert e.prefill == "layer-major" and e.layer_major is None  # nothing loaded yet
-    assert "layer-major prefill (identity tests passed on a GPU; cancel" in e.description
+    assert "layer-major prefill (5 of its 6 GPU tests passed" in e.description
 
 
 @pytest.mark.parametrize(
@@ -446,8 +446,8 @@ def test_the_gpus_pci_address_is_written_as_sysfs_names_it():
 
 
 def test_nvme_prefetch_is_gated_as_unrun_and_reaches_the_load_in_the_store_modes(tmp_path):
-    """--nvme-prefetch next-layer (glm53.tiers.decode_prefetch) failed its first GPU run and has
-    not run since: refused
+    """--nvme-prefetch next-layer (glm53.tiers.decode_prefetch), gated with store staging (its
+    in-process GPU tests passed, the served ones have not yet run): refused
     without --allow-unrun-modes (UNRUN["nvme-prefetch"]), off by default; with the flag it
     reaches the load in nvme-exact and nvme, and it is refused in every mode that reads no
     store, flag or not, naming the option and the fix."""
@@ -465,7 +465,7 @@ def test_nvme_prefetch_is_gated_as_unrun_and_reaches_the_load_in_the_store_modes
         argv = ("--mode", mode, *store, "--nvme-prefetch", "next-layer", "--allow-unrun-modes")
         e = create(settings(*argv), tmp_path)
         assert (e.options.nvme_prefetch, e.options.load.nvme_prefetch) == ("next-layer",) * 2
-        assert "decode prefetch next-layer (failed its first GPU run" in e.description
+        assert "decode prefetch next-layer (in-process GPU tests passed" in e.description
     for mode in ("exact", "fast", "auto"):
         for flag in ([], ["--allow-unrun-modes"]):
             with pytest.raises(ConfigurationError) as info:

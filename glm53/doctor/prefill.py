@@ -1,6 +1,7 @@
 """The planner's prefill model per prompt length: chunk-major prefill (what the GPU engine runs),
-layer-major prefill (issue 28: its identity tests passed on an H200 on 2026-12-05, its cancel,
-staging and interleave tests have not yet passed; behind --allow-unrun-modes) and the one-pass
+layer-major prefill (issue 28: 5 of its 6 GPU tests passed on 2026-12-05, identity, cancel and
+interleave among them, the staging count fixed and not yet rerun; behind --allow-unrun-modes) and
+the one-pass
 stream bound the issue's benchmark ratios are taken against.
 
 Touched experts. Each token of a layer picks expert e with probability r_e, its rate on the
@@ -60,7 +61,7 @@ from glm53.plan.layer_major import (
 PREFILL_PROMPTS = (512, 2048, 8192, 32768, 131072)
 CHUNK_TOKENS = 2048  # serve's --chunk-size default (exllamav3's too)
 LAYER_MAJOR_STATUS = (
-    "identity tests passed on a GPU (2026-12-05), cancel, staging and interleave tests not yet: "
+    "5 of its 6 GPU tests passed (2026-12-05), the staging count fixed and not yet rerun: "
     "exact mode with --prefill layer-major --allow-unrun-modes; serve runs chunk-major prefill "
     "by default"
 )

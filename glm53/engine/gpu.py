@@ -62,12 +62,13 @@ class GpuEngine:
             self.description += f", layers split over GPUs {','.join(map(str, self.gpus))}"
         if self.prefill == "layer-major":
             self.description += (
-                ", layer-major prefill (identity tests passed on a GPU; cancel, staging and "
-                "interleave tests not yet passed)"
+                ", layer-major prefill (5 of its 6 GPU tests passed; the staging count fixed, "
+                "not yet rerun)"
             )
         if o.nvme_prefetch != "off":
             self.description += (
-                f", decode prefetch {o.nvme_prefetch} (failed its first GPU run, not run since)"
+                f", decode prefetch {o.nvme_prefetch} (in-process GPU tests passed; served "
+                "not yet run)"
             )
         self.generation_defaults: dict[str, float] = {}
         self.loaded = None

@@ -28,8 +28,9 @@ warm-up) the ReadFault is raised with the rows that picked the expert, as before
 
 Prefill staging (a prefill chunk of at least the stager's min_rows, when --ec-stage-gb left staging
 on; glm53.tiers.prefill_ahead has the design and the ordering argument; it FAILED its first GPU run
-on 2026-12-05, a first-hook ordering bug fixed in f70a928 whose fix has not yet run on a GPU, so it
-is on only with --allow-unrun-modes): each layer's experts are read into the RAM tier ahead of it on
+on 2026-12-05, a first-hook ordering bug fixed in f70a928, after which its in-process GPU tests
+passed on an H100 the same day; it is on only with --allow-unrun-modes until its served and
+read-fault tests pass): each layer's experts are read into the RAM tier ahead of it on
 the store's reader threads (AheadReads waves), the stager (glm53.tiers.vram_cache.PrefillStager,
 gather mode) copies layer L+1 into a staging buffer on its side stream while L computes, and only
 the picks that L's stage did not cover are pointed as above. Staging moves where a pick's bytes are

@@ -65,7 +65,7 @@ def server(case, request):
     share = request.param
     tmp = case["tmp"] / f"server-{share}"
     tmp.mkdir()
-    # the session's store, not a copy (about 22 GB): the last test flips bytes of it and flips
+    # the session's store, not a copy (16.4 GB): the last test flips bytes of it and flips
     # them back (flip_byte is an XOR) before it returns, so each server starts on clean bytes and
     # its tier check at start would report any left behind
     store = Path(case["store"])
