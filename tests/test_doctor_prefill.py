@@ -156,9 +156,7 @@ def test_doctor_report_labels_layer_major_with_its_status(capsys):
     out = capsys.readouterr().out
     assert "Prefill of fast by prompt length (predicted tok/s, 2,048-token chunks)" in out
     assert "layer-major*" in out
-    assert "not yet rerun: exact mode with --prefill layer-major" in " ".join(
-        out.split()
-    )
+    assert "not yet rerun: exact mode with --prefill layer-major" in " ".join(out.split())
 
 
 def test_nvme_prefill_reads_the_store_once_per_layer_in_layer_major_order():
