@@ -110,6 +110,8 @@ if stage build; then
   fi
 fi
 cd "$WORK" || exit 2  # import the installed package, not the source tree
+# the store pack refuses to leave less than 10 % of its filesystem free: say what there is
+log "disk at start: $(df -h "$WORK" | tail -1)"
 
 # The checkpoints are written on two chains at once: the slices one after another (the disk is
 # their bound) and the demo beside them (its router fit decodes on one CPU thread, about 110 s).
@@ -194,7 +196,7 @@ wait_chains() {  # every checkpoint written and warmed
   local t0=$SECONDS pid
   for pid in "${chain_pids[@]}"; do wait "$pid" || status=1; done
   chain_pids=()
-  log "checkpoints ready, waited $((SECONDS - t0)) s"
+  log "checkpoints ready, waited $((SECONDS - t0)) s; disk: $(df -h "$WORK" | tail -1)"
 }
 wait_ready() {  # wait_ready PRESET...: until each is ready (1 if one failed)
   local p
