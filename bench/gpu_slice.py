@@ -730,6 +730,8 @@ def combine(results: list[dict], args) -> dict:
     info = dict(results[0]["info"])
     info.update(split=next((r["info"]["split"] for r in results if "split" in r["info"]), None))
     rec, n_moe = info["record_bytes"], info["moe_layers"]
+    # rows measured before predictions were recorded have no geometry
+    geo = msgspec.convert(info["geometry"], Geometry) if "geometry" in info else None
     picks_per_token = 8 * n_moe
 
     def c1(m):
@@ -747,11 +749,10 @@ def combine(results: list[dict], args) -> dict:
             roof = 1 / (1 / c1("stock") + (1 - hit) * picks_per_token * rec / (zc_gbps * 1e9))
     ex = c1("exact")
     stream_bound = chunk_bound = stream_bound_32k = None
-    if zc_gbps:
+    if zc_gbps and geo is not None:
         # an 8k prompt touches every routed expert of every MoE layer a prefill runs (all but
         # the last: exllamav3's prefill stops after the last block's attention)
-        prefill_moe = Geometry(**info["geometry"]).prefill_moe_layers
-        touched = prefill_moe * info["experts"] * rec
+        touched = geo.prefill_moe_layers * info["experts"] * rec
         # the issue's bound: every touched expert streamed once at the measured bandwidth
         stream_bound = 8192 / (touched / (zc_gbps * 1e9))
         # what chunked prefill (2,048-token chunks) must stream when nothing stays resident
@@ -822,8 +823,7 @@ def combine(results: list[dict], args) -> dict:
     offload = [c1(m) for m in ("stock_offload", "stock_offload_arena") if c1(m)]
     predicted = vs_predicted = {}
     full_prefill = None
-    if "geometry" in info:  # rows measured before predictions were recorded have none
-        geo = msgspec.convert(info["geometry"], Geometry)
+    if geo is not None:
         predicted, vs_predicted = predictions(rows, geo, args)
         full_prefill = prefill_inputs(rows, "exact", geo, GLM53_FLASH)
     figures["predicted"] = predicted

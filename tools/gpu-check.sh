@@ -212,6 +212,15 @@ export GLM53_TEST_SLICE_RESHARDED=$WORK/slice-resharded
 # reference processes take turns, so side-by-side groups never load it into VRAM at once)
 export GLM53_REFERENCE_DIR=$WORK/reference
 case " ${GLM53_SYNTH:-${group_synth:-}} " in *" store "*) export GLM53_TEST_SLICE_STORE=$WORK/store ;; esac
+deadline_limit() {  # deadline_limit GROUP: `limit`, the prefix that sends pytest SIGINT at the
+  # call's deadline (counted from this script's start), so that it still writes its report
+  limit=()
+  [ "$deadline" -gt 0 ] || return 0
+  local left=$((deadline - SECONDS))
+  [ "$left" -gt 10 ] || left=10
+  limit=(timeout -s INT -k 30 "$left")
+  log "tests of group $1: SIGINT after $left s"
+}
 if stage tests; then
   tests=()  # GLM53_GPU_TESTS paths are relative to the repository (this script runs from $WORK)
   for t in ${GLM53_GPU_TESTS:-${group_tests:-tests/gpu}}; do
@@ -234,14 +243,8 @@ if stage tests; then
       (export GLM53_GPU_LIVE_LOG=$OUT/tests-live-$g.log
         # shellcheck disable=SC2086  # word splitting intended: a list of presets
         stage synth && { wait_ready $g_synth || log "group $g: a checkpoint failed ($g_synth)"; }
-        g_limit=()  # the same deadline, counted from this script's start
-        if [ "$deadline" -gt 0 ]; then
-          g_left=$((deadline - SECONDS))
-          [ "$g_left" -gt 10 ] || g_left=10
-          g_limit=(timeout -s INT -k 30 "$g_left")
-          log "tests of group $g start: SIGINT after $g_left s"
-        fi
-        run "tests-$g" "${g_limit[@]}" python3 -m pytest "${pytest_args[@]}" \
+        deadline_limit "$g"
+        run "tests-$g" "${limit[@]}" python3 -m pytest "${pytest_args[@]}" \
           --basetemp="$WORK/pytest-$g" --junitxml="$OUT/gpu-tests-$g.xml" "${g_tests[@]}") &
       pids+=($!)
     done
@@ -250,13 +253,7 @@ if stage tests; then
     wait_chains
   else
     wait_chains
-    limit=()  # a group: SIGINT before the call's limit, so that pytest still writes its report
-    if [ "$deadline" -gt 0 ]; then
-      left=$((deadline - SECONDS))
-      [ "$left" -gt 10 ] || left=10
-      limit=(timeout -s INT -k 30 "$left")
-      log "tests of group $GROUP: SIGINT after $left s"
-    fi
+    deadline_limit "$GROUP"
     export GLM53_GPU_LIVE_LOG=$OUT/tests-live.log
     run tests "${limit[@]}" python3 -m pytest "${pytest_args[@]}" \
       --junitxml="$OUT/gpu-tests.xml" "${tests[@]}"
