@@ -368,8 +368,8 @@ extern "C" int g53_copy_jobs(const int64_t *job_src, const int64_t *job_dst, con
 extern "C" int g53_ec_check_homes(g53_ec *ec, const int64_t *sel, int n_sel, int layer,
                                   int64_t absent, uint64_t *bad, uintptr_t stream)
 {
+    if (n_sel == 0) return 0;  // nothing to do, whatever the pointers (an empty tensor's is null)
     if (!ec || !sel || !bad || n_sel < 0 || layer < 0) return G53_CU_EINVAL;
-    if (n_sel == 0) return 0;
     int blocks = (n_sel + 255) / 256;
     check_homes_kernel<<<blocks < 64 ? blocks : 64, 256, 0, (cudaStream_t)stream>>>(
         ec, sel, n_sel, layer, absent, reinterpret_cast<unsigned long long *>(bad));
@@ -379,8 +379,8 @@ extern "C" int g53_ec_check_homes(g53_ec *ec, const int64_t *sel, int n_sel, int
 extern "C" int g53_ec_point_picks(g53_ec *ec, const int64_t *sel, int n_sel, int layer,
                                   int64_t absent, uintptr_t stream)
 {
+    if (n_sel == 0) return 0;  // nothing to do, whatever the pointers (an empty tensor's is null)
     if (!ec || !sel || n_sel < 0 || layer < 0) return G53_CU_EINVAL;
-    if (n_sel == 0) return 0;
     int blocks = (n_sel + 255) / 256;
     point_picks_kernel<<<blocks < 64 ? blocks : 64, 256, 0, (cudaStream_t)stream>>>(
         ec, sel, n_sel, layer, absent);

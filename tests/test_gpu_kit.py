@@ -208,3 +208,51 @@ assert [r["tokens"] for r in got] == [[1], [2]], got
         for p in procs:
             p.kill()
     assert log.read_text().splitlines() == ["[[7], [8, 9]]"]
+
+
+def test_a_unit_computed_under_another_tune_file_is_computed_again(tmp_path, monkeypatch):
+    """Shared units are keyed by EXLLAMAV3_TUNE_CACHE: under another tune file exllamav3 may pick
+    other kernels (other rounding), so what was computed there is not this process's reference;
+    under the same file it is loaded."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    log = tmp_path / "computed.log"
+    monkeypatch.setenv("GLM53_REFERENCE_DIR", str(tmp_path / "shared"))
+    monkeypatch.setattr(gpu_kit, "_DECLARED", [])
+    monkeypatch.setattr(gpu_kit.subprocess, "run", _mock_reference(log))
+    spec = {"model": str(model), "max_new_tokens": 3, "runs": [{"prompts": [[1]]}]}
+    for tune in ("a.bin", "b.bin", "a.bin"):
+        monkeypatch.setenv("EXLLAMAV3_TUNE_CACHE", str(tmp_path / tune))
+        monkeypatch.setattr(gpu_kit, "_REFERENCE", {})  # another process
+        gpu_kit.stock_reference(spec, tmp_path)
+    assert log.read_text().splitlines() == ["[[1]]", "[[1]]"]  # a, b; a again loaded
+
+
+def test_every_declared_run_is_fetched_at_once_before_any_test_asks(tmp_path, monkeypatch):
+    """all_declared_references (conftest.py's references_before_engines) computes every declared
+    spec's runs in one reference process per checkpoint, before any test asks; a test's
+    stock_reference then computes nothing."""
+    models = []
+    for name in ("m1", "m2"):
+        m = tmp_path / name
+        m.mkdir()
+        (m / "config.json").write_text("{}")
+        models.append(str(m))
+    log = tmp_path / "computed.log"
+    monkeypatch.delenv("GLM53_REFERENCE_DIR", raising=False)
+    monkeypatch.setattr(gpu_kit, "_DECLARED", [])
+    monkeypatch.setattr(gpu_kit, "_REFERENCE", {})
+    monkeypatch.setattr(gpu_kit.subprocess, "run", _mock_reference(log))
+    specs = [
+        {"model": models[0], "max_new_tokens": 3, "runs": [{"prompts": [[1], [2, 3]]}]},
+        {"model": models[0], "max_new_tokens": 3, "runs": [{"prompts": [[4, 5, 6]]}]},
+        {"model": models[1], "max_new_tokens": 3, "runs": [{"prompts": [[7]]}]},
+    ]
+    for s in specs:
+        gpu_kit.declare_reference(s)
+    assert gpu_kit.all_declared_references(tmp_path) == 3
+    assert log.read_text().splitlines() == ["[[1], [2, 3], [4, 5, 6]]", "[[7]]"]
+    (got,) = gpu_kit.stock_reference(specs[1], tmp_path)
+    assert [r["tokens"] for r in got] == [[3]]
+    assert len(log.read_text().splitlines()) == 2

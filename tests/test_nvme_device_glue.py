@@ -40,11 +40,21 @@ class MockCudaLib(types.ModuleType):
     def host_device_pointer(self, ptr):
         return ptr  # UVA: the same address
 
+    # the real launchers refuse a null pointer as EINVAL (glm53._cuda raises), whatever the
+    # count: an empty torch tensor's data_ptr() is 0, so the glue must not launch for none
+    # (2026-12-05, H200: a staged layer whose stage covered every pick failed its request)
     def ec_check_homes(self, ec, sel, n, layer, absent, bad, stream):
+        _refuse_null(sel, f"home check of MoE layer {layer}")
         self.calls.append(("check_homes", layer, _read_i64(sel, n)))
 
     def ec_point_picks(self, ec, sel, n, layer, absent, stream):
+        _refuse_null(sel, f"pointing MoE layer {layer}'s picks at their homes")
         self.calls.append(("point_picks", layer, _read_i64(sel, n)))
+
+
+def _refuse_null(ptr, what):
+    if not ptr:
+        raise RuntimeError(f"{what} failed: invalid argument (code -1)")
 
 
 def _read_i64(addr, n):

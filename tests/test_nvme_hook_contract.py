@@ -68,8 +68,12 @@ def check_resident(home, records, layer, expert, slot, what):
     assert np.array_equal(tier.record(slot)[:RECORD], records(layer, expert)), what
 
 
-def check_pointed(home, ec, lib, records, layer):
-    pointed = next(c[2] for c in reversed(lib.calls) if c[0] == "point_picks" and c[1] == layer)
+def check_pointed(home, ec, lib, records, layer, since):
+    """The picks the hook pointed (its point_picks call among lib.calls[since:]; none when it had
+    none to point) are resident where the device table says."""
+    calls = [c[2] for c in lib.calls[since:] if c[0] == "point_picks" and c[1] == layer]
+    assert len(calls) <= 1, calls
+    pointed = calls[0] if calls else []
     table = ec._t["home"].numpy()
     for e in {e for e in pointed if 0 <= e < EXPERTS}:
         key = layer * EXPERTS + e
@@ -139,8 +143,9 @@ def test_no_record_a_hook_pointed_or_the_lane_took_moves_before_the_next_hook(
                 rows = int(rng.integers(1, max_rows))
                 for layer in range(LAYERS):
                     sel = torch.from_numpy(rng.integers(0, EXPERTS, (rows, 2)))
+                    since = len(lib.calls)
                     home.route(layer, sel, rows <= 8, {NO_LANE: True}, torch.ones(rows, 2))
-                    check_pointed(home, ec, lib, records, layer)
+                    check_pointed(home, ec, lib, records, layer, since)
             rows = int(rng.integers(1, 5))  # the decode forward
             picks = [torch.from_numpy(rng.integers(0, EXPERTS, (rows, 2))) for _ in range(LAYERS)]
             for layer in range(LAYERS):
@@ -157,8 +162,9 @@ def test_no_record_a_hook_pointed_or_the_lane_took_moves_before_the_next_hook(
                 else:
                     fast, took = None, {}
                     sel, w = picks[layer].clone(), torch.ones(rows, 2)
+                since = len(lib.calls)
                 home.route(layer, sel, True, {}, w, lane=fast, predicted=pred)
-                check_pointed(home, ec, lib, records, layer)
+                check_pointed(home, ec, lib, records, layer, since)
                 for e, slot in took.items():
                     check_resident(home, records, layer, e, slot, "the lane's")
             home.end_forward()

@@ -6,8 +6,9 @@ test_exact_fidelity.py's teacher-forced check runs it. What it leaves behind is 
 
     python tools/exl3_warm.py CHECKPOINT [--chunk 2048] [--batch 4] [--cache-tokens 16384]
 
-Never imports glm53. It uses a GEMM tune cache of its own (a temporary file), so the kernel picks
-that the tests share (tests/gpu/conftest.py's EXLLAMAV3_TUNE_CACHE) are theirs alone.
+Never imports glm53. Its GEMM kernel picks go to EXLLAMAV3_TUNE_CACHE when that is set
+(tools/gpu-check.sh sets one for the whole machine, so the warm-up's picks are the ones every
+later reference process and engine reads), else to a temporary file of its own.
 tools/gpu-check.sh runs it in the background for each checkpoint it synthesizes when STAGES has
 "warm", so that the compiles overlap the next checkpoint's synthesis (CPU work).
 """
@@ -28,8 +29,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--cache-tokens", type=int, default=16384)
     args = ap.parse_args(argv)
-    tune = tempfile.mkdtemp(prefix="exl3-warm-tune-")
-    os.environ["EXLLAMAV3_TUNE_CACHE"] = os.path.join(tune, "coop_autotune_v1.bin")
+    if not os.environ.get("EXLLAMAV3_TUNE_CACHE"):
+        tune = tempfile.mkdtemp(prefix="exl3-warm-tune-")
+        os.environ["EXLLAMAV3_TUNE_CACHE"] = os.path.join(tune, "coop_autotune_v1.bin")
 
     import torch
     from exllamav3 import Cache, Config, Model

@@ -57,6 +57,13 @@ GROUP=${GLM53_GPU_GROUP:-}
 WORK=${GLM53_GPU_WORK:-/tmp/glm53-gpu}
 mkdir -p "$OUT" "$WORK"
 export TRITON_CACHE_DIR=$WORK/triton-cache
+# one exllamav3 tune file for every process of the machine (warm-ups, reference processes, test
+# sessions, servers), kept with the references computed under it: exllamav3 picks GEMM kernels
+# by timing at first use and the rounding follows the pick, so a reference equals an engine only
+# under the same picks (2026-12-05: one tune file per group, references shared across groups,
+# and the 5,000-token prompt and the batch differed). gpu_kit keys shared references by it.
+export EXLLAMAV3_TUNE_CACHE=$WORK/exllamav3-tune/coop_autotune_v1.bin
+mkdir -p "$WORK/exllamav3-tune"
 export PYTHONUNBUFFERED=1
 log() { echo "[gpu-check $(date +%T)] $*" | tee -a "$OUT/gpu-check.log"; }
 stage() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }

@@ -219,14 +219,18 @@ class NvmeHome:
             vram = {int(e) for e in picks[in_vram]}  # picks in VRAM slots: nothing to pin
             held = self._hold_picks(layer, distinct, vram)
             self._write(self._ahead_of(layer, ahead_slots))
-        self._cuda.ec_check_homes(
-            ptr, run.data_ptr(), run.numel(), layer, self.absent, self.bad.data_ptr(), stream
-        )
+        # no launch for no picks: an empty tensor's data_ptr() is null, which the launchers
+        # refuse (a staged layer whose stage covered every pick leaves none to point)
+        if run.numel():
+            self._cuda.ec_check_homes(
+                ptr, run.data_ptr(), run.numel(), layer, self.absent, self.bad.data_ptr(), stream
+            )
         if decode:  # the lane's picks (-1 in sel) are not admitted
             self.ec.route(layer, sel, admit=True)
         if staged:
             run = self._staged_step(layer, distinct, vram, held)
-        self._cuda.ec_point_picks(ptr, run.data_ptr(), run.numel(), layer, self.absent, stream)
+        if run.numel():
+            self._cuda.ec_point_picks(ptr, run.data_ptr(), run.numel(), layer, self.absent, stream)
         if staged:
             self._after_point(layer, ahead_slots)
 

@@ -96,6 +96,19 @@ def shared_exllamav3_tune_cache(tmp_path_factory):
     del os.environ["EXLLAMAV3_TUNE_CACHE"]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def references_before_engines(shared_exllamav3_tune_cache, tmp_path_factory):
+    """Every declared stock reference, computed or loaded before the session's first test, so
+    before any of its engines tunes a kernel (gpu_kit's docstring: a process reads exllamav3's
+    tune file once; the references' picks must be in it by then)."""
+    if not _have_gpu():
+        yield 0
+        return
+    import gpu_kit
+
+    yield gpu_kit.all_declared_references(tmp_path_factory.mktemp("references"))
+
+
 @pytest.fixture(scope="session")
 def slice_store(tmp_path_factory):
     """The slice's store (`glm53 store pack` of GLM53_TEST_SLICE), packed once for the session:

@@ -14,7 +14,18 @@ machine), every unit computed is also saved there, and a process loads a unit sa
 before computing it. The reference processes of one checkpoint take turns (a lock per checkpoint
 in that directory), so groups run side by side do not load the same checkpoint into VRAM at once,
 and each finds what the others have computed. A saved unit is keyed by the checkpoint's path and
-its config.json's mtime too, so a checkpoint written again is computed again."""
+its config.json's mtime too, so a checkpoint written again is computed again, and by the
+exllamav3 tune file (EXLLAMAV3_TUNE_CACHE): stock exllamav3 equals glm53 only under the same
+kernel picks, so a unit computed under another tune file is never used.
+
+Kernel picks and order: exllamav3 picks its GEMM kernels by timing at first use and reads its
+tune file once, at a process's first tuning; a process that read it before another appended a
+key tunes that key itself, maybe otherwise (2026-12-05, H200: groups side by side, each with its
+own tune file, compared against references another group's process computed; the 5,000-token
+prompt and the batch differed in logits while every shorter prompt was bit-equal). So a session
+fetches every reference it declared before its first engine (conftest.py's
+`references_before_engines`, `all_declared_references`): the keys those runs hit are in the
+tune file before any engine of the session reads it."""
 
 from __future__ import annotations
 
@@ -145,7 +156,9 @@ def _shared_dir() -> Path | None:
 def _shared_file(d: Path, spec: dict, key: str) -> Path:
     config = Path(spec["model"], "config.json")
     written = config.stat().st_mtime_ns if config.exists() else 0
-    return d / (hashlib.sha1(f"{written} {key}".encode()).hexdigest() + ".pt")
+    tune = os.environ.get("EXLLAMAV3_TUNE_CACHE", "")  # the picks it was computed under
+    tune = os.path.realpath(tune) if tune else ""
+    return d / (hashlib.sha1(f"{written} {tune} {key}".encode()).hexdigest() + ".pt")
 
 
 @contextlib.contextmanager
@@ -181,6 +194,16 @@ def declare_reference(spec: dict) -> None:
     """Name runs a test will ask stock_reference for, so that the first call on the checkpoint
     computes them in the same process (conftest.py declares every collected file's)."""
     _DECLARED.append(spec)
+
+
+def all_declared_references(tmp: Path) -> int:
+    """Compute (or load from GLM53_REFERENCE_DIR) every declared run now, one reference process
+    per checkpoint at most; returns how many specs were declared. conftest.py calls it before
+    the session's first test, so that no engine of the session reads exllamav3's tune file
+    before the reference runs have put their kernel picks in it (the module's docstring)."""
+    for spec in list(_DECLARED):
+        stock_reference(spec, tmp)
+    return len(_DECLARED)
 
 
 def stock_reference(spec: dict, tmp: Path) -> list:
