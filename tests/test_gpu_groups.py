@@ -198,10 +198,17 @@ def test_a_carried_demo_is_unpacked_while_its_synth_sources_match(tmp_path):
     with tarfile.open(tarball) as t:
         t.extractall(stale, filter="data")
     (stale / "demo" / ".glm53-synth-stamp").write_text("0123456789abcdef\n")
+    listed = (stale / "demo" / ".glm53-synth-files").read_text().splitlines()
+    first = listed[0].split()[1]  # the carried list says another hash for its first file
+    listed[0] = "0" * 40 + "  " + first
+    (stale / "demo" / ".glm53-synth-files").write_text("\n".join(listed) + "\n")
     with tarfile.open(tarball, "w:gz") as t:
         t.add(stale / "demo", arcname="demo")
     log = synth_stage("stale")
     assert f"{tarball} was written by other synth sources (0123456789abcdef, these are " in log
+    assert "synth sources that differ: 2 lines (synth-stamp-diff.txt)" in log, log
+    diff = (tmp_path / "out-stale" / "synth-stamp-diff.txt").read_text()
+    assert f"< {'0' * 40}  {first}" in diff and diff.count(first) == 2, diff
     assert "start synth-demo" in log and "end synth-demo rc=0" in log, log
 
 

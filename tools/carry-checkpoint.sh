@@ -14,5 +14,6 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 python3 -m glm53 synth --preset "$PRESET" --routing glm53 --out "$tmp/$PRESET" >"$tmp/synth.log"
 "$REPO/tools/synth-stamp.sh" >"$tmp/$PRESET/.glm53-synth-stamp"
+"$REPO/tools/synth-stamp.sh" --files >"$tmp/$PRESET/.glm53-synth-files"
 tar -czf "$DEV/ckpt-$PRESET.tar.gz" -C "$tmp" "$PRESET"
 echo "$DEV/ckpt-$PRESET.tar.gz: $(du -h "$DEV/ckpt-$PRESET.tar.gz" | cut -f1), stamp $(cat "$tmp/$PRESET/.glm53-synth-stamp")"

@@ -144,6 +144,10 @@ carried() {  # carried PRESET: unpack DEVICE_DIR/ckpt-PRESET.tar.gz (tools/carry
   got=$(tar -xzf "$tarball" -O "$1/.glm53-synth-stamp" 2>/dev/null)
   if [ "$got" != "$want" ]; then
     log "$tarball was written by other synth sources ($got, these are $want): synthesizing $1"
+    # which files differ (the carried list against this tree's; synth-stamp-diff.txt in OUT)
+    diff <(tar -xzf "$tarball" -O "$1/.glm53-synth-files" 2>/dev/null) \
+      <("$REPO/tools/synth-stamp.sh" --files) >"$OUT/synth-stamp-diff.txt" 2>&1
+    log "synth sources that differ: $(grep -c '^[<>]' "$OUT/synth-stamp-diff.txt") lines (synth-stamp-diff.txt)"
     return 1
   fi
   tar -xzf "$tarball" -C "$WORK" && log "$1: carried ($tarball, synth sources $got)"

@@ -148,10 +148,12 @@ def test_a_stalled_lane_gives_nvme_exacts_tokens_and_logits_and_counts_every_fal
 
 @pytest.fixture(scope="module")
 def working(case):
-    """One nvme engine (RAM 40 %) with a working lane for both teacher-forced cases: the eager
-    router, and waits that must succeed."""
+    """One nvme engine (RAM 40 %) with a working lane for both teacher-forced cases: every miss
+    sent to the lane (forced share 1.0, as test_fast_mode_gpu's `working`: what the lane gets
+    must not depend on timing), and waits that must succeed."""
     e = nvme_engine(case, "kl", RAM_SHARES[0], ct_b=EAGER_CT_B)
-    for layer in e.fast.layers:  # the eager router may send more than 2 ms of lane work
+    e.fast.router.set_forced_share(1.0)
+    for layer in e.fast.layers:  # all misses may be more than 2 ms of lane work
         layer.budget_ns = SURE_WAIT_NS
     yield e
     e.close()
