@@ -127,12 +127,11 @@ NVME_PREFETCH = ("off", "next-layer")
 # What has not yet passed all of its GPU tests: never run on a GPU, run only in part, or run and
 # failed with the fix not yet rerun. Served only with --allow-unrun-modes (for those tests).
 # key -> what it is, for the refusal; UNRUN_STATUS: key -> where it stands (the results:
-# bench/results/README.md). fast and nvme-exact passed theirs (H200, 2026-12-02), nvme mode and
-# the staging loan in exact mode theirs (2026-12-05): not here (the loan only beside fast's lane).
+# bench/results/README.md). fast and nvme-exact passed theirs (H200, 2026-12-02), nvme mode,
+# the staging loan in exact mode and --prefill layer-major theirs (2026-12-05, layer-major 6 of 6
+# on an H200): not here (the loan only beside fast's lane).
 UNRUN = {
     "split": "the layer split over several GPUs (docs/multi-gpu.md)",
-    "layer-major": "--prefill layer-major (every chunk through a layer before the next, "
-    "docs/layer-major.md)",
     "store-staging": "prefill staging from the store in nvme-exact and nvme (--ec-stage-gb: "
     "a layer's misses read ahead into the RAM tier and staged while the layer before computes, "
     "glm53.tiers.prefill_ahead)",
@@ -147,9 +146,6 @@ UNRUN_STATUS = {
     "exllamav3's Generator); with fast mode's lane it has not yet run on a GPU",
     "split": "has run only on one GPU (--gpus 0,0: both layer ranges on that GPU, equal to one "
     "GPU and to stock exllamav3 on an H200 on 2026-12-05), never over two devices",
-    "layer-major": "passed 5 of its 6 GPU tests (2026-12-05: identity with stock exllamav3's "
-    "chunk-major prefill, cancel, interleave, short prompt, checkpoint reuse); its staging "
-    "test's count was fixed and has not yet rerun",
     "store-staging": "passed its in-process GPU tests at RAM 40 % and 70 % and the served one at "
     "40 % (H100, 2026-12-05, after the first-hook fix); the served case at 70 % and the "
     "read-fault tests with it (tests/gpu/test_nvme_exact_store_gpu.py) have not yet run",

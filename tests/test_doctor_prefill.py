@@ -1,5 +1,5 @@
 """The planner's prefill prediction per prompt length (glm53.doctor.prefill): the touched-expert
-model, chunk-major against the planned layer-major path, the one-pass stream bound, and the
+model, chunk-major against the layer-major path, the one-pass stream bound, and the
 doctor's report (text and JSON) that carries them."""
 
 import json
@@ -142,7 +142,8 @@ def test_doctor_json_gives_every_mode_its_prefill_outlook(capsys):
         outlook = o["prefill"]
         assert outlook["chunk_tokens"] == 2048
         assert outlook["layer_major"] == LAYER_MAJOR_STATUS
-        assert "--allow-unrun-modes" in outlook["layer_major"]
+        assert "6 GPU tests passed (H200, 2026-12-05)" in outlook["layer_major"]
+        assert "no --allow-unrun-modes needed" in outlook["layer_major"]
         assert [r["prompt_tokens"] for r in outlook["rows"]] == [512, 2048, 8192, 32768, 131072]
         assert set(outlook["rows"][0]) == set(PrefillRow.__struct_fields__)
     exact = next(o for o in feasible if o["mode"] == "exact")
@@ -156,7 +157,9 @@ def test_doctor_report_labels_layer_major_with_its_status(capsys):
     out = capsys.readouterr().out
     assert "Prefill of fast by prompt length (predicted tok/s, 2,048-token chunks)" in out
     assert "layer-major*" in out
-    assert "not yet rerun: exact mode with --prefill layer-major" in " ".join(out.split())
+    text = " ".join(out.split())
+    assert "its 6 GPU tests passed (H200, 2026-12-05)" in text
+    assert "exact mode with --prefill layer-major on one GPU" in text
 
 
 def test_nvme_prefill_reads_the_store_once_per_layer_in_layer_major_order():

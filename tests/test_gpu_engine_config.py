@@ -318,19 +318,19 @@ def test_prefill_is_chunk_major_unless_asked_for(tmp_path):
     assert "layer-major" not in e.description
 
 
-def test_layer_major_prefill_is_refused_until_its_gpu_tests_ran_unless_asked_for(tmp_path):
-    """layer-major passed its identity tests on a GPU, not yet its cancel, staging and
-    interleave tests: it still needs --allow-unrun-modes."""
-    with pytest.raises(
-        ConfigurationError,
-        match="--prefill layer-major .*passed 5 of its 6 GPU tests.*has not yet rerun",
-    ):
-        create(settings("--mode", "exact", "--prefill", "layer-major"), tmp_path)
-    e = create(
+def test_layer_major_prefill_is_served_without_the_unrun_flag(tmp_path):
+    """layer-major passed its 6 GPU tests on an H200 (2026-12-05): no --allow-unrun-modes, and
+    the engine's description says what ran."""
+    for auto in ([], ["--mode", "auto"]):  # auto is exact on the GPU engine
+        e = create(settings(*auto, "--prefill", "layer-major"), tmp_path)
+        assert e.prefill == "layer-major" and e.layer_major is None  # nothing loaded yet
+    e = create(settings("--mode", "exact", "--prefill", "layer-major"), tmp_path)
+    assert e.prefill == "layer-major" and e.layer_major is None
+    assert "layer-major prefill (6 of 6 GPU tests passed, H200, 2026-12-05)" in e.description
+    flagged = create(
         settings("--mode", "exact", "--prefill", "layer-major", "--allow-unrun-modes"), tmp_path
     )
-    assert e.prefill == "layer-major" and e.layer_major is None  # nothing loaded yet
-    assert "layer-major prefill (5 of its 6 GPU tests passed" in e.description
+    assert flagged.prefill == "layer-major" and flagged.description == e.description
 
 
 @pytest.mark.parametrize(
@@ -338,12 +338,16 @@ def test_layer_major_prefill_is_refused_until_its_gpu_tests_ran_unless_asked_for
     [
         (["--mode", "fast"], "--prefill layer-major runs in exact mode only"),
         (["--mode", "nvme-exact", "--store", "/x"], "--prefill layer-major runs in exact mode"),
-        (["--mode", "exact", "--gpus", "0,1"], "--prefill layer-major runs on one GPU"),
+        # the split itself needs the flag (UNRUN["split"]); layer-major is refused with it
+        (
+            ["--mode", "exact", "--gpus", "0,1", "--allow-unrun-modes"],
+            "--prefill layer-major runs on one GPU",
+        ),
     ],
 )
 def test_layer_major_prefill_runs_in_exact_mode_on_one_gpu(tmp_path, argv, match):
     with pytest.raises(ConfigurationError, match=match):
-        create(settings(*argv, "--prefill", "layer-major", "--allow-unrun-modes"), tmp_path)
+        create(settings(*argv, "--prefill", "layer-major"), tmp_path)
 
 
 def test_layer_major_prefill_is_refused_off_the_gpu_engine():

@@ -66,25 +66,24 @@ def test_the_lane_runs_beside_the_gpu_only_in_the_gpu_engines_lane_modes():
 
 
 def test_the_unrun_flag_gates_only_what_has_not_passed_on_a_gpu(tmp_path):
-    """fast and nvme-exact passed on the H200 (2026-12-02), nvme mode and the staging loan in
-    exact mode (2026-12-05); the split over two or more GPUs (run only as 0,0 on one GPU),
-    layer-major prefill (identity tests only), the loan beside fast mode's lane (never run),
-    staging from the store and decode prefetch (failed, fix not rerun) have not, so only they
-    still need --allow-unrun-modes (staging: tests/test_gpu_engine_config.py), each refusal
-    saying where it stands."""
+    """fast and nvme-exact passed on the H200 (2026-12-02), nvme mode, the staging loan in
+    exact mode and layer-major prefill (6 of 6, H200, 2026-12-05); the split over two or more
+    GPUs (run only as 0,0 on one GPU), the loan beside fast mode's lane (never run), staging
+    from the store and decode prefetch (served and read-fault tests not yet run) have not, so
+    only they still need --allow-unrun-modes (staging: tests/test_gpu_engine_config.py), each
+    refusal saying where it stands."""
     from glm53.engine.gpu_create import create
 
-    assert set(modes.UNRUN) == {
-        "split", "layer-major", "store-staging", "stage-loan", "nvme-prefetch"
-    }  # fmt: skip
+    assert set(modes.UNRUN) == {"split", "store-staging", "stage-loan", "nvme-prefetch"}
     assert set(modes.UNRUN_STATUS) == set(modes.UNRUN)
     create(settings("--mode", "fast")[0], tmp_path)
     create(settings("--mode", "nvme-exact", "--store", str(tmp_path))[0], tmp_path)
     create(settings("--mode", "nvme", "--store", str(tmp_path))[0], tmp_path)
     create(settings("--mode", "exact", "--ec-stage-loan")[0], tmp_path)
+    lm = create(settings("--mode", "exact", "--prefill", "layer-major")[0], tmp_path)
+    assert lm.prefill == "layer-major"  # no flag: its GPU tests passed
     for key, argv in (
-        ("split", ["--gpus", "0,1"]), ("layer-major", ["--prefill", "layer-major"]),
-        ("stage-loan", ["--mode", "fast", "--ec-stage-loan"]),
+        ("split", ["--gpus", "0,1"]), ("stage-loan", ["--mode", "fast", "--ec-stage-loan"]),
     ):  # fmt: skip
         with pytest.raises(ConfigurationError, match="--allow-unrun-modes runs it anyway") as info:
             create(settings(*argv)[0], tmp_path)
@@ -96,5 +95,8 @@ def test_the_unrun_flags_help_says_what_it_gates():
     from glm53.config import setting_info
 
     text = setting_info("allow_unrun_modes").description
-    assert "split" in text and "--prefill layer-major" in text and "--ec-stage-loan" in text
+    assert "four paths" in text
+    assert "split" in text and "--ec-stage-loan" in text and "--ec-stage-gb" in text
+    assert "--nvme-prefetch next-layer" in text
+    assert "layer-major" not in text and "test_layer_major_gpu" not in text
     assert "--mode fast" not in text and "nvme-exact" not in text and "--mode nvme" not in text

@@ -78,7 +78,7 @@ class ModeOption(msgspec.Struct, frozen=True):
     inputs: list[InputValue] = []
     flags: dict[str, str] = {}
     caps: list[CapPrediction] = []  # nvme modes: the prediction at each --ram-cap
-    prefill: PrefillOutlook | None = None  # chunk-major vs (planned) layer-major per prompt
+    prefill: PrefillOutlook | None = None  # chunk-major vs layer-major per prompt (predicted)
 
 
 class CapPrediction(msgspec.Struct, frozen=True):

@@ -1,8 +1,8 @@
 """The planner's prefill model per prompt length: chunk-major prefill (what the GPU engine runs),
-layer-major prefill (issue 28: 5 of its 6 GPU tests passed on 2026-12-05, identity, cancel and
-interleave among them, the staging count fixed and not yet rerun; behind --allow-unrun-modes) and
-the one-pass
-stream bound the issue's benchmark ratios are taken against.
+layer-major prefill (issue 28: its 6 GPU tests passed on an H200 on 2026-12-05, identity with
+stock exllamav3's chunk-major prefill, cancel and interleave among them; served without
+--allow-unrun-modes, its benchmark rows not yet run) and the one-pass stream bound the issue's
+benchmark ratios are taken against.
 
 Touched experts. Each token of a layer picks expert e with probability r_e, its rate on the
 popularity curve (costmodel._pick_rates: the slope of the decode popularity fit, summing to
@@ -61,9 +61,9 @@ from glm53.plan.layer_major import (
 PREFILL_PROMPTS = (512, 2048, 8192, 32768, 131072)
 CHUNK_TOKENS = 2048  # serve's --chunk-size default (exllamav3's too)
 LAYER_MAJOR_STATUS = (
-    "5 of its 6 GPU tests passed (2026-12-05), the staging count fixed and not yet rerun: "
-    "exact mode with --prefill layer-major --allow-unrun-modes; serve runs chunk-major prefill "
-    "by default"
+    "its 6 GPU tests passed (H200, 2026-12-05), its benchmark rows not yet run: exact mode with "
+    "--prefill layer-major on one GPU, no --allow-unrun-modes needed; serve runs chunk-major "
+    "prefill by default"
 )
 
 
@@ -85,7 +85,7 @@ class PrefillRow(msgspec.Struct, frozen=True):
 
 class PrefillOutlook(msgspec.Struct, frozen=True):
     chunk_tokens: int
-    layer_major: str  # its status (LAYER_MAJOR_STATUS), behind --allow-unrun-modes
+    layer_major: str  # its status (LAYER_MAJOR_STATUS)
     rows: list[PrefillRow]
 
 

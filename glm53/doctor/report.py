@@ -143,7 +143,7 @@ def _host_tables(host: HostProbe) -> list[Table]:
 
 def _prefill_table(option: ModeOption) -> Table:
     """Prefill per prompt length: the default chunk-major path beside layer-major, which is
-    labelled with its status (behind --allow-unrun-modes) wherever it appears."""
+    labelled with its status (LAYER_MAJOR_STATUS) wherever it appears."""
     outlook = option.prefill
     t = Table(
         title=f"Prefill of {option.mode} by prompt length (predicted tok/s, "

@@ -44,9 +44,6 @@ def _refuse_unrun(settings: Settings) -> None:
             "Name one GPU, or run one replica per GPU behind a router (docs/fleet.md). The flag "
             "is needed for any --gpus of two or more entries, 0,0 included.",
         )
-    # layer-major elsewhere than exact mode is refused as such (EngineOptions), flag or not
-    if settings.prefill == "layer-major" and resolved("gpu", settings.mode) is Mode.EXACT:
-        raise _unrun("layer-major", "", "Leave --prefill out (chunk).")
     # the loan outside exact's one-GPU load is refused as such (LoadOptions), flag or not; in
     # exact mode it passed its GPU tests, beside fast mode's lane it has not run
     if settings.ec_stage_loan and resolved("gpu", settings.mode) is Mode.FAST:

@@ -1,9 +1,10 @@
 """Layer-major prefill on the GPU engine (issue 28; docs/layer-major.md). On an H200 on
-2026-12-05 its identity test passed (logits and every decoded token torch.equal to stock
-exllamav3's Generator prefilling chunk-major, at 2,049, 8,192 and 32,768 tokens), as did the
-short-prompt and checkpoint-reuse tests; its cancel and staging tests failed on test bugs (fixed
-in 0fdcc6e, not rerun) and its interleave test has not run. `glm53 serve --prefill layer-major`
-needs --allow-unrun-modes until the whole of tests/gpu/test_layer_major_gpu.py has passed.
+2026-12-05 (at 75ddce3) tests/gpu/test_layer_major_gpu.py passed 6 of 6: identity (logits and
+every decoded token torch.equal to stock exllamav3's Generator prefilling chunk-major, at 2,049,
+8,192 and 32,768 tokens), the short prompt keeping the Generator's path, each MoE layer a
+prefill runs staged once per pass (5 layers x 7 chunks), checkpoint reuse, cancel mid-prefill
+and a decoding stream going on during a long prefill. `glm53 serve --prefill layer-major` (exact
+mode, one GPU) needs no --allow-unrun-modes.
 
 How a prompt longer than one chunk is prefilled, over stock exllamav3 1.6.5 (unedited):
 
