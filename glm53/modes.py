@@ -145,13 +145,19 @@ UNRUN_STATUS = {
     "stage-loan": "passed its GPU tests in exact mode (H200, 2026-12-05: torch.equal to stock "
     "exllamav3's Generator); with fast mode's lane it has not yet run on a GPU",
     "split": "has run only on one GPU (--gpus 0,0: both layer ranges on that GPU, equal to one "
-    "GPU and to stock exllamav3 on an H200 on 2026-12-05), never over two devices",
-    "store-staging": "passed its in-process GPU tests at RAM 40 % and 70 % and the served one at "
-    "40 % (H100, 2026-12-05, after the first-hook fix); the served case at 70 % and the "
-    "read-fault tests with it (tests/gpu/test_nvme_exact_store_gpu.py) have not yet run",
+    "GPU and to stock exllamav3 on an H200 on 2026-12-05; in a later run beside other test "
+    "groups it differed at a 5,000-token prompt from a reference computed under another "
+    "process's kernel picks, a harness fault since fixed and not yet rerun), never over two "
+    "devices",
+    "store-staging": "passed its in-process GPU tests at RAM 40 % and 70 % (H100 and H200, "
+    "2026-12-05) and the store's verify and read-fault naming tests; a fully staged layer "
+    "failed its request in the request-isolation test (fixed, not yet rerun), and the served "
+    "cases differed at a 5,000-token prompt from a reference computed under another process's "
+    "kernel picks (the harness fixed, not yet rerun)",
     "nvme-prefetch": "passed its in-process GPU tests at RAM 40 % and 70 %, alone and at batch "
-    "4, with prefill staging on (H100, 2026-12-05); gated with store staging, whose remaining "
-    "GPU tests have not yet run",
+    "4, with prefill staging on (H100, 2026-12-05; on the H200 the batch differed from a "
+    "reference computed under another process's kernel picks, the harness fixed, not yet "
+    "rerun); gated with store staging",
 }
 
 
