@@ -268,18 +268,25 @@ def measure(loaded, vocab, quick=False, step=None, layer_major=None, shapes=PREF
 # glm53.tiers.decode_prefetch); measured only when --modes names it and --store is given (not
 # yet run on a GPU)
 # exact_loan: exact with the staging loan (--ec-stage-loan: the staging buffers are cache slots
-# in decode, glm53.tiers.vram_cache.StagingLoan); measured only when --modes names it (not yet
-# run on a GPU)
+# in decode, glm53.tiers.vram_cache.StagingLoan); measured only when --modes names it
+# nvme_exact_ramNN_layer_major: nvme_exact_ramNN with layer-major prefill (the store read once
+# per layer per prompt, glm53.exl3.layer_major in the store modes); measured only when --modes
+# names it and --store is given (not yet run on a GPU)
 ALL_MODES = ("stock", "zerocopy", "exact", "exact_clock", "stock_offload", "stock_offload_arena",
              "nvme_exact_ram70", "nvme_exact_ram40", "nvme_ram70", "nvme_ram40", "fast",
              "exact_layer_major", "stock_offload_stream", "nvme_exact_ram70_prefetch",
-             "nvme_exact_ram40_prefetch", "exact_loan")  # fmt: skip
+             "nvme_exact_ram40_prefetch", "exact_loan", "nvme_exact_ram70_layer_major",
+             "nvme_exact_ram40_layer_major")  # fmt: skip
 ON_REQUEST = ("fast", "exact_layer_major", "stock_offload_stream", "nvme_ram70",
               "nvme_ram40", "nvme_exact_ram70_prefetch",
-              "nvme_exact_ram40_prefetch", "exact_loan")  # not in the default --modes  # fmt: skip
+              "nvme_exact_ram40_prefetch", "exact_loan", "nvme_exact_ram70_layer_major",
+              "nvme_exact_ram40_layer_major")  # not in the default --modes  # fmt: skip
 NVME_RAM_SHARE = {"nvme_exact_ram70": 0.7, "nvme_exact_ram40": 0.4, "nvme_ram70": 0.7,
                   "nvme_ram40": 0.4, "nvme_exact_ram70_prefetch": 0.7,
-                  "nvme_exact_ram40_prefetch": 0.4}  # fmt: skip
+                  "nvme_exact_ram40_prefetch": 0.4, "nvme_exact_ram70_layer_major": 0.7,
+                  "nvme_exact_ram40_layer_major": 0.4}  # fmt: skip
+LAYER_MAJOR_ROWS = ("exact_layer_major", "nvme_exact_ram70_layer_major",
+                    "nvme_exact_ram40_layer_major")  # rows with layer-major prefill  # fmt: skip
 PREFETCH_ROWS = ("nvme_exact_ram70_prefetch", "nvme_exact_ram40_prefetch")  # prefetch on
 # the RAM stats' prefetch counters each nvme_exact row reports (figures.nvme_prefetch)
 PREFETCH_COUNTERS = ("prefetch_waves", "prefetch_keys", "prefetch_hits", "prefetch_wasted",
@@ -432,7 +439,7 @@ def measure_mode(args, mode) -> dict:
             held = exl3_load.held_vram_bytes(loaded.vram_before, exl3_load.vram_use(dev))
             resident = held if held is not None else (None, None)
         step = fast.step if fast is not None else None
-        lm = layer_major_driver(args, loaded) if mode == "exact_layer_major" else None
+        lm = layer_major_driver(args, loaded) if mode in LAYER_MAJOR_ROWS else None
         pinned = (
             lane_threads_pinned(fast.lane, args.lane_pins)
             if fast is not None
@@ -819,6 +826,13 @@ def combine(results: list[dict], args) -> dict:
         "layer_major": rows["exact_layer_major"].get("layer_major")
         if "exact_layer_major" in rows
         else None,
+        # the store modes' layer-major rows: their passes per prompt length, with the records
+        # and bytes each pass read from the store (last_pass.store_reads / store_bytes)
+        "nvme_layer_major": {
+            m: rows[m].get("layer_major")
+            for m in rows
+            if m.startswith("nvme") and m.endswith("_layer_major")
+        },  # fmt: skip
     }
     offload = [c1(m) for m in ("stock_offload", "stock_offload_arena") if c1(m)]
     predicted = vs_predicted = {}
@@ -940,6 +954,14 @@ def combine(results: list[dict], args) -> dict:
         "prefill8k_chunk2048_vs_stock_vram": ratio(prefill("exact_layer_major", "p8192"),
                                                    prefill("stock", "p8192")),
         "layer_major_decode_c1_vs_exact": ratio(c1("exact_layer_major"), ex),
+        # issues 27 and 28: nvme-exact's 8k prefill at 2,048-token chunks with layer-major
+        # prefill, against the same tier chunk-major and against exact's (issue 27: >= 0.8)
+        "nvme_exact_ram70_layer_major_prefill8k_vs_chunk": ratio(
+            prefill("nvme_exact_ram70_layer_major", "p8192"), prefill("nvme_exact_ram70", "p8192")),
+        "nvme_exact_ram40_layer_major_prefill8k_vs_chunk": ratio(
+            prefill("nvme_exact_ram40_layer_major", "p8192"), prefill("nvme_exact_ram40", "p8192")),
+        "nvme_exact_ram70_layer_major_prefill8k_vs_exact": ratio(
+            prefill("nvme_exact_ram70_layer_major", "p8192"), prefill("exact", "p8192")),
     }  # fmt: skip
     config = {
         "model": args.model,

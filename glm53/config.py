@@ -136,8 +136,11 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
             "Prefill order for prompts longer than one chunk: chunk (each chunk through every "
             "layer, exllamav3's Generator) or layer-major (every chunk through a layer before "
             "the next: each touched expert crosses PCIe once per layer per prompt, same output). "
-            "GPU engine, exact mode, one GPU; layer-major passed its 6 GPU tests on an H200 "
-            "(2026-12-05) and needs no --allow-unrun-modes.",
+            "GPU engine, one GPU. In exact mode layer-major passed its 6 GPU tests on an H200 "
+            "(2026-12-05) and needs no --allow-unrun-modes; in nvme-exact and nvme mode (the "
+            "store read once per layer per prompt: the chunks of a layer resolve their picks in "
+            "the RAM tier one after another, read zero-copy, unstaged) it has not yet run on a "
+            "GPU and needs the flag.",
             group="scheduling",
         ),
     ] = "chunk"
@@ -338,12 +341,13 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     allow_unrun_modes: Annotated[
         bool,
         _s(
-            "GPU engine: also run the four paths that have not yet passed their GPU tests: the "
+            "GPU engine: also run the five paths that have not yet passed their GPU tests: the "
             "layer split (--gpus with two or more entries; run only as 0,0 on one GPU), "
             "the staging loan in fast mode (--ec-stage-loan; run in exact mode only), prefill "
             "staging from the store in the store modes (--ec-stage-gb, off there without this "
             "flag) and --nvme-prefetch next-layer (their in-process GPU tests passed; the served "
-            "and read-fault ones not yet); for their GPU tests (tests/gpu/test_multi_gpu.py, "
+            "and fault ones not yet), and --prefill layer-major in the store modes (not yet run "
+            "on a GPU); for their GPU tests (tests/gpu/test_multi_gpu.py, "
             "test_nvme_exact_gpu.py, test_nvme_exact_store_gpu.py). "
             "Without it the GPU engine refuses them (store staging is off "
             "by default, and a size for it refused). Every other mode and path runs without it.",

@@ -137,6 +137,9 @@ UNRUN = {
     "glm53.tiers.prefill_ahead)",
     "stage-loan": "the staging loan in fast mode (--ec-stage-loan: the prefill staging buffers "
     "serve as expert-cache slots between prefills, glm53.tiers.vram_cache.StagingLoan)",
+    "store-layer-major": "--prefill layer-major in the store modes (nvme-exact and nvme: a "
+    "long prompt's chunks through one layer at a time, so the RAM tier reads a layer's misses "
+    "from the store once per prompt, not once per chunk, glm53.exl3.layer_major)",
     "nvme-prefetch": "decode prefetch in nvme-exact and nvme (--nvme-prefetch next-layer: the "
     "next MoE layer's router run on this layer's input, its predicted experts read from the "
     "store ahead, glm53.tiers.decode_prefetch)",
@@ -154,6 +157,8 @@ UNRUN_STATUS = {
     "failed its request in the request-isolation test (fixed, not yet rerun), and the served "
     "cases differed at a 5,000-token prompt from a reference computed under another process's "
     "kernel picks (the harness fixed, not yet rerun)",
+    "store-layer-major": "was written on 2026-12-05 and has not yet run on a GPU (its test: "
+    "tests/gpu/test_nvme_exact_gpu.py's layer-major case)",
     "nvme-prefetch": "passed its in-process GPU tests at RAM 40 % and 70 %, alone and at batch "
     "4, with prefill staging on (H100, 2026-12-05; on the H200 the batch differed from a "
     "reference computed under another process's kernel picks, the harness fixed, not yet "

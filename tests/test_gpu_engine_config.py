@@ -336,8 +336,7 @@ def test_layer_major_prefill_is_served_without_the_unrun_flag(tmp_path):
 @pytest.mark.parametrize(
     "argv, match",
     [
-        (["--mode", "fast"], "--prefill layer-major runs in exact mode only"),
-        (["--mode", "nvme-exact", "--store", "/x"], "--prefill layer-major runs in exact mode"),
+        (["--mode", "fast"], "--prefill layer-major runs in exact, nvme-exact and nvme mode"),
         # the split itself needs the flag (UNRUN["split"]); layer-major is refused with it
         (
             ["--mode", "exact", "--gpus", "0,1", "--allow-unrun-modes"],
@@ -345,9 +344,21 @@ def test_layer_major_prefill_is_served_without_the_unrun_flag(tmp_path):
         ),
     ],
 )
-def test_layer_major_prefill_runs_in_exact_mode_on_one_gpu(tmp_path, argv, match):
+def test_layer_major_prefill_runs_in_exact_and_the_store_modes_on_one_gpu(tmp_path, argv, match):
     with pytest.raises(ConfigurationError, match=match):
         create(settings(*argv, "--prefill", "layer-major"), tmp_path)
+
+
+@pytest.mark.parametrize("mode", ["nvme-exact", "nvme"])
+def test_layer_major_prefill_in_the_store_modes_needs_the_unrun_flag(tmp_path, mode):
+    """Over the RAM tier (written 2026-12-05, not yet run on a GPU): refused without
+    --allow-unrun-modes, naming where it stands; with it, the engine says so too."""
+    argv = ["--mode", mode, "--store", str(tmp_path), "--prefill", "layer-major"]
+    with pytest.raises(ConfigurationError, match="in the store modes .* not yet run on a GPU"):
+        create(settings(*argv), tmp_path)
+    e = create(settings(*argv, "--allow-unrun-modes"), tmp_path)
+    assert e.prefill == "layer-major" and e.options.load.mode == "nvme-exact"
+    assert "layer-major prefill over the RAM tier (not yet run on a GPU" in e.description
 
 
 def test_layer_major_prefill_is_refused_off_the_gpu_engine():
@@ -357,9 +368,14 @@ def test_layer_major_prefill_is_refused_off_the_gpu_engine():
         create_engine(settings("--engine", "cpu", "--prefill", "layer-major"))
 
 
-def test_the_engine_takes_layer_major_only_in_exact_mode(tmp_path):
-    with pytest.raises(ValueError, match="layer-major in exact mode"):
-        GpuEngine(str(tmp_path), EngineOptions(mode="stock", prefill="layer-major"))
+def test_the_engine_takes_layer_major_only_in_exact_and_the_store_modes(tmp_path):
+    for mode in ("stock", "fast"):
+        with pytest.raises(ValueError, match="layer-major runs in exact, nvme-exact and nvme"):
+            GpuEngine(str(tmp_path), EngineOptions(mode=mode, prefill="layer-major"))
+    for mode in ("nvme-exact", "nvme"):
+        e = GpuEngine(str(tmp_path), EngineOptions(mode=mode, store=str(tmp_path),
+                                                   prefill="layer-major"))  # fmt: skip
+        assert e.prefill == "layer-major"
     with pytest.raises(ValueError, match="chunk, or layer-major"):
         GpuEngine(str(tmp_path), EngineOptions(mode="exact", prefill="layers"))
 

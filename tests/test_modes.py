@@ -71,10 +71,13 @@ def test_the_unrun_flag_gates_only_what_has_not_passed_on_a_gpu(tmp_path):
     GPUs (run only as 0,0 on one GPU), the loan beside fast mode's lane (never run), staging
     from the store and decode prefetch (served and read-fault tests not yet run) have not, so
     only they still need --allow-unrun-modes (staging: tests/test_gpu_engine_config.py), each
-    refusal saying where it stands."""
+    refusal saying where it stands. Layer-major in the store modes (written 2026-12-05, not
+    yet run on a GPU) is gated too."""
     from glm53.engine.gpu_create import create
 
-    assert set(modes.UNRUN) == {"split", "store-staging", "stage-loan", "nvme-prefetch"}
+    assert set(modes.UNRUN) == {
+        "split", "store-staging", "stage-loan", "nvme-prefetch", "store-layer-major"
+    }  # fmt: skip
     assert set(modes.UNRUN_STATUS) == set(modes.UNRUN)
     create(settings("--mode", "fast")[0], tmp_path)
     create(settings("--mode", "nvme-exact", "--store", str(tmp_path))[0], tmp_path)
@@ -82,8 +85,11 @@ def test_the_unrun_flag_gates_only_what_has_not_passed_on_a_gpu(tmp_path):
     create(settings("--mode", "exact", "--ec-stage-loan")[0], tmp_path)
     lm = create(settings("--mode", "exact", "--prefill", "layer-major")[0], tmp_path)
     assert lm.prefill == "layer-major"  # no flag: its GPU tests passed
+    store = ["--store", str(tmp_path)]
     for key, argv in (
         ("split", ["--gpus", "0,1"]), ("stage-loan", ["--mode", "fast", "--ec-stage-loan"]),
+        ("store-layer-major", ["--mode", "nvme-exact", *store, "--prefill", "layer-major"]),
+        ("store-layer-major", ["--mode", "nvme", *store, "--prefill", "layer-major"]),
     ):  # fmt: skip
         with pytest.raises(ConfigurationError, match="--allow-unrun-modes runs it anyway") as info:
             create(settings(*argv)[0], tmp_path)
@@ -95,8 +101,9 @@ def test_the_unrun_flags_help_says_what_it_gates():
     from glm53.config import setting_info
 
     text = setting_info("allow_unrun_modes").description
-    assert "four paths" in text
+    assert "five paths" in text
     assert "split" in text and "--ec-stage-loan" in text and "--ec-stage-gb" in text
     assert "--nvme-prefetch next-layer" in text
-    assert "layer-major" not in text and "test_layer_major_gpu" not in text
+    assert "--prefill layer-major in the store modes" in text
+    assert "test_layer_major_gpu" not in text
     assert "--mode fast" not in text and "nvme-exact" not in text and "--mode nvme" not in text

@@ -335,12 +335,13 @@ def test_a_wave_past_the_read_timeout_keeps_only_the_stuck_slots_pinned(staged):
     home.tier.source.reader = real
 
 
-def check_pointed(home, ec, lib, layer, since):
+def check_pointed(home, ec, lib, layer, since, pinned=True):
     """What the device's MoE kernel of `layer` reads zero-copy once the hook returned: every pick
     the hook pointed (its point_picks call among lib.calls[since:], none when its stage covered
     every pick; the mock VRAM cache holds nothing) has a home in the device table, that home is
     a RAM slot holding the expert's record, and the slot is pinned (the eviction contract: held
-    from hook L until hook L + 1)."""
+    from hook L until hook L + 1; `pinned` False: an unstaged hook, whose picks are safe by the
+    order of the host's sync instead, glm53.tiers.gpu_home)."""
     calls = [c[2] for c in lib.calls[since:] if c[0] == "point_picks" and c[1] == layer]
     assert len(calls) <= 1, calls
     pointed = calls[0] if calls else []
@@ -351,7 +352,8 @@ def check_pointed(home, ec, lib, layer, since):
         assert addr != POISON, f"layer {layer} expert {e} pointed with no home (table_bad)"
         slot = (addr - home.home.arena_address) // RECORD
         assert tier.clock.key_of(slot) == key, f"layer {layer} expert {e}: its slot was reused"
-        assert tier.clock.pin_count(slot) > 0, f"layer {layer} expert {e}: its slot is not pinned"
+        if pinned:
+            assert tier.clock.pin_count(slot) > 0, f"layer {layer} expert {e}: slot not pinned"
         assert np.array_equal(tier.record(slot)[:RECORD], store_record(tier.source, layer, e))
 
 
@@ -462,3 +464,57 @@ def test_a_wave_refused_for_a_stuck_hit_leaves_the_home_table_in_line_with_the_t
     finally:
         stall.release()
         tier.source.reader = real
+
+
+def _reads_in_order(demo, good_store, monkeypatch, order, hold):
+    """Route one prompt's chunks (4 chunks of 24 rows, seeded picks per chunk and layer) in
+    `order` ("chunk": every layer per chunk; "layer": every chunk per layer, as a layer-major
+    pass runs them), the stager held (a pass) or not, over a RAM tier of 96 slots (the demo's
+    192 records: half); returns (store reads, the home, its calls)."""
+    home, ec, lib = mock_nvme_home(demo, good_store, monkeypatch, 96, RecordingReader)
+    stager = MockStager(home, ec, lib.calls)
+    home.stager, home.ahead = stager, AheadReads(home.home, stager.buf_slots, working_set=32)
+    stager.hold = hold
+    picks = {(c, layer): prefill(rows=24, seed=100 * c + layer)
+             for c in range(4) for layer in range(LAYERS)}  # fmt: skip
+    steps = [(c, layer) for c in range(4) for layer in range(LAYERS)]
+    if order == "layer":
+        steps.sort(key=lambda s: (s[1], s[0]))
+    for c, layer in steps:
+        since = len(lib.calls)
+        home.route(layer, picks[c, layer].clone(), decode=False, params={})
+        check_pointed(home, ec, lib, layer, since, pinned=not hold)
+        check_table(home, ec)
+    return home.home.counters["ram_reads"], home, lib, picks
+
+
+def test_a_held_stager_reads_each_layer_once_per_prompt_in_layer_major_order(
+    demo, good_store, monkeypatch
+):
+    """A layer-major pass in the store modes (glm53.exl3.layer_major, the stager held): every
+    chunk of a layer resolves its picks unstaged (nothing is read ahead or staged), each
+    pointed pick is a resident, pinned record, and the store is read once per touched expert of
+    the prompt: the tier keeps a layer's records across its chunks. The same chunks in
+    chunk-major order over the same half-size tier read more (each chunk's pass over every
+    layer evicts the layers before it)."""
+    reads, home, lib, picks = _reads_in_order(demo, good_store, monkeypatch, "layer", hold=True)
+    try:
+        touched = {(layer, int(e)) for (c, layer), p in picks.items() for e in p.reshape(-1)}
+        assert reads == len(touched), (reads, len(touched))
+        assert not [c for c in lib.calls if c[0] in ("stage_ahead", "wait_staged")]
+        assert home.staging_stats()["stage_waves"] == 0
+        # the last layer's records stay pinned until the pass is over: a decode step between
+        # its steps keeps them, the first hook after it ends (the stager's hold dropped) not
+        last = home.pass_stats()
+        assert last["pass_layer"] == LAYERS - 1 and last["pass_pinned"] > 0, last
+        home.route(2, prefill(rows=2, seed=9), decode=True, params={})
+        assert home.pass_stats() == last
+        home.stager.hold = False
+        home.route(2, prefill(rows=2, seed=9), decode=True, params={})
+        assert home.pass_stats()["pass_pinned"] == 0 and home.tier.clock.n_pinned == 0
+        check_table(home, home.ec)
+    finally:
+        home.close()
+    chunk_major, home2, _, _ = _reads_in_order(demo, good_store, monkeypatch, "chunk", hold=True)
+    home2.close()
+    assert chunk_major > reads, (chunk_major, reads)

@@ -60,7 +60,12 @@ class GpuEngine:
         self.description = f"GPU engine (exllamav3 1.6.5 Generator, mode {o.mode}) on {model_dir}"
         if self.gpus:  # two or more entries: the layers split over them (glm53.exl3.split)
             self.description += f", layers split over GPUs {','.join(map(str, self.gpus))}"
-        if self.prefill == "layer-major":
+        if self.prefill == "layer-major" and o.load.mode == "nvme-exact":
+            self.description += (
+                ", layer-major prefill over the RAM tier (not yet run on a GPU; in exact mode 6 "
+                "of 6 GPU tests passed)"
+            )
+        elif self.prefill == "layer-major":
             self.description += ", layer-major prefill (6 of 6 GPU tests passed, H200, 2026-12-05)"
         if o.nvme_prefetch != "off":
             self.description += (
@@ -254,13 +259,17 @@ class GpuEngine:
         t0 = time.perf_counter()
         nvme = self.loaded.nvme
         try:
-            if self.layer_major is not None:
-                self.layer_major.step()  # one module of a layer-major pass, then the decode
             failed = {}
+            if self.layer_major is not None:  # one module of a layer-major pass, then decode
+                if nvme is None:
+                    self.layer_major.step()
+                else:  # under the tiers' lock; a store read fault fails the pass's job alone
+                    failed = gpu_tiers.step_layer_major_nvme(self, nvme)
             if nvme is None:
                 results = self.generator.iterate()
             else:  # the tiers' owner; a decode read fault fails only the jobs that needed it
-                results, failed = gpu_tiers.iterate_nvme(self, self.generator, nvme)
+                results, decode_failed = gpu_tiers.iterate_nvme(self, self.generator, nvme)
+                failed.update(decode_failed)
         except Exception as exc:
             raise EngineError(f"exllamav3 Generator.iterate failed: {exc}") from exc
         if self.fast is not None:  # the router's budgets for the next decode step

@@ -44,6 +44,10 @@ def _refuse_unrun(settings: Settings) -> None:
             "Name one GPU, or run one replica per GPU behind a router (docs/fleet.md). The flag "
             "is needed for any --gpus of two or more entries, 0,0 included.",
         )
+    # layer-major outside exact, nvme-exact and nvme is refused as such (EngineOptions), flag
+    # or not; in exact mode it passed its GPU tests, in the store modes it has not run
+    if settings.prefill == "layer-major" and rule("gpu", settings.mode).load == "nvme-exact":
+        raise _unrun("store-layer-major", "", "Leave --prefill out (chunk).")
     # the loan outside exact's one-GPU load is refused as such (LoadOptions), flag or not; in
     # exact mode it passed its GPU tests, beside fast mode's lane it has not run
     if settings.ec_stage_loan and resolved("gpu", settings.mode) is Mode.FAST:

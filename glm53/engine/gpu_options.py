@@ -16,6 +16,9 @@ from glm53.modes import NVME_PREFETCH as PREFETCH_MODES
 from glm53.modes import Mode, ReferenceMode, resolved, rule, served
 
 PREFILL_ORDERS = ("chunk", "layer-major")
+# the modes a layer-major pass runs in: exact's load (its staging, its expert cache), and the
+# store modes' (the RAM tier read once per layer per prompt; nvme's lane decodes only)
+LAYER_MAJOR_MODES = (Mode.EXACT, Mode.NVME_EXACT, Mode.NVME)
 
 
 def _gpus_text(gpus) -> str:
@@ -115,14 +118,15 @@ class EngineOptions:
         check_prefetch(mode, self.nvme_prefetch)
         if self.prefill not in PREFILL_ORDERS:
             raise ConfigurationError(
-                f"--prefill {self.prefill!r}: chunk, or layer-major in exact mode"
+                f"--prefill {self.prefill!r}: chunk, or layer-major in exact, nvme-exact or "
+                "nvme mode"
             )
         if self.prefill == "layer-major":
-            if mode is not Mode.EXACT:
+            if mode not in LAYER_MAJOR_MODES:
                 raise ConfigurationError(
-                    "--prefill layer-major runs in exact mode only (its staging and expert "
-                    f"cache); --mode {mode} prefills chunk by chunk: leave --prefill out "
-                    "(chunk, or layer-major in exact mode)"
+                    "--prefill layer-major runs in exact, nvme-exact and nvme mode (their "
+                    f"expert cache and homes); --mode {mode} prefills chunk by chunk: leave "
+                    "--prefill out (chunk)"
                 )
             if self.gpus is not None and len(self.gpus) > 1:
                 raise ConfigurationError(

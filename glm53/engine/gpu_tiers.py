@@ -92,6 +92,32 @@ def iterate_nvme(engine, generator, nvme) -> tuple[list, dict]:
     return results, jobs_to_fail(faults, engine.store)
 
 
+def step_layer_major_nvme(engine, nvme) -> dict:
+    """A layer-major pass's next module in a store mode (glm53.exl3.layer_major), under the
+    tiers' lock as a Generator iteration is: its hooks resolve each chunk's picks in the RAM
+    tier. A store read fault there fails the pass's job alone, with the fault's message (the
+    prompt being prefilled is the only one whose picks needed the record): the pass is dropped
+    when fail_jobs cancels the job, and the other jobs decode on. Returns key -> error (empty
+    when the step ran)."""
+    from glm53.tiers.ram_tier import ReadFault
+    from glm53.tiers.read_faults import fault_message, fault_record
+
+    lm = engine.layer_major
+    active = lm.active
+    with nvme.lock:
+        try:
+            lm.step()
+            nvme.check_table_bad()
+        except ReadFault as exc:
+            if active is None:
+                raise
+            key = next((k for k, j in engine._jobs.items() if j is active.job), None)
+            if key is None:
+                raise
+            return {key: fault_message(fault_record(exc, None), engine.store)}
+    return {}
+
+
 def fail_jobs(engine, outs: dict, failed: dict) -> None:
     """Fail each job a read fault named: its tokens of this step (computed without the expert)
     are dropped, exllamav3 cancels it, and it ends with the fault's error; no other job is

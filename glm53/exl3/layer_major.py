@@ -78,6 +78,11 @@ class LayerMajorPrefill:
         self.loaded, self.generator, self.chunk = loaded, generator, int(chunk_size)
         self.model, self.cache = loaded.model, loaded.cache
         self.ec, self.stager = loaded.ec, loaded.stager
+        # the store modes' RAM tier (glm53.exl3.nvme_device): each chunk of a layer resolves
+        # its picks there (the stager is held, so unstaged), and the VRAM cache lends no slots
+        # to the streams (its keys' homes are the host's table, rewritten per resolve)
+        self.nvme = getattr(loaded, "nvme", None)
+        self.lends = self.nvme is None
         self.geo = StreamGeometry.from_text_config(text_config)
         self.reserve, self.device = int(reserve_bytes), device
         if getattr(self.model, "loaded_tp", False):
@@ -211,6 +216,14 @@ class LayerMajorPrefill:
         job._g53_layer_major["pass"] = False
         self.counters["passes_cancelled"] += 1
         return True
+
+    def store_counters(self) -> tuple[int, int]:
+        """(records, bytes) the store modes' RAM tier has read from the store so far; (0, 0)
+        in exact mode."""
+        if self.nvme is None:
+            return 0, 0
+        c = self.nvme.home.counters
+        return int(c["ram_reads"]), int(c["bytes_read"])
 
     def stats(self) -> dict:
         out = dict(self.counters)

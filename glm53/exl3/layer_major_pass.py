@@ -70,6 +70,7 @@ class LayerMajorPass:
         self.recurrent = _recurrent_layers(ctl.cache) if self.points else {}
         self.device = torch.device(ctl.device)
         self.done = False
+        self.store0 = ctl.store_counters()  # the store modes: what the pass reads from it
 
     # --- placement ---------------------------------------------------------------------------
     def _place(self) -> None:
@@ -82,7 +83,7 @@ class LayerMajorPass:
         if not uses_layer_major(self.tokens, max(lengths)):
             return  # one chunk's tokens: the streams stay where exllamav3 allocates them
         ec = ctl.ec
-        slots = ec.n_slots if ec is not None else 0
+        slots = ec.n_slots if ec is not None and ctl.lends else 0
         record = ec.geo.record_bytes if ec is not None else 1
         self.layout = layout = layout_pass(ctl.geo, lengths, ctl.free_bytes(), slots, record)
         if layout.lent_slots:
@@ -246,6 +247,10 @@ class LayerMajorPass:
         seconds = time.perf_counter() - self.t0
         ctl.last = {"tokens": self.tokens, "chunks": len(self.chunks), "seconds": seconds,
                     "tok_s": self.tokens / seconds if seconds else None} | self.describe()  # fmt: skip
+        if ctl.nvme is not None:  # the store's records and bytes this pass read (and waves)
+            records, nbytes = ctl.store_counters()
+            ctl.last["store_reads"] = records - self.store0[0]
+            ctl.last["store_bytes"] = nbytes - self.store0[1]
         self._release()
         self.done = True
 

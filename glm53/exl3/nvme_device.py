@@ -109,6 +109,13 @@ class NvmeHome:
             self.ahead = AheadReads(self.home, stager.buf_slots, working_set)
         self._next_staged = -1
         self.staged_layers = 0
+        # a layer-major pass (glm53.exl3.layer_major; the stager held): the RAM slots of the
+        # layer its chunks are going through, pinned from the chunk that read them until the
+        # pass moves to another layer or ends, so that the store is read once per layer per
+        # prompt (frequency admission alone would let a chunk's misses evict the records an
+        # earlier chunk of the same layer read); dropped at the first hook after the pass
+        self._pass_layer: int | None = None
+        self._pass_pins: dict[int, int] = {}  # key -> its pinned slot
         # decode prefetch (--nvme-prefetch next-layer, glm53.tiers.decode_prefetch)
         if prefetch not in PREFETCH_MODES:
             raise TierError(f"--nvme-prefetch {prefetch!r}: one of {', '.join(PREFETCH_MODES)}")
@@ -162,6 +169,9 @@ class NvmeHome:
             self._drain()  # a new forward (or one after a fault): start the pipeline afresh
         elif staged:  # the host synced on this router: MoE layer-1 is done with its picks,
             self.ahead.release_picks(layer - 1)  # whose slots this resolve may need
+        passing = self.stager is not None and self.stager.hold
+        if self._pass_pins and (not passing or (not decode and layer != self._pass_layer)):
+            self._end_pass_layer()  # the pass moved to another layer, or ended
         reads = self.home.counters["ram_reads"]
         prefetched = ()  # the experts of this layer a prefetch wave made resident (pinned)
         if pf is not None and plain_decode:
@@ -198,6 +208,8 @@ class NvmeHome:
             self._write(self.home.take_pending())
             raise
         self._write(update)
+        if passing and not decode and not all_experts:
+            self._pin_pass_layer(layer, kept, in_vram)
         if pf is not None and plain_decode:
             pf.settle(layer, kept)
             if m:  # layer + 1's predicted misses queued; the slots they take go absent now
@@ -233,6 +245,33 @@ class NvmeHome:
             self._cuda.ec_point_picks(ptr, run.data_ptr(), run.numel(), layer, self.absent, stream)
         if staged:
             self._after_point(layer, ahead_slots)
+
+    def _pin_pass_layer(self, layer: int, picks, in_vram) -> None:
+        """A layer-major pass's chunk of `layer` resolved: pin the RAM slots of its picks not
+        pinned yet, while at least half the tier stays unpinned (room for the decode steps
+        that run between the pass's steps, and for the next layer's first chunk: the pins of
+        this one go before it resolves)."""
+        tier = self.tier
+        base = tier.moe_index[self.moe_layers[layer]] * tier.num_experts
+        self._pass_layer = layer
+        valid = (picks >= 0) & (picks < tier.num_experts) & ~in_vram
+        for e in np.unique(picks[valid]).tolist():
+            key = base + int(e)
+            if key in self._pass_pins or tier.clock.n_pinned >= tier.num_slots // 2:
+                continue
+            slot = tier.clock.slot_of(key)
+            if slot >= 0:
+                tier.clock.pin(slot)
+                self._pass_pins[key] = slot
+
+    def _end_pass_layer(self) -> None:
+        for slot in self._pass_pins.values():
+            self.tier.clock.unpin(slot)
+        self._pass_pins, self._pass_layer = {}, None
+
+    def pass_stats(self) -> dict:
+        """The layer-major pass's pins now (0 outside a pass)."""
+        return {"pass_layer": self._pass_layer, "pass_pinned": len(self._pass_pins)}
 
     def _predicted_parts(self, nxt: int, predicted, parts: list) -> int:
         """Append MoE layer `nxt`'s predicted picks and the VRAM slot of each to the layer's

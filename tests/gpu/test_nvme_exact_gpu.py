@@ -3,8 +3,10 @@ identical (torch.equal) with the RAM tier capped at 40 % and 70 % of the routed 
 VRAM cache at the 24 GB card's 11.4 % share, with prefill staging (glm53.tiers.prefill_ahead; on
 by default in-process, EngineOptions.ec_stage_gb None) and without it (--ec-stage-gb 0), and
 with decode prefetch (--nvme-prefetch next-layer, glm53.tiers.decode_prefetch) at both caps,
-alone and with the batch admitted together. The served cases, the store's verify and its read
-faults are test_nvme_exact_store_gpu.py (another group: its verify test flips store bytes).
+alone and with the batch admitted together, and with layer-major prefill (--prefill layer-major
+over the RAM tier, glm53.exl3.layer_major; written 2026-12-05, not yet run on a GPU) at 40 %.
+The served cases, the store's verify and its read faults are test_nvme_exact_store_gpu.py
+(another group: its verify test flips store bytes).
 
 History: 6 of 6 on an H200 (2026-12-02, staging off). H200, 2026-12-05 at dc7ef0e: every
 in-process case with staging on failed (a forward's first staged hook let the next layer's wave
@@ -136,6 +138,45 @@ def test_in_process_nvme_exact_with_decode_prefetch_equals_stock_exllamav3(case,
         assert ram["prefetch_hits"] + ram["prefetch_wasted"] == ram["prefetch_keys"], ram
         pinned = e.loaded.nvme.tier.clock.n_pinned
         assert e.loaded.nvme.prefetch.idle() and pinned == 0, (pinned, ram)
+        check = e.verify_tiers(64)
+        assert check.is_ok, f"{check.summary()}; ram {ram}"
+    finally:
+        e.close()
+
+
+@pytest.mark.parametrize("share", RAM_SHARES[:1])  # 40 %: the most store reads; one case for
+def test_in_process_nvme_exact_layer_major_equals_stock_exllamav3(case, share):  # group e's time
+    """--prefill layer-major over the RAM tier (glm53.exl3.layer_major in the store modes;
+    written 2026-12-05, its first GPU run is this test): the 5,000-token prompt (three chunks)
+    runs one pass, every chunk of a layer resolving its picks in the RAM tier with the stager
+    held (unstaged, read zero-copy) and the layer's records pinned until the pass leaves it, so
+    the store is read once per layer per prompt. Tokens and logits torch.equal to stock
+    exllamav3's Generator prefilling chunk-major, at every length (the shorter prompts keep the
+    Generator's path); the pass's store reads are printed; its pins are gone after it; the tier
+    check is clean."""
+    e = GpuEngine(case["path"], EngineOptions(
+        mode="nvme-exact", context=CONTEXT, max_batch=4, chunk_size=CHUNK,
+        ec_max_slots=case["slots"], heat_file=str(case["tmp"] / f"heat-{share}-lm.json"),
+        cache_dir=str(case["tmp"] / f"cache-{share}-lm"),
+        store=case["store"], ram_cap=case["cap"][share], prefill="layer-major",
+    ))  # fmt: skip
+    e.load()
+    try:
+        for n in LENGTHS:
+            (got,) = run_engine(e, [case["prompts"][n]], N_NEW)
+            assert_same(got, case["ref"][n], f"RAM {share:.0%}, layer-major, prompt of {n}; "
+                                             f"{_ram(e)}")  # fmt: skip
+        lm = e.stats()["layer_major"]
+        long = [n for n in LENGTHS if n - 1 > CHUNK]  # the prompts a pass prefills
+        assert lm["passes"] == len(long) and lm["passes_cancelled"] == 0, lm
+        last = lm["last_pass"]
+        print(f"RAM {share:.0%}: the {long[-1]}-token pass read {last['store_reads']} records "
+              f"({last['store_bytes'] / 1e9:.2f} GB) from the store; {last}")  # fmt: skip
+        assert last["chunks"] == -(-(long[-1] - 1) // CHUNK), last
+        ram = _ram(e)
+        assert ram["table_bad"] == 0 and ram["read_errors"] == 0, ram
+        assert e.loaded.nvme.pass_stats()["pass_pinned"] == 0, e.loaded.nvme.pass_stats()
+        assert e.loaded.nvme.tier.clock.n_pinned == 0, ram
         check = e.verify_tiers(64)
         assert check.is_ok, f"{check.summary()}; ram {ram}"
     finally:
