@@ -24,7 +24,9 @@ take the other direction of the (full-duplex) link, at the same rate. nvme modes
 touched experts not in the RAM tier from the store first, one read after another, on top.
 
 - chunk-major: every chunk, every layer: the touched experts of that chunk cross per chunk.
-- layer-major: every layer once over the whole prompt: its touched experts cross once, while
+- layer-major: every layer once over the whole prompt: its touched experts cross once (in the
+  store modes, each chunk reads its picks zero-copy from the RAM tier, so they cross per chunk
+  there, while the store is read once per prompt), while
   its compute is still every chunk's (each chunk through a layer is its own forward, paying
   the layer's fixed cost per chunk: chunked_compute_s), so a measured fixed cost keeps it at
   the chunk size's compute floor however long the prompt. The
@@ -62,8 +64,9 @@ PREFILL_PROMPTS = (512, 2048, 8192, 32768, 131072)
 CHUNK_TOKENS = 2048  # serve's --chunk-size default (exllamav3's too)
 LAYER_MAJOR_STATUS = (
     "its 6 GPU tests passed (H200, 2026-12-05), its benchmark rows not yet run: exact mode with "
-    "--prefill layer-major on one GPU, no --allow-unrun-modes needed; serve runs chunk-major "
-    "prefill by default"
+    "--prefill layer-major on one GPU, no --allow-unrun-modes needed (in nvme-exact and nvme "
+    "mode it has not yet run on a GPU and needs the flag); serve runs chunk-major prefill by "
+    "default"
 )
 
 
@@ -125,10 +128,13 @@ def _step_s(
     resident_slots: float,
     states: HiddenStatePlan | None,
     compute_s: float | None = None,
+    pcie_bytes: float | None = None,
 ) -> float:
     """One pass of `tokens` tokens through every layer: per layer the slower of compute and
     link, plus store reads. `compute_s`: the pass's GPU compute when it is not one chunk of
-    `tokens` (layer-major: every chunk of the prompt through each layer)."""
+    `tokens` (layer-major: every chunk of the prompt through each layer). `pcie_bytes`: a MoE
+    layer's expert bytes over the link when they are not the `tokens` tokens' touched experts
+    once (layer-major in the store modes: each chunk reads its picks zero-copy)."""
     eb, _, _ = _expert_ms(x, geo)
     if compute_s is None:
         compute_s = _chunk_compute_s(x, geo, tokens)
@@ -139,7 +145,9 @@ def _step_s(
     if x.ram_tier_slots is not None:
         near = (x.vram_slots + x.ram_tier_slots) / geo.num_moe_layers
     link = _moe_link(p, resident, near, eb)
-    if x.stage_records is not None and link.pcie_bytes > 0:  # the stage copies these records
+    if pcie_bytes is not None:
+        link = _Link(pcie_bytes, link.store_bytes)
+    elif x.stage_records is not None and link.pcie_bytes > 0:  # the stage copies these records
         link = _Link(x.stage_records * eb, link.store_bytes)
     rate = x.pcie_gbps * 1e9
     store = link.store_bytes / (x.store_gbps * 1e9) if x.store_gbps else 0.0
@@ -183,7 +191,15 @@ def predict_prefill(
         else:
             lent = lent_cache_slots(plan, 0, eb)  # the doctor's slots leave no VRAM free
             compute_s = chunked_compute_s(x, geo, prompt_tokens, chunk_tokens)
-            step_s = _step_s(x, geo, prompt_tokens, x.vram_slots - lent, plan, compute_s)
+            per_chunk = None
+            if x.ram_tier_slots is not None:  # the store modes: unstaged, zero-copy per chunk
+                resident = (x.vram_slots - lent) / geo.num_moe_layers
+                per_chunk = sum(
+                    _moe_link(touched(rates, n), resident, geo.experts_per_layer, eb).pcie_bytes
+                    for n in chunks
+                )
+            step_s = _step_s(x, geo, prompt_tokens, x.vram_slots - lent, plan, compute_s,
+                             per_chunk)  # fmt: skip
             layer_tok_s = prompt_tokens / step_s
             states, placement = plan.state_bytes, str(plan.placement)
             states_pcie = plan.h2d_bytes_per_prompt + plan.d2h_bytes_per_prompt

@@ -79,10 +79,10 @@ class LayerMajorPrefill:
         self.model, self.cache = loaded.model, loaded.cache
         self.ec, self.stager = loaded.ec, loaded.stager
         # the store modes' RAM tier (glm53.exl3.nvme_device): each chunk of a layer resolves
-        # its picks there (the stager is held, so unstaged), and the VRAM cache lends no slots
-        # to the streams (its keys' homes are the host's table, rewritten per resolve)
+        # its picks there (the stager is held, so unstaged). The VRAM cache lends slots to the
+        # streams as in exact mode: a key it evicts from them points at its home in the host's
+        # table (a RAM slot, or absent), as after any VRAM eviction in these modes
         self.nvme = getattr(loaded, "nvme", None)
-        self.lends = self.nvme is None
         self.geo = StreamGeometry.from_text_config(text_config)
         self.reserve, self.device = int(reserve_bytes), device
         if getattr(self.model, "loaded_tp", False):

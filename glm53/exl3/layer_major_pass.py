@@ -83,7 +83,7 @@ class LayerMajorPass:
         if not uses_layer_major(self.tokens, max(lengths)):
             return  # one chunk's tokens: the streams stay where exllamav3 allocates them
         ec = ctl.ec
-        slots = ec.n_slots if ec is not None and ctl.lends else 0
+        slots = ec.n_slots if ec is not None else 0
         record = ec.geo.record_bytes if ec is not None else 1
         self.layout = layout = layout_pass(ctl.geo, lengths, ctl.free_bytes(), slots, record)
         if layout.lent_slots:
