@@ -128,12 +128,9 @@ def _mock_reference(log: Path):
     return run
 
 
-def test_a_unit_saved_in_the_shared_directory_is_loaded_not_computed_again(tmp_path, monkeypatch):
-    """GLM53_REFERENCE_DIR: what one process computed, another (here: the same module with its
-    memory cleared) loads; only a unit nobody computed yet runs, and a checkpoint written again
-    (its config.json newer) is computed again."""
-    import os
-
+def _shared_setup(tmp_path, monkeypatch):
+    """A checkpoint directory (its config.json only), GLM53_REFERENCE_DIR under tmp_path, no
+    declared runs, and the reference process mocked (_mock_reference): (model, its log)."""
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
@@ -141,6 +138,16 @@ def test_a_unit_saved_in_the_shared_directory_is_loaded_not_computed_again(tmp_p
     monkeypatch.setenv("GLM53_REFERENCE_DIR", str(tmp_path / "shared"))
     monkeypatch.setattr(gpu_kit, "_DECLARED", [])
     monkeypatch.setattr(gpu_kit.subprocess, "run", _mock_reference(log))
+    return model, log
+
+
+def test_a_unit_saved_in_the_shared_directory_is_loaded_not_computed_again(tmp_path, monkeypatch):
+    """GLM53_REFERENCE_DIR: what one process computed, another (here: the same module with its
+    memory cleared) loads; only a unit nobody computed yet runs, and a checkpoint written again
+    (its config.json newer) is computed again."""
+    import os
+
+    model, log = _shared_setup(tmp_path, monkeypatch)
     spec = {"model": str(model), "max_new_tokens": 3, "runs": [{"prompts": [[1], [2, 3]]}]}
     monkeypatch.setattr(gpu_kit, "_REFERENCE", {})
     (first,) = gpu_kit.stock_reference(spec, tmp_path)
@@ -214,13 +221,7 @@ def test_a_unit_computed_under_another_tune_file_is_computed_again(tmp_path, mon
     """Shared units are keyed by EXLLAMAV3_TUNE_CACHE: under another tune file exllamav3 may pick
     other kernels (other rounding), so what was computed there is not this process's reference;
     under the same file it is loaded."""
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    log = tmp_path / "computed.log"
-    monkeypatch.setenv("GLM53_REFERENCE_DIR", str(tmp_path / "shared"))
-    monkeypatch.setattr(gpu_kit, "_DECLARED", [])
-    monkeypatch.setattr(gpu_kit.subprocess, "run", _mock_reference(log))
+    model, log = _shared_setup(tmp_path, monkeypatch)
     spec = {"model": str(model), "max_new_tokens": 3, "runs": [{"prompts": [[1]]}]}
     for tune in ("a.bin", "b.bin", "a.bin"):
         monkeypatch.setenv("EXLLAMAV3_TUNE_CACHE", str(tmp_path / tune))
