@@ -25,7 +25,13 @@ own tune file, compared against references another group's process computed; the
 prompt and the batch differed in logits while every shorter prompt was bit-equal). So a session
 fetches every reference it declared before its first engine (conftest.py's
 `references_before_engines`, `all_declared_references`): the keys those runs hit are in the
-tune file before any engine of the session reads it."""
+tune file before any engine of the session reads it. exllamav3 keeps the last record of a key
+it reads, so one race is left: an engine of another session that read the file before a
+reference process appended a key, and first meets that key after, tunes it itself and appends
+its own pick, which later readers then take. The test prompts' keys are tuned by the warm-up
+(tools/exl3_warm.py, before any session) or by the reference runs, which come first in every
+session; test_multi_gpu.py compares with its own one-GPU run before stock, so a failure of
+this kind shows as such."""
 
 from __future__ import annotations
 
