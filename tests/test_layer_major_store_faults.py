@@ -76,8 +76,8 @@ def engine(tmp_path, fault):
     e = GpuEngine(str(tmp_path), EngineOptions(mode="nvme-exact", store=str(tmp_path / "store"),
                                                prefill="layer-major"))  # fmt: skip
     nvme = MockNvme()
-    prefilling = SimpleNamespace(name="long prompt", sampler=None)
-    decoding = SimpleNamespace(name="chat", sampler=None)
+    prefilling = SimpleNamespace(identifier="a", sampler=None)
+    decoding = SimpleNamespace(identifier="b", sampler=None)
     e.loaded = SimpleNamespace(nvme=nvme)
     e.generator = MockGenerator(decoding=["b"])
     e.tokenizer = SimpleNamespace(vocab_size=16)

@@ -111,9 +111,8 @@ def step_layer_major_nvme(engine, nvme) -> dict:
         except ReadFault as exc:
             if active is None:
                 raise
-            key = next((k for k, j in engine._jobs.items() if j is active.job), None)
-            if key is None:
-                raise
+            # the job's key is its identifier (exl3.generator.make_job), as decode faults find it
+            key = active.job.identifier
             return {key: fault_message(fault_record(exc, None), engine.store)}
     return {}
 
