@@ -57,6 +57,29 @@ class MockStager:
         self.pending: dict = {}
         self.side = types.SimpleNamespace(synchronize=lambda: calls.append(("side_sync",)))
         self.copied: dict = {}
+        self.owner, self.held = [-1, -1], set()  # a layer-major pass's stages (stage_held)
+
+    def is_held(self, layer):
+        return self.hold and layer in self.held and self.owner[layer % 2] == layer
+
+    def stage_held(self, layer):
+        """As the stage kernel would run it now (main stream, in order): the records of the
+        first buf_slots uncached experts (the mock VRAM cache holds none) copied from their
+        homes; those the host trusts (resident now) must be their experts' records."""
+        assert self.hold, "stage_held outside a pass"
+        table = self.ec._t["home"].numpy()
+        copies = {}
+        for e in range(min(self.buf_slots, EXPERTS)):
+            addr = int(table[layer * EXPERTS + e])
+            if addr == POISON:
+                continue  # a copy of the absent record: the host must not trust it
+            slot = (addr - self.home.home.arena_address) // RECORD
+            assert self.home.tier.clock.key_of(slot) == layer * EXPERTS + e
+            copies[e] = self.home.tier.record(slot)[:RECORD].copy()
+        self.copied[layer] = copies
+        self.owner[layer % 2] = layer
+        self.held.add(layer)
+        self.calls.append(("stage_held", layer, sorted(copies)))
 
     def wait_staged(self, layer):
         ev = self.pending.pop(layer, None)
@@ -485,7 +508,24 @@ def _reads_in_order(demo, good_store, monkeypatch, order, hold):
         home.route(layer, picks[c, layer].clone(), decode=False, params={})
         check_pointed(home, ec, lib, layer, since, pinned=not hold)
         check_table(home, ec)
+        if hold:  # every pick is read from the pass's stage of the layer or pointed, not both
+            check_pass_stage(home, stager, lib, layer, since, picks[c, layer])
     return home.home.counters["ram_reads"], home, lib, picks
+
+
+def check_pass_stage(home, stager, lib, layer, since, chunk_picks):
+    """A held hook of a pass (glm53.exl3.nvme_device's pass staging): the experts the host
+    trusts in the layer's stage are exactly those whose staged copies were their records
+    (MockStager.stage_held checked each copy against the tier), and every pick of the chunk is
+    either one of them or pointed at its home by this hook."""
+    layer_staged, covered = home._pass_staged
+    assert layer_staged == layer and stager.is_held(layer)
+    assert sorted(covered.tolist()) == sorted(stager.copied[layer]), (covered, stager.copied)
+    pointed = [c[2] for c in lib.calls[since:] if c[0] == "point_picks" and c[1] == layer]
+    pointed = set(pointed[0]) if pointed else set()
+    distinct = {int(e) for e in chunk_picks.reshape(-1).tolist()}
+    assert not pointed & set(covered.tolist()), "a staged pick was pointed away from its stage"
+    assert distinct <= pointed | set(covered.tolist()), distinct - pointed - set(covered.tolist())
 
 
 def test_a_held_stager_reads_each_layer_once_per_prompt_in_layer_major_order(
@@ -503,6 +543,9 @@ def test_a_held_stager_reads_each_layer_once_per_prompt_in_layer_major_order(
         assert reads == len(touched), (reads, len(touched))
         assert not [c for c in lib.calls if c[0] in ("stage_ahead", "wait_staged")]
         assert home.staging_stats()["stage_waves"] == 0
+        # each layer staged once, at its first chunk, on the main stream (stage_held)
+        stages = [c[1] for c in lib.calls if c[0] == "stage_held"]
+        assert stages == list(range(LAYERS)) and home.pass_stats()["pass_stages"] == LAYERS
         # the last layer's records stay pinned until the pass is over: a decode step between
         # its steps keeps them, the first hook after it ends (the stager's hold dropped) not
         last = home.pass_stats()

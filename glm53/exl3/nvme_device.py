@@ -116,6 +116,11 @@ class NvmeHome:
         # earlier chunk of the same layer read); dropped at the first hook after the pass
         self._pass_layer: int | None = None
         self._pass_pins: dict[int, int] = {}  # key -> its pinned slot
+        # the pass stages each layer once, at its first chunk (PrefillStager.stage_held, on the
+        # main stream): (layer, the experts whose staged copies the host trusts: those of the
+        # stage that were resident in the RAM tier then), and how many layers it staged
+        self._pass_staged: tuple[int, np.ndarray] | None = None
+        self.pass_stages = 0
         # decode prefetch (--nvme-prefetch next-layer, glm53.tiers.decode_prefetch)
         if prefetch not in PREFETCH_MODES:
             raise TierError(f"--nvme-prefetch {prefetch!r}: one of {', '.join(PREFETCH_MODES)}")
@@ -148,6 +153,9 @@ class NvmeHome:
         slots = torch.where(valid, self._key_slot[keys].long(), torch.full_like(routed, -1))
         num_rows = selected.numel() // selected.shape[-1]
         staged = self._staging(layer, decode, all_experts, num_rows, params, lane)
+        passing = self.stager is not None and self.stager.hold
+        in_pass = passing and not decode and not all_experts  # a layer-major pass's chunk
+        stage_now = in_pass and not self._pass_holds(layer)  # the pass's first chunk of layer
         parts = [routed, slots]
         if staged:  # the VRAM slots of the next two layers' experts, for their waves
             hi = min(layer + 3, self.ec.geo.n_layers)
@@ -159,19 +167,29 @@ class NvmeHome:
         if pf is not None and plain_decode and predicted is not None:
             if layer + 1 < self.ec.geo.n_layers:  # layer + 1's picks and their VRAM slots
                 m = self._predicted_parts(layer + 1, predicted, parts)
+        if stage_now:  # this layer's VRAM slots: what the stage kernel will copy
+            parts.append(self._key_slot[layer * n_exp : (layer + 1) * n_exp].long())
         host = torch.cat(parts).cpu().numpy()  # the one sync of this layer
         picks, in_vram = host[:n], host[n : 2 * n] >= 0
         pred, pred_vram = host[2 * n : 2 * n + m], host[2 * n + m : 2 * n + 2 * m] >= 0
-        ahead_slots = host[2 * n + 2 * m :].reshape(-1, n_exp)
+        tail = host[2 * n + 2 * m :]
+        layer_slots = None
+        if stage_now:
+            layer_slots, tail = tail[len(tail) - n_exp :], tail[: len(tail) - n_exp]
+        ahead_slots = tail.reshape(-1, n_exp)
         if self.ahead is not None and not self.ahead.idle() and not staged:
             self._drain()
         elif staged and layer != self._next_staged:
             self._drain()  # a new forward (or one after a fault): start the pipeline afresh
         elif staged:  # the host synced on this router: MoE layer-1 is done with its picks,
             self.ahead.release_picks(layer - 1)  # whose slots this resolve may need
-        passing = self.stager is not None and self.stager.hold
         if self._pass_pins and (not passing or (not decode and layer != self._pass_layer)):
             self._end_pass_layer()  # the pass moved to another layer, or ended
+        if not passing:
+            self._pass_staged = None
+        # a chunk of the pass after its layer's first: the experts its stage holds are read
+        # from the staging buffer, neither looked up in the tier again nor pinned
+        covered = self._pass_staged[1] if in_pass and not stage_now else np.empty(0, np.int64)
         reads = self.home.counters["ram_reads"]
         prefetched = ()  # the experts of this layer a prefetch wave made resident (pinned)
         if pf is not None and plain_decode:
@@ -191,7 +209,7 @@ class NvmeHome:
                 # a staged hook: the experts L's wave made resident (pinned) are not looked up
                 # again, so a prefill chunk counts each access once, as without staging (and a
                 # decode prefetch wave's experts the same way)
-                ahead = self.ahead.staged(layer) if staged else prefetched
+                ahead = self.ahead.staged(layer) if staged else (covered if in_pass else prefetched)
                 update, faults, kept = (
                     self.home.resolve(self.moe_layers[layer], picks, in_vram, ahead),
                     [],
@@ -208,8 +226,10 @@ class NvmeHome:
             self._write(self.home.take_pending())
             raise
         self._write(update)
-        if passing and not decode and not all_experts:
-            self._pin_pass_layer(layer, kept, in_vram)
+        if stage_now:  # after the resolve: this chunk's misses are resident, so staged too
+            covered = self._stage_pass_layer(layer, layer_slots)
+        if in_pass:
+            self._pin_pass_layer(layer, kept, in_vram, covered)
         if pf is not None and plain_decode:
             pf.settle(layer, kept)
             if m:  # layer + 1's predicted misses queued; the slots they take go absent now
@@ -225,6 +245,8 @@ class NvmeHome:
             run = routed
         else:  # prefill: the distinct picks only (exact mode's prefill admits nothing)
             distinct = np.unique(picks[(picks >= 0) & (picks < n_exp)])
+            if in_pass:  # what the pass's stage of this layer holds stays pointed there
+                distinct = np.setdiff1d(distinct, covered)
             run = torch.from_numpy(distinct.astype(np.int64)).to(self.device)
         ptr = self.ec._ptr
         if staged:  # L's zero-copy picks pinned first: the wave _ahead_of may begin admits
@@ -246,15 +268,38 @@ class NvmeHome:
         if staged:
             self._after_point(layer, ahead_slots)
 
-    def _pin_pass_layer(self, layer: int, picks, in_vram) -> None:
+    def _pass_holds(self, layer: int) -> bool:
+        """Whether the running pass has staged `layer` and its buffer still holds it."""
+        mine = self._pass_staged is not None and self._pass_staged[0] == layer
+        return mine and self.stager.is_held(layer)
+
+    def _stage_pass_layer(self, layer: int, layer_slots) -> np.ndarray:
+        """The pass's first chunk of `layer`, resolved: stage the layer once for all its
+        chunks (on the main stream, before this chunk's MoE kernel). The stage kernel copies the
+        first buf_slots experts (in expert order) that no VRAM slot holds, from their homes; the
+        host trusts the copies of those resident in the RAM tier now (their homes are written,
+        their reads done; the copy runs before the next chunk's sync, so before any later
+        resolve can evict them) and returns them. Those absent (a copy of the absent record)
+        are pointed at their homes whenever a chunk picks them, as unstaged picks are."""
+        tier = self.tier
+        base = tier.moe_index[self.moe_layers[layer]] * tier.num_experts
+        uncached = np.flatnonzero(layer_slots < 0)[: self.stager.buf_slots].astype(np.int64)
+        covered = uncached[self.home.home_of[base + uncached] != self.absent]
+        self.stager.stage_held(layer)
+        self._pass_staged = (layer, covered)
+        self.pass_stages += 1
+        return covered
+
+    def _pin_pass_layer(self, layer: int, picks, in_vram, covered=()) -> None:
         """A layer-major pass's chunk of `layer` resolved: pin the RAM slots of its picks not
-        pinned yet, while at least half the tier stays unpinned (room for the decode steps
-        that run between the pass's steps, and for the next layer's first chunk: the pins of
-        this one go before it resolves)."""
+        pinned yet (but those its stage holds: `covered`), while at least half the tier stays
+        unpinned (room for the decode steps that run between the pass's steps, and for the next
+        layer's first chunk: the pins of this one go before it resolves)."""
         tier = self.tier
         base = tier.moe_index[self.moe_layers[layer]] * tier.num_experts
         self._pass_layer = layer
         valid = (picks >= 0) & (picks < tier.num_experts) & ~in_vram
+        valid &= ~np.isin(picks, np.asarray(covered, dtype=np.int64))
         for e in np.unique(picks[valid]).tolist():
             key = base + int(e)
             if key in self._pass_pins or tier.clock.n_pinned >= tier.num_slots // 2:
@@ -270,8 +315,9 @@ class NvmeHome:
         self._pass_pins, self._pass_layer = {}, None
 
     def pass_stats(self) -> dict:
-        """The layer-major pass's pins now (0 outside a pass)."""
-        return {"pass_layer": self._pass_layer, "pass_pinned": len(self._pass_pins)}
+        """The layer-major pass's pins now (0 outside a pass), and the layers passes staged."""
+        return {"pass_layer": self._pass_layer, "pass_pinned": len(self._pass_pins),
+                "pass_stages": self.pass_stages}  # fmt: skip
 
     def _predicted_parts(self, nxt: int, predicted, parts: list) -> int:
         """Append MoE layer `nxt`'s predicted picks and the VRAM slot of each to the layer's

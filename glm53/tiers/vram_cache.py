@@ -578,6 +578,23 @@ class PrefillStager:
     def end_hold(self) -> None:
         self.hold, self.held = False, set()
 
+    def is_held(self, layer: int) -> bool:
+        """Whether a layer-major pass staged `layer` and its buffer still holds it."""
+        return self.hold and layer in self.held and self.owner[layer % 2] == layer
+
+    def stage_held(self, layer: int) -> None:
+        """A layer-major pass in the store modes (glm53.exl3.nvme_device): stage `layer` now,
+        on the main stream (its buffer's previous layer unstaged first), once for every chunk
+        of the pass. The host decides which of the copies it trusts: the stage kernel copies the
+        first `buf_slots` uncached experts from their homes whatever they hold, and those not
+        resident in the RAM tier at this point are pointed at their homes by the caller."""
+        import torch
+
+        if not self.hold:
+            raise RuntimeError("internal error: stage_held outside a layer-major pass's hold")
+        self.wait_staged(layer)  # a side-stream stage of it (none expected in a pass)
+        self._stage(layer, torch.cuda.current_stream(self.cache.device))
+
     def order_unstage(self) -> None:
         """The main stream waits for the side stream's last unstage (not for its copy). An
         unstage reads which slot holds each expert of the buffer's old layer and rewrites that
