@@ -279,9 +279,10 @@ def trace_fast(args, loaded, tracer: Tracer) -> dict:
     at the last share with the lane awake longer; the lane's times beside each trace."""
     from gpu_slice import start_fast_row, where_the_time_goes
 
-    from glm53.exl3 import stop_fast
+    from glm53.exl3 import stop_fast, trace_fast_ranges
     from glm53.tiers.thread_pins import lane_threads_pinned
 
+    trace_fast_ranges(True)  # the lane path's host work in named ranges (g53_fast_*)
     fast = start_fast_row(args, loaded)
     default_spin = fast.lane.idle_spin_ns
     plan = [(s, None) for s in args.fast_shares]
@@ -308,6 +309,7 @@ def trace_fast(args, loaded, tracer: Tracer) -> dict:
         finally:
             fast.router.set_forced_share(None)
             fast.lane.idle_spin_ns = default_spin
+            trace_fast_ranges(False)
             stop_fast(fast, loaded)
     return out
 

@@ -191,3 +191,34 @@ def test_gpu_trace_ratios_and_prefill_breakdown_from_summaries():
     assert r["traced_vs_untraced"] == {"exact.p512": 1.25}
     assert out["prefill_exact_vs_stock"]["p512"]["wall_ms"] == pytest.approx(0.5)
     assert list(out["prefill_exact_vs_stock"]) == ["p512"]
+
+
+def test_the_fast_hooks_ranges_appear_in_a_trace_only_when_turned_on(tmp_path):
+    """bench/gpu_trace.py turns on glm53.exl3.trace_fast_ranges for its fast scenarios: the
+    hooks' host work then runs in named ranges (g53_fast_*) that the trace's host ranges show,
+    which tracelib.host_at names as the innermost range; off (serving), no range is opened."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from glm53.exl3 import fast_hooks, trace_fast_ranges
+
+    def record(on: bool) -> list[dict]:
+        trace_fast_ranges(on)
+        try:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                with fast_hooks._traced("g53_fast_publish"):
+                    torch.randn(32, 32) @ torch.randn(32, 32)
+        finally:
+            trace_fast_ranges(False)
+        path = tmp_path / f"trace-{on}.json"
+        prof.export_chrome_trace(str(path))
+        return tracelib.events(json.loads(path.read_text()))
+
+    evs = record(True)
+    on = [e for e in evs if e.get("name") == "g53_fast_publish"]
+    assert len(on) == 1 and on[0]["cat"] in tracelib.HOST_RANGE_CATS
+    ranges = [e for e in evs if e.get("cat") in tracelib.HOST_RANGE_CATS]
+    start = on[0]["ts"] + 1e-3  # inside the range, before the matmul's ops begin
+    assert tracelib.host_at(ranges, start, limit=1) == ["g53_fast_publish"]
+    assert not [e for e in record(False) if e.get("name") == "g53_fast_publish"]
+    assert fast_hooks.TRACE_RANGES is False

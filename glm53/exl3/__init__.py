@@ -101,6 +101,7 @@ __all__ = [
     "standard_region",
     "start_fast",
     "stop_fast",
+    "trace_fast_ranges",
     "version_problem",
 ]
 
@@ -118,3 +119,11 @@ def stop_fast(fast, loaded) -> None:
     from glm53.exl3.fast import stop_fast as stop
 
     stop(fast, loaded)
+
+
+def trace_fast_ranges(on: bool) -> None:
+    """glm53.exl3.fast.trace_ranges: the lane path's host work in named profiler ranges
+    (bench/gpu_trace.py; off when serving)."""
+    from glm53.exl3.fast import trace_ranges
+
+    trace_ranges(on)

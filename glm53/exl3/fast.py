@@ -21,6 +21,13 @@ from glm53.tiers.lane_mailbox import MailboxLane
 from glm53.tiers.lane_router import LaneRouter
 
 
+def trace_ranges(on: bool) -> None:
+    """Run the fast hooks' host work in named profiler ranges (fast_hooks.TRACE_RANGES: the
+    profiler's view of where the lane's path costs host time; a few us a range, so off when
+    serving)."""
+    fast_hooks.TRACE_RANGES = bool(on)
+
+
 def swiglu_limit(model_dir: str) -> float:
     """The checkpoint's swiglu_limit (0: none), as the CPU engine's lane reads it."""
     with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:

@@ -28,6 +28,8 @@ pre-norm, no latent projection) and it has exllamav3's fused decode object (`bc`
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import numpy as np
 
 from glm53.exl3.errors import UnsupportedCheckpoint
@@ -46,6 +48,19 @@ from glm53.tiers.lane_mailbox import Mailbox, lane_dev_dtype
 # Every TIME_EVERY-th decode call of a layer is timed with CUDA events (the GPU's share and the
 # wait), for the router's GPU and link rates: three event records a layer, a few us of host time
 TIME_EVERY = 8
+
+# bench/gpu_trace.py turns this on: the hooks' host work runs in named profiler ranges
+# (g53_fast_*), so that a trace puts the GPU's idle time on the part of the lane's path the host
+# was in (a range costs a few us of host time, so serving leaves it off)
+TRACE_RANGES = False
+
+
+def _traced(name: str):
+    if not TRACE_RANGES:
+        return nullcontext()
+    from torch.profiler import record_function
+
+    return record_function(name)
 
 
 def exact_call(bsz: int, params: dict) -> bool:
@@ -173,7 +188,8 @@ class FastLayer:
             self.timing_pending, self.timed = True, False
         fb_sel = self.fb_sel[: bsz * top_k].view(bsz, top_k)
         fb_w = self.fb_w[: bsz * top_k].view(bsz, top_k)
-        self.module.bc.run_bszN(z, fb_sel, fb_w)  # writes the same out_bszn rows
+        with _traced("g53_fast_fallback"):
+            self.module.bc.run_bszN(z, fb_sel, fb_w)  # writes the same out_bszn rows
         _cuda.lane_select(
             self.state.data_ptr(), out.data_ptr(), self.acc.data_ptr(), bsz, hidden,
             out.stride(0), stream,
@@ -231,13 +247,16 @@ def install_fast_hooks() -> None:
             predicted = predict_next(nxt, bsz, z, params)  # before this layer's own routing
             if loan is not None and fast.moe_index == 0:  # a decode forward starts: before the
                 loan.decode()  # publish reads which keys the cache holds
-            selected, weights = fn(bsz, cfg, z, params)
-            fast.publish(z.view(bsz, -1), selected, weights)
-            if nvme is not None:  # resolve + point the picks as routed, admit the GPU's
-                nvme.route(fast.moe_index, selected, True, params, weights, lane=fast,
-                           predicted=predicted)  # fmt: skip
-            elif cache is not None:
-                cache.route(fast.moe_index, selected.reshape(-1), admit=True)
+            with _traced("g53_fast_router"):
+                selected, weights = fn(bsz, cfg, z, params)
+            with _traced("g53_fast_publish"):
+                fast.publish(z.view(bsz, -1), selected, weights)
+            with _traced("g53_fast_cache_route"):
+                if nvme is not None:  # resolve + point the picks as routed, admit the GPU's
+                    nvme.route(fast.moe_index, selected, True, params, weights, lane=fast,
+                               predicted=predicted)  # fmt: skip
+                elif cache is not None:
+                    cache.route(fast.moe_index, selected.reshape(-1), admit=True)
             return selected, weights
 
         return fast_routed
@@ -248,7 +267,8 @@ def install_fast_hooks() -> None:
     def cpu_split_combine(self, final_hidden_states, cpu_partial, cpu_pending, shape):
         fast = self.__dict__.get("_g53_fast")
         if fast is not None and fast.pending_input is not None:
-            fast.combine(final_hidden_states)
+            with _traced("g53_fast_combine"):
+                fast.combine(final_hidden_states)
         return original_combine(self, final_hidden_states, cpu_partial, cpu_pending, shape)
 
     cpu_split_combine.__wrapped__ = original_combine
