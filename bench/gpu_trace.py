@@ -57,6 +57,17 @@ def share_list(text: str) -> list[int | None]:
     return [None if v == "router" else percent_list(v)[0] for v in words]
 
 
+def cpu_list(text: str) -> list[int]:
+    """'15' or '14,15' -> [15] / [14, 15]: CPU ids, each at least 0."""
+    try:
+        cpus = sorted({int(v) for v in text.split(",") if v.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: name CPUs as comma-separated ids") from None
+    if not cpus or cpus[0] < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: name at least one CPU id, each >= 0")
+    return cpus
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     from gpu_slice import us_list
 
@@ -78,6 +89,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--lane-pins", action=argparse.BooleanOptionalAction, default=True,
                     help="pin this thread and the lane's poller off the lane's cores for the fast "
                     "scenarios, as the server does (bench/gpu_slice.py's --lane-pins)")  # fmt: skip
+    ap.add_argument("--poller-cpus", type=cpu_list, default=None, metavar="LIST",
+                    help="also trace the last fixed share with the lane's mailbox poller pinned "
+                    "to these CPUs (e.g. a lane core) instead of beside the engine thread: does "
+                    "its spin take the engine thread's core?")  # fmt: skip
     ap.add_argument("--keep-traces", default=None, metavar="DIR",
                     help="write each scenario's trace there, gzipped")  # fmt: skip
     ap.add_argument("--json", action="store_true")
@@ -280,22 +295,29 @@ def trace_fast(args, loaded, tracer: Tracer) -> dict:
     from gpu_slice import start_fast_row, where_the_time_goes
 
     from glm53.exl3 import stop_fast, trace_fast_ranges
-    from glm53.tiers.thread_pins import lane_threads_pinned
+    from glm53.tiers.thread_pins import lane_threads_pinned, pin_thread
 
     trace_fast_ranges(True)  # the lane path's host work in named ranges (g53_fast_*)
     fast = start_fast_row(args, loaded)
     default_spin = fast.lane.idle_spin_ns
-    plan = [(s, None) for s in args.fast_shares]
-    plan += [(args.fast_shares[-1], us) for us in args.lane_spin_us]
+    plan = [(s, None, None) for s in args.fast_shares]
+    plan += [(args.fast_shares[-1], us, None) for us in args.lane_spin_us]
+    if args.poller_cpus:
+        plan.append((args.fast_shares[-1], None, args.poller_cpus))
     out = {}
     # this thread and the poller off the lane's cores, as served (--no-lane-pins: unpinned)
     with lane_threads_pinned(fast.lane, args.lane_pins) as pins:
+        served_poller = pins.get("lane_poller")
         try:
-            for share, spin_us in plan:
+            for share, spin_us, poller_cpus in plan:
                 fast.router.set_forced_share(None if share is None else share / 100)
                 fast.lane.idle_spin_ns = default_spin if spin_us is None else spin_us * 1000
                 label = "router" if share is None else f"share{share}"
                 label += "" if spin_us is None else f"_spin{spin_us}us"
+                if poller_cpus is not None:  # the poller away from the engine thread's cores
+                    pins["lane_poller"] = pin_thread("lane_poller", fast.lane.poller.native_id,
+                                                     poller_cpus)  # fmt: skip
+                    label += "_poller" + "-".join(map(str, poller_cpus))
                 gen = decode_setup(loaded, 1, seed=3, max_new=2 * FAST_STEPS + 40, step=fast.step)
                 decode_steps(gen, 24, fast.step)  # warm: the router fits its rates here
                 plain = timed_ms(lambda g=gen: decode_steps(g, FAST_STEPS, fast.step))
@@ -309,6 +331,8 @@ def trace_fast(args, loaded, tracer: Tracer) -> dict:
         finally:
             fast.router.set_forced_share(None)
             fast.lane.idle_spin_ns = default_spin
+            if served_poller is not None:
+                pin_thread("lane_poller", served_poller.native_id, served_poller.cpus)
             trace_fast_ranges(False)
             stop_fast(fast, loaded)
     return out
@@ -366,6 +390,7 @@ def main(argv=None) -> int:
             "fast_shares": ["router" if s is None else s for s in args.fast_shares],
             "lane_spin_us": args.lane_spin_us,
             "lane_pins": args.lane_pins,
+            "poller_cpus": args.poller_cpus,
             "prefills": [list(p) for p in PREFILLS],
             "errors": errors,
             "seconds": round(time.perf_counter() - started, 1),

@@ -166,6 +166,11 @@ def test_gpu_trace_arguments():
     a = gt.parse_args(["--model", "/m", "--fast-shares", "router,30", "--lane-spin-us", "5000"])
     assert a.fast_shares == [None, 30] and a.lane_spin_us == [5000] and a.lane_pins is True
     assert gt.parse_args(["--model", "/m", "--no-lane-pins"]).lane_pins is False
+    assert gt.parse_args(["--model", "/m"]).poller_cpus is None
+    assert gt.parse_args(["--model", "/m", "--poller-cpus", "15,14"]).poller_cpus == [14, 15]
+    for bad in ("--poller-cpus=", "--poller-cpus=x", "--poller-cpus=-1"):
+        with pytest.raises(SystemExit):
+            gt.parse_args(["--model", "/m", bad])
     for bad in ("--fast-shares=101", "--fast-shares=x", "--fast-shares=", "--modes=exact,nope"):
         with pytest.raises(SystemExit):
             gt.parse_args(["--model", "/m", bad])
