@@ -82,6 +82,10 @@ run() {  # run NAME CMD...: output to OUT/NAME.log, record rc and seconds
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current \
   --format=csv >"$OUT/nvidia-smi.csv" 2>&1
+# the CPUs' topology (which vCPUs are SMT siblings: the lane's layout reserves the first cores,
+# siblings included, for the engine thread and the lane's poller; issue 26)
+log "cpus: $(nproc); siblings of cpu 0/1: $(cat /sys/devices/system/cpu/cpu0/topology/thread_siblings_list \
+  /sys/devices/system/cpu/cpu1/topology/thread_siblings_list 2>/dev/null | tr '\n' ' ')"
 # a Triton cache from an earlier call (whole, or in parts that the device tool can bring back)
 if compgen -G "$DEV/triton-cache.tar.gz*" >/dev/null; then
   mkdir -p "$TRITON_CACHE_DIR"
