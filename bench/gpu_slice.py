@@ -36,10 +36,11 @@ serial = 1 / (t + b / R) (reads stall compute, as nvme-exact's blocking reads do
 overlap = 1 / max(t, b / R) (reads hidden behind compute). ratios.nvme_exact_ramNN_vs_disk_bound
 is the row's decode c1 tok/s over its serial bound.
 
-nvme rows (nvme_ram70, nvme_ram40: `--modes ...,nvme_ram70,nvme_ram40` with --store, not yet
-run on a GPU): nvme mode, the nvme_exact row's load with the CPU lane over its RAM tier on top
-(as `glm53 serve --mode nvme` builds it); figures.nvme_lane has each row's lane counts and
-ratios.nvme_vs_nvme_exact_ramNN its decode c1 over the nvme_exact row's at the same cap.
+nvme rows (nvme_ram70, nvme_ram40: `--modes ...,nvme_ram70,nvme_ram40` with --store, run on an
+H200 on 2026-12-05: bench/results/h200-gpu_slice-nvme-2026-12-05.json): nvme mode, the
+nvme_exact row's load with the CPU lane over its RAM tier on top (as `glm53 serve --mode nvme`
+builds it); figures.nvme_lane has each row's lane counts and ratios.nvme_vs_nvme_exact_ramNN its
+decode c1 over the nvme_exact row's at the same cap.
 
 nvme_exact prefetch rows (nvme_exact_ram70_prefetch, nvme_exact_ram40_prefetch:
 `--modes ...,nvme_exact_ram70,nvme_exact_ram70_prefetch` with --store, not yet run on a GPU): the
@@ -263,7 +264,7 @@ def measure(loaded, vocab, quick=False, step=None, layer_major=None, shapes=PREF
 # EXL3_MOE_STREAM_T pinned (--stream-t: in prefill, an expert that many tokens of a chunk pick
 # is streamed to the GPU; unset, as in the other offload rows, exllamav3 scales it from 8)
 # nvme_ramNN: nvme mode, nvme_exact_ramNN + the same lane over the RAM tier (glm53.tiers.nvme_lane);
-# measured only when --modes names it and --store is given (not yet run on a GPU)
+# measured only when --modes names it and --store is given (run on an H200, 2026-12-05)
 # nvme_exact_ramNN_prefetch: nvme_exact_ramNN with decode prefetch (--nvme-prefetch next-layer,
 # glm53.tiers.decode_prefetch); measured only when --modes names it and --store is given (not
 # yet run on a GPU)

@@ -136,11 +136,12 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
             "Prefill order for prompts longer than one chunk: chunk (each chunk through every "
             "layer, exllamav3's Generator) or layer-major (every chunk through a layer before "
             "the next: each touched expert crosses PCIe once per layer per prompt, same output). "
-            "GPU engine, one GPU. In exact mode layer-major passed its 6 GPU tests on an H200 "
-            "(2026-12-05) and needs no --allow-unrun-modes; in nvme-exact and nvme mode (the "
-            "store read once per layer per prompt: the chunks of a layer resolve their picks in "
-            "the RAM tier one after another, read zero-copy, unstaged) it has not yet run on a "
-            "GPU and needs the flag.",
+            "GPU engine, one GPU, in exact, nvme-exact and nvme mode, without "
+            "--allow-unrun-modes. In exact mode layer-major passed its 6 GPU tests on an H200 "
+            "(2026-12-05); in nvme-exact and nvme mode (the store read once per layer per "
+            "prompt: the chunks of a layer resolve their picks in the RAM tier one after "
+            "another, read zero-copy, unstaged) its GPU test passed in nvme-exact at RAM 40 % on "
+            "an H100 (2026-12-05).",
             group="scheduling",
         ),
     ] = "chunk"
@@ -193,10 +194,10 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
             "Decode prefetch in --mode nvme-exact and nvme (GPU engine): next-layer runs each "
             "MoE layer's router for the next layer on this layer's input and reads the "
             "predicted experts the RAM tier lacks from the store while this layer computes (a "
-            "hint: the output is unchanged). Its GPU tests passed in-process (H100, 2026-12-05: "
-            "torch.equal to stock exllamav3 at RAM 40 % and 70 %, with prefill staging from "
-            "the store on), which is still gated, so it needs --allow-unrun-modes; off until "
-            "measured.",
+            "hint: the output is unchanged). Its GPU tests passed (H100, 2026-12-05: "
+            "torch.equal to stock exllamav3 at RAM 40 % and 70 %, alone and at batch 4, with "
+            "prefill staging from the store on); served without --allow-unrun-modes, off by "
+            "default until it is benchmarked.",
             group="tiers",
         ),
     ] = "off"
@@ -269,8 +270,10 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
             "order, e.g. 0,1: each holds a contiguous range of layers and an expert cache of its "
             "own over its MoE layers, all reading misses from the one pinned RAM home. A GPU "
             "listed twice (0,0) runs the split with both halves on that GPU. Default: GPU 0 "
-            "alone. The split has run only as 0,0 on one GPU, never over two devices, so two or "
-            "more entries (0,0 included) need --allow-unrun-modes (docs/multi-gpu.md).",
+            "alone. The split has run only as 0,0 on one GPU (its GPU tests passed on an H200 "
+            "and an H100, 2026-12-05), never over two distinct devices: entries that are all "
+            "one GPU are served without --allow-unrun-modes, two or more distinct GPUs need it "
+            "(docs/multi-gpu.md).",
             group="tiers",
             kind="int_list",
         ),
@@ -301,9 +304,9 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
         _s(
             "VRAM (GiB) of the two prefill staging buffers; default: two whole MoE layers when "
             "they take at most a quarter of the VRAM left after the model, else that quarter. "
-            "0 turns staging off. In nvme-exact and nvme (staging from the store) it is off "
-            "unless --allow-unrun-modes: its in-process GPU tests and the served one at RAM 40 % "
-            "passed (H100, 2026-12-05); the rest of them have not yet run.",
+            "0 turns staging off. In nvme-exact and nvme each staged layer's misses are read "
+            "from the store ahead, with the same default (its GPU tests passed on an H100, "
+            "2026-12-05: in-process and served at RAM 40 % and 70 %, the store's read faults).",
             group="tiers",
         ),
     ] = None
@@ -341,16 +344,13 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     allow_unrun_modes: Annotated[
         bool,
         _s(
-            "GPU engine: also run the five paths that have not yet passed their GPU tests: the "
-            "layer split (--gpus with two or more entries; run only as 0,0 on one GPU), "
-            "the staging loan in fast mode (--ec-stage-loan; run in exact mode only), prefill "
-            "staging from the store in the store modes (--ec-stage-gb, off there without this "
-            "flag) and --nvme-prefetch next-layer (their in-process GPU tests passed; the served "
-            "and fault ones not yet), and --prefill layer-major in the store modes (not yet run "
-            "on a GPU); for their GPU tests (tests/gpu/test_multi_gpu.py, "
-            "test_nvme_exact_gpu.py, test_nvme_exact_store_gpu.py). "
-            "Without it the GPU engine refuses them (store staging is off "
-            "by default, and a size for it refused). Every other mode and path runs without it.",
+            "GPU engine: also run the two paths that have not yet passed their GPU tests: the "
+            "layer split over two or more distinct GPUs (--gpus 0,1; run only as 0,0 on one "
+            "GPU) and the staging loan in fast mode (--ec-stage-loan; run in exact mode only); "
+            "for their GPU tests (tests/gpu/test_multi_gpu.py's two-device case). Without it "
+            "the GPU engine refuses them. Every other mode and path runs without it (prefill "
+            "staging from the store, --nvme-prefetch next-layer and --prefill layer-major in "
+            "the store modes, --gpus 0,0: their GPU tests passed on an H100 on 2026-12-05).",
             group="tiers",
         ),
     ] = False

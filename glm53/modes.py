@@ -110,7 +110,7 @@ def rule(engine: Engine, mode: Mode | str) -> ModeRule:
 
 
 def served(engine: Engine) -> tuple[Mode, ...]:
-    """The tier modes `engine` serves (some only with --allow-unrun-modes: UNRUN)."""
+    """The tier modes `engine` serves."""
     return tuple(m for (e, m), r in RULES.items() if e == engine and r.served)
 
 
@@ -129,40 +129,21 @@ NVME_PREFETCH = ("off", "next-layer")
 # key -> what it is, for the refusal; UNRUN_STATUS: key -> where it stands (the results:
 # bench/results/README.md). fast and nvme-exact passed theirs (H200, 2026-12-02), nvme mode,
 # the staging loan in exact mode and --prefill layer-major theirs (2026-12-05, layer-major 6 of 6
-# on an H200): not here (the loan only beside fast's lane).
+# on an H200), and in the whole GPU suite on an H100 on 2026-12-05 prefill staging from the
+# store, --prefill layer-major in the store modes, decode prefetch (--nvme-prefetch next-layer)
+# and the split with every --gpus entry on one device (0,0): not here. Still here: the loan
+# beside fast's lane and the split over two or more distinct devices (neither has run).
 UNRUN = {
-    "split": "the layer split over several GPUs (docs/multi-gpu.md)",
-    "store-staging": "prefill staging from the store in nvme-exact and nvme (--ec-stage-gb: "
-    "a layer's misses read ahead into the RAM tier and staged while the layer before computes, "
-    "glm53.tiers.prefill_ahead)",
+    "split": "the layer split over two or more distinct GPUs (docs/multi-gpu.md)",
     "stage-loan": "the staging loan in fast mode (--ec-stage-loan: the prefill staging buffers "
     "serve as expert-cache slots between prefills, glm53.tiers.vram_cache.StagingLoan)",
-    "store-layer-major": "--prefill layer-major in the store modes (nvme-exact and nvme: a "
-    "long prompt's chunks through one layer at a time, so the RAM tier reads a layer's misses "
-    "from the store once per prompt, not once per chunk, glm53.exl3.layer_major)",
-    "nvme-prefetch": "decode prefetch in nvme-exact and nvme (--nvme-prefetch next-layer: the "
-    "next MoE layer's router run on this layer's input, its predicted experts read from the "
-    "store ahead, glm53.tiers.decode_prefetch)",
 }
 UNRUN_STATUS = {
     "stage-loan": "passed its GPU tests in exact mode (H200, 2026-12-05: torch.equal to stock "
     "exllamav3's Generator); with fast mode's lane it has not yet run on a GPU",
-    "split": "has run only on one GPU (--gpus 0,0: both layer ranges on that GPU, equal to one "
-    "GPU and to stock exllamav3 on an H200 on 2026-12-05; in a later run beside other test "
-    "groups it differed at a 5,000-token prompt from a reference computed under another "
-    "process's kernel picks, a harness fault since fixed and not yet rerun), never over two "
-    "devices",
-    "store-staging": "passed its in-process GPU tests at RAM 40 % and 70 % (H100 and H200, "
-    "2026-12-05) and the store's verify and read-fault naming tests; a fully staged layer "
-    "failed its request in the request-isolation test (fixed, not yet rerun), and the served "
-    "cases differed at a 5,000-token prompt from a reference computed under another process's "
-    "kernel picks (the harness fixed, not yet rerun)",
-    "store-layer-major": "was written on 2026-12-05 and has not yet run on a GPU (its test: "
-    "tests/gpu/test_nvme_exact_gpu.py's layer-major case)",
-    "nvme-prefetch": "passed its in-process GPU tests at RAM 40 % and 70 %, alone and at batch "
-    "4, with prefill staging on (H100, 2026-12-05; on the H200 the batch differed from a "
-    "reference computed under another process's kernel picks, the harness fixed, not yet "
-    "rerun); gated with store staging",
+    "split": "has run only with every --gpus entry on one GPU (--gpus 0,0: both layer ranges on "
+    "that GPU, equal to one GPU and to stock exllamav3 in-process and through the server, on an "
+    "H200 and on an H100 on 2026-12-05), never over two distinct devices",
 }
 
 

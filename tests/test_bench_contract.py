@@ -340,8 +340,9 @@ def test_gpu_slice_hit_counts_per_concurrency(tmp_path):
 
 
 def test_gpu_slice_nvme_exact_rows_need_a_store_and_give_their_ratios_against_exact(tmp_path):
-    """MOCK rows (made-up figures; the nvme_exact rows have not run on a GPU): the two ratios
-    issue 17 asks for are each row's c1 over exact's, and the rows need --store."""
+    """MOCK rows (made-up figures; the real rows: H200, 2026-12-05, bench/results/README.md):
+    the two ratios issue 17 asks for are each row's c1 over exact's, and the rows need
+    --store."""
     gs = _gpu_slice()
     with pytest.raises(SystemExit):
         gs.parse_args(["--model", "/x", "--modes", "exact,nvme_exact_ram40"])
@@ -717,9 +718,9 @@ def test_health_under_load_contract():
 
 
 def test_gpu_slice_nvme_rows_give_the_lanes_ratio_against_nvme_exact(tmp_path):
-    """MOCK rows (made-up figures; the nvme rows have not run on a GPU): issue 27's
-    ratios.nvme_vs_nvme_exact_ram70 (and ram40) and each nvme row's lane counts; the nvme rows
-    run only when asked for, and only with --store."""
+    """MOCK rows (made-up figures; the real rows: H200, 2026-12-05, bench/results/README.md):
+    issue 27's ratios.nvme_vs_nvme_exact_ram70 (and ram40) and each nvme row's lane counts; the
+    nvme rows run only when asked for, and only with --store."""
     gs = _gpu_slice()
     default = gs.parse_args(["--model", "/x", "--store", "/s"]).modes.split(",")
     assert "nvme_exact_ram70" in default and "nvme_ram70" not in default

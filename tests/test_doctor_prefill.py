@@ -144,6 +144,8 @@ def test_doctor_json_gives_every_mode_its_prefill_outlook(capsys):
         assert outlook["layer_major"] == LAYER_MAJOR_STATUS
         assert "6 GPU tests passed (H200, 2026-12-05)" in outlook["layer_major"]
         assert "no --allow-unrun-modes needed" in outlook["layer_major"]
+        assert "in exact, nvme-exact or nvme mode" in outlook["layer_major"]
+        assert "needs the flag" not in outlook["layer_major"]
         assert [r["prompt_tokens"] for r in outlook["rows"]] == [512, 2048, 8192, 32768, 131072]
         assert set(outlook["rows"][0]) == set(PrefillRow.__struct_fields__)
     exact = next(o for o in feasible if o["mode"] == "exact")
@@ -159,7 +161,7 @@ def test_doctor_report_labels_layer_major_with_its_status(capsys):
     assert "layer-major*" in out
     text = " ".join(out.split())
     assert "its 6 GPU tests passed (H200, 2026-12-05)" in text
-    assert "exact mode with --prefill layer-major on one GPU" in text
+    assert "--prefill layer-major on one GPU in exact, nvme-exact or nvme mode" in text
 
 
 def test_nvme_prefill_reads_the_store_once_per_layer_in_layer_major_order():

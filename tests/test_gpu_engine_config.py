@@ -140,23 +140,22 @@ def test_nvme_exact_has_run_on_a_gpu_and_is_served_without_the_flag(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["nvme-exact", "nvme"])
-def test_staging_from_the_store_is_off_until_its_gpu_tests_ran(tmp_path, mode):
+def test_staging_from_the_store_follows_exact_modes_default_without_the_unrun_flag(tmp_path, mode):
     """Prefill staging in the store modes reads ahead from the store (glm53.tiers.
-    prefill_ahead), whose served and read-fault GPU tests have not yet run: off by default there,
-    a size for it
-    refused, on (exact mode's default) with --allow-unrun-modes; exact mode keeps its own."""
+    prefill_ahead), whose GPU tests passed on an H100 on 2026-12-05 (in-process, served, the
+    store's read faults): on by default there (exact mode's default size, None), a size for it
+    and 0 (off) reach the load, all without --allow-unrun-modes and the same with it; exact
+    mode keeps its own."""
     base = ["--mode", mode, "--store", str(tmp_path)]
-    flag = ["--allow-unrun-modes"] if mode == "nvme" else []  # nvme itself has not run either
-    if mode == "nvme-exact":
-        assert create(settings(*base), tmp_path).options.ec_stage_gb == 0.0
-        with pytest.raises(ConfigurationError) as info:
-            create(settings(*base, "--ec-stage-gb", "2"), tmp_path)
-        assert str(info.value).startswith("--ec-stage-gb 2 in --mode nvme-exact: prefill staging")
-        assert "--allow-unrun-modes runs it anyway" in str(info.value)
-    on = create(settings(*base, *flag, "--allow-unrun-modes"), tmp_path).options
+    on = create(settings(*base), tmp_path).options
     assert on.ec_stage_gb is None and on.load.ec_stage_gb is None
-    sized = create(settings(*base, "--allow-unrun-modes", "--ec-stage-gb", "2"), tmp_path)
-    assert sized.options.ec_stage_gb == 2.0
+    sized = create(settings(*base, "--ec-stage-gb", "2"), tmp_path).options
+    assert sized.ec_stage_gb == 2.0 and sized.load.ec_stage_gb == 2.0
+    off = create(settings(*base, "--ec-stage-gb", "0"), tmp_path).options
+    assert off.ec_stage_gb == 0.0 and off.load.ec_stage_gb == 0.0
+    for extra, want in (([], None), (["--ec-stage-gb", "2"], 2.0)):  # the flag changes nothing
+        flagged = create(settings(*base, *extra, "--allow-unrun-modes"), tmp_path).options
+        assert flagged.ec_stage_gb == want and flagged.load.ec_stage_gb == want
     assert create(settings("--mode", "exact"), tmp_path).options.ec_stage_gb is None
 
 
@@ -300,16 +299,40 @@ def test_the_gpu_engine_takes_the_vram_budget(tmp_path):
     assert create(settings(), tmp_path).options.vram_budget is None
 
 
-def test_a_split_over_gpus_is_refused_until_its_gpu_tests_have_run(tmp_path):
-    with pytest.raises(
-        ConfigurationError, match="--gpus 0,1: the layer split .* has run only on one GPU"
-    ):
-        create(settings("--gpus", "0,1"), tmp_path)
-    with pytest.raises(ConfigurationError, match="--gpus 0,0: the layer split"):
-        create(settings("--gpus", "0,0"), tmp_path)
-    assert create(settings("--gpus", "0,1", "--allow-unrun-modes"), tmp_path).gpus == (0, 1)
+def test_a_split_over_distinct_gpus_is_refused_until_its_gpu_tests_have_run(tmp_path):
+    """Two or more distinct devices never ran (UNRUN["split"]): refused without
+    --allow-unrun-modes, the message saying where it stands and that the flag is for distinct
+    GPUs; served with it."""
+    for gpus in ("0,1", "0,0,1"):
+        with pytest.raises(
+            ConfigurationError,
+            match=f"--gpus {gpus}: the layer split over two or more distinct GPUs .* has run "
+            "only with every --gpus entry on one GPU",
+        ) as info:
+            create(settings("--gpus", gpus), tmp_path)
+        assert "never over two distinct devices" in str(info.value)
+        assert "--allow-unrun-modes runs it anyway" in str(info.value)
+        assert "The flag is needed for two or more distinct GPUs." in str(info.value)
+        want = tuple(int(g) for g in gpus.split(","))
+        assert create(settings("--gpus", gpus, "--allow-unrun-modes"), tmp_path).gpus == want
     one = create(settings("--gpus", "1"), tmp_path)  # one entry: the one-GPU path on that GPU
     assert (one.gpus, one.device) == (None, "cuda:1")
+
+
+def test_a_split_with_every_entry_on_one_gpu_is_served_without_the_unrun_flag(tmp_path):
+    """--gpus 0,0 (both layer ranges on GPU 0, the split's code path) passed its GPU tests on
+    an H200 and on an H100 (2026-12-05): served without --allow-unrun-modes, the split reaching
+    the load and the description as with the flag; any one device repeated likewise."""
+    for gpus, want in (("0,0", (0, 0)), ("1,1", (1, 1)), ("0,0,0", (0, 0, 0))):
+        e = create(settings("--gpus", gpus), tmp_path)
+        assert e.gpus == e.options.gpus == e.options.load.gpus == want
+        assert f"layers split over GPUs {gpus}" in e.description
+        flagged = create(settings("--gpus", gpus, "--allow-unrun-modes"), tmp_path)
+        assert flagged.options.load.gpus == want and flagged.description == e.description
+    # a mode that runs on one GPU refuses it as such, flag or not
+    for flag in ([], ["--allow-unrun-modes"]):
+        with pytest.raises(ConfigurationError, match="--gpus 0,0: fast mode runs on one GPU"):
+            create(settings("--mode", "fast", "--gpus", "0,0", *flag), tmp_path)
 
 
 def test_prefill_is_chunk_major_unless_asked_for(tmp_path):
@@ -337,11 +360,13 @@ def test_layer_major_prefill_is_served_without_the_unrun_flag(tmp_path):
     "argv, match",
     [
         (["--mode", "fast"], "--prefill layer-major runs in exact, nvme-exact and nvme mode"),
-        # the split itself needs the flag (UNRUN["split"]); layer-major is refused with it
+        # the split over distinct GPUs needs the flag (UNRUN["split"]); layer-major is refused
+        # with it, and over 0,0 (served without the flag) too
         (
             ["--mode", "exact", "--gpus", "0,1", "--allow-unrun-modes"],
             "--prefill layer-major runs on one GPU",
         ),
+        (["--mode", "exact", "--gpus", "0,0"], "--prefill layer-major runs on one GPU"),
     ],
 )
 def test_layer_major_prefill_runs_in_exact_and_the_store_modes_on_one_gpu(tmp_path, argv, match):
@@ -350,15 +375,21 @@ def test_layer_major_prefill_runs_in_exact_and_the_store_modes_on_one_gpu(tmp_pa
 
 
 @pytest.mark.parametrize("mode", ["nvme-exact", "nvme"])
-def test_layer_major_prefill_in_the_store_modes_needs_the_unrun_flag(tmp_path, mode):
-    """Over the RAM tier (written 2026-12-05, not yet run on a GPU): refused without
-    --allow-unrun-modes, naming where it stands; with it, the engine says so too."""
+def test_layer_major_prefill_in_the_store_modes_is_served_without_the_unrun_flag(tmp_path, mode):
+    """Over the RAM tier: its GPU test passed on an H100 (2026-12-05, nvme-exact at RAM
+    40 %), so no --allow-unrun-modes; it reaches the engine over the store modes' load, the
+    description says what ran, and the flag changes nothing."""
     argv = ["--mode", mode, "--store", str(tmp_path), "--prefill", "layer-major"]
-    with pytest.raises(ConfigurationError, match="in the store modes .* not yet run on a GPU"):
-        create(settings(*argv), tmp_path)
-    e = create(settings(*argv, "--allow-unrun-modes"), tmp_path)
-    assert e.prefill == "layer-major" and e.options.load.mode == "nvme-exact"
-    assert "layer-major prefill over the RAM tier (not yet run on a GPU" in e.description
+    e = create(settings(*argv), tmp_path)
+    assert e.prefill == e.options.prefill == "layer-major" and e.layer_major is None
+    assert e.options.load.mode == "nvme-exact"
+    assert (
+        "layer-major prefill over the RAM tier (its GPU test passed in nvme-exact at RAM 40 %, "
+        "H100, 2026-12-05" in e.description
+    )
+    assert "not yet run" not in e.description
+    flagged = create(settings(*argv, "--allow-unrun-modes"), tmp_path)
+    assert flagged.prefill == "layer-major" and flagged.description == e.description
 
 
 def test_layer_major_prefill_is_refused_off_the_gpu_engine():
@@ -465,27 +496,31 @@ def test_the_gpus_pci_address_is_written_as_sysfs_names_it():
     assert pci_address_of(SimpleNamespace(pci_bus_id=0x3B)) is None
 
 
-def test_nvme_prefetch_is_gated_as_unrun_and_reaches_the_load_in_the_store_modes(tmp_path):
-    """--nvme-prefetch next-layer (glm53.tiers.decode_prefetch), gated with store staging (its
-    in-process GPU tests passed, the served ones have not yet run): refused
-    without --allow-unrun-modes (UNRUN["nvme-prefetch"]), off by default; with the flag it
-    reaches the load in nvme-exact and nvme, and it is refused in every mode that reads no
-    store, flag or not, naming the option and the fix."""
+def test_nvme_prefetch_is_served_without_the_unrun_flag_and_reaches_the_load_in_the_store_modes(
+    tmp_path,
+):
+    """--nvme-prefetch next-layer (glm53.tiers.decode_prefetch): its GPU tests passed on an
+    H100 (2026-12-05), so no --allow-unrun-modes; off by default (not benchmarked), it reaches
+    the load in nvme-exact and nvme without the flag and the same with it, and it is refused in
+    every mode that reads no store, flag or not, naming the option and the fix."""
     from glm53.modes import UNRUN
 
+    assert "nvme-prefetch" not in UNRUN
     store = ["--store", str(tmp_path)]
-    base = create(settings("--mode", "nvme-exact", *store), tmp_path).options
-    assert (base.nvme_prefetch, base.load.nvme_prefetch) == ("off", "off")
-    with pytest.raises(ConfigurationError) as info:
-        create(settings("--mode", "nvme-exact", *store, "--nvme-prefetch", "next-layer"), tmp_path)
-    assert str(info.value).startswith(f"--nvme-prefetch next-layer: {UNRUN['nvme-prefetch']}")
-    assert "--allow-unrun-modes runs it anyway" in str(info.value)
-    assert "Leave --nvme-prefetch out (off)" in str(info.value)
     for mode in ("nvme-exact", "nvme"):
-        argv = ("--mode", mode, *store, "--nvme-prefetch", "next-layer", "--allow-unrun-modes")
+        base = create(settings("--mode", mode, *store), tmp_path).options
+        assert (base.nvme_prefetch, base.load.nvme_prefetch) == ("off", "off")
+        argv = ("--mode", mode, *store, "--nvme-prefetch", "next-layer")
         e = create(settings(*argv), tmp_path)
         assert (e.options.nvme_prefetch, e.options.load.nvme_prefetch) == ("next-layer",) * 2
-        assert "decode prefetch next-layer (in-process GPU tests passed" in e.description
+        assert (
+            "decode prefetch next-layer (GPU tests passed at RAM 40 % and 70 %, H100, 2026-12-05"
+            in e.description
+        )
+        assert "not yet run" not in e.description
+        flagged = create(settings(*argv, "--allow-unrun-modes"), tmp_path)
+        assert flagged.options.load.nvme_prefetch == "next-layer"
+        assert flagged.description == e.description
     for mode in ("exact", "fast", "auto"):
         for flag in ([], ["--allow-unrun-modes"]):
             with pytest.raises(ConfigurationError) as info:

@@ -345,8 +345,7 @@ def serve_nvme_exact(model, store, tmp_path, *extra, mode="nvme-exact") -> Serve
 @pytest.mark.parametrize("mode", ["nvme-exact", "nvme"])
 def test_serve_refuses_another_checkpoint_s_store_before_loading(good_store, tmp_path, mode):
     other = make_checkpoint(tmp_path / "other")
-    extra = ["--allow-unrun-modes"] if mode == "nvme" else []
-    server = serve_nvme_exact(other, good_store, tmp_path, *extra, mode=mode)
+    server = serve_nvme_exact(other, good_store, tmp_path, mode=mode)  # no flag: both are served
     with pytest.raises(RuntimeError, match="exited with"):
         server.wait_ready(timeout_s=120)
     log = server.log()

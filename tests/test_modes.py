@@ -47,7 +47,7 @@ def test_the_table_names_a_rule_for_every_engine_and_mode():
     assert modes.rule("gpu", Mode.AUTO) == gpu[Mode.EXACT]  # auto is exact on the GPU engine
     assert [m for m, r in gpu.items() if r.store == "needs"] == [Mode.NVME, Mode.NVME_EXACT]
     assert [m for m, r in gpu.items() if r.lane] == [Mode.FAST, Mode.NVME]
-    # nvme is wired in, served behind --allow-unrun-modes (UNRUN) until its GPU tests pass
+    # nvme is served without --allow-unrun-modes (its GPU tests passed, H200, 2026-12-05)
     assert gpu[Mode.NVME].served and gpu[Mode.NVME].load == "nvme-exact"
 
 
@@ -67,17 +67,15 @@ def test_the_lane_runs_beside_the_gpu_only_in_the_gpu_engines_lane_modes():
 
 def test_the_unrun_flag_gates_only_what_has_not_passed_on_a_gpu(tmp_path):
     """fast and nvme-exact passed on the H200 (2026-12-02), nvme mode, the staging loan in
-    exact mode and layer-major prefill (6 of 6, H200, 2026-12-05); the split over two or more
-    GPUs (run only as 0,0 on one GPU), the loan beside fast mode's lane (never run), staging
-    from the store and decode prefetch (served and read-fault tests not yet run) have not, so
-    only they still need --allow-unrun-modes (staging: tests/test_gpu_engine_config.py), each
-    refusal saying where it stands. Layer-major in the store modes (written 2026-12-05, not
-    yet run on a GPU) is gated too."""
+    exact mode and layer-major prefill (6 of 6, H200, 2026-12-05); in the whole GPU suite on an
+    H100 (2026-12-05) staging from the store, decode prefetch, layer-major in the store modes
+    and the split with both halves on one GPU (0,0) passed, so they are served without
+    --allow-unrun-modes. The split over two or more distinct GPUs (run only as 0,0) and the
+    loan beside fast mode's lane (never run) have not, so only they still need the flag, each
+    refusal saying where it stands."""
     from glm53.engine.gpu_create import create
 
-    assert set(modes.UNRUN) == {
-        "split", "store-staging", "stage-loan", "nvme-prefetch", "store-layer-major"
-    }  # fmt: skip
+    assert set(modes.UNRUN) == {"split", "stage-loan"}
     assert set(modes.UNRUN_STATUS) == set(modes.UNRUN)
     create(settings("--mode", "fast")[0], tmp_path)
     create(settings("--mode", "nvme-exact", "--store", str(tmp_path))[0], tmp_path)
@@ -86,10 +84,17 @@ def test_the_unrun_flag_gates_only_what_has_not_passed_on_a_gpu(tmp_path):
     lm = create(settings("--mode", "exact", "--prefill", "layer-major")[0], tmp_path)
     assert lm.prefill == "layer-major"  # no flag: its GPU tests passed
     store = ["--store", str(tmp_path)]
+    for mode in ("nvme-exact", "nvme"):  # no flag: their GPU tests passed (H100, 2026-12-05)
+        e = create(settings("--mode", mode, *store, "--prefill", "layer-major")[0], tmp_path)
+        assert e.prefill == "layer-major" and e.options.load.mode == "nvme-exact"
+        e = create(settings("--mode", mode, *store, "--nvme-prefetch", "next-layer")[0], tmp_path)
+        assert e.options.load.nvme_prefetch == "next-layer"
+        e = create(settings("--mode", mode, *store, "--ec-stage-gb", "2")[0], tmp_path)
+        assert e.options.load.ec_stage_gb == 2.0
+    assert create(settings("--gpus", "0,0")[0], tmp_path).gpus == (0, 0)
     for key, argv in (
-        ("split", ["--gpus", "0,1"]), ("stage-loan", ["--mode", "fast", "--ec-stage-loan"]),
-        ("store-layer-major", ["--mode", "nvme-exact", *store, "--prefill", "layer-major"]),
-        ("store-layer-major", ["--mode", "nvme", *store, "--prefill", "layer-major"]),
+        ("split", ["--gpus", "0,1"]), ("split", ["--gpus", "0,0,1"]),
+        ("stage-loan", ["--mode", "fast", "--ec-stage-loan"]),
     ):  # fmt: skip
         with pytest.raises(ConfigurationError, match="--allow-unrun-modes runs it anyway") as info:
             create(settings(*argv)[0], tmp_path)
@@ -101,8 +106,10 @@ def test_the_unrun_flags_help_says_what_it_gates():
     from glm53.config import setting_info
 
     text = setting_info("allow_unrun_modes").description
-    assert "five paths" in text
-    assert "split" in text and "--ec-stage-loan" in text and "--ec-stage-gb" in text
+    assert "two paths" in text
+    assert "split over two or more distinct GPUs" in text and "--ec-stage-loan" in text
+    # what it no longer gates, named as running without it
+    assert "Every other mode and path runs without it (prefill staging from the store" in text
     assert "--nvme-prefetch next-layer" in text
     assert "--prefill layer-major in the store modes" in text
     assert "test_layer_major_gpu" not in text

@@ -1,8 +1,9 @@
 """`glm53 doctor` on a host with two or more GPUs, or with `--gpus`: the layer split per GPU
 (glm53.plan.split, with the engine's own VRAM accounting at serve's defaults) and a
 PREDICTION of exact mode's decode over it, beside one GPU alone and one GPU holding the same
-total cache. The split has run only on one GPU (--gpus 0,0 on an H200, 2026-12-05), never over
-two devices (docs/multi-gpu.md).
+total cache. The split has run only on one GPU (--gpus 0,0 on an H200 and on an H100,
+2026-12-05: its GPU tests passed, and serve runs it without --allow-unrun-modes), never over two
+distinct devices, which serve runs only with --allow-unrun-modes (docs/multi-gpu.md).
 
 The prediction is the cost model's (costmodel.predict) at the split's total expert slots, plus
 an explicit hop: at every device boundary each token's hidden state (the mHC residual streams,
@@ -43,10 +44,7 @@ class MultiGpuOutlook(msgspec.Struct):
     one_gpu_decode_tok_s: float | None = None  # the first GPU alone (its own cache)
     same_cache_decode_tok_s: float | None = None  # one GPU with the split's total cache
     two_gpu_vs_one_gpu_same_cache: float | None = None  # the ratio bench/multi_gpu.py measures
-    label: str = (
-        "prediction (cost model; the split has run only on one GPU, as 0,0, never over two: "
-        "serve needs --allow-unrun-modes for it)"
-    )
+    label: str = ""  # what the figures are and where the split stands (set by outlook)
 
 
 @functools.cache
@@ -82,6 +80,15 @@ def serve_defaults() -> tuple[int, int, int, float]:
     return s.max_batch * -(-s.context // PAGE) * PAGE, s.max_batch, s.chunk_size, s.ec_reserve_gb
 
 
+def label(gpus: list[int]) -> str:
+    """What an outlook's figures are, and whether serve runs this split without
+    --allow-unrun-modes (glm53.modes.UNRUN["split"]: two or more distinct GPUs)."""
+    ran = "the split has run only on one GPU, as 0,0, never over two distinct GPUs"
+    if len(set(gpus)) > 1:
+        return f"prediction (cost model; {ran}: serve needs --allow-unrun-modes for it)"
+    return f"prediction (cost model; {ran}: serve runs this one without --allow-unrun-modes)"
+
+
 def outlook(gpus_free: dict[int, int], listed: list[int] | None, model_dir: str | None,
             link: dict[str, float], ec_max_slots: int | None = None) -> MultiGpuOutlook:  # fmt: skip
     """The split over `listed` (--gpus; None: every GPU in index order) on GPUs with
@@ -95,7 +102,7 @@ def outlook(gpus_free: dict[int, int], listed: list[int] | None, model_dir: str 
     tokens, batch, chunk, reserve = serve_defaults()
     settings = f"cache of {tokens:,} tokens, --max-batch {batch}, --chunk-size {chunk}, "
     settings += f"--ec-reserve-gb {reserve:g} (serve's defaults)"
-    out = MultiGpuOutlook(gpus=gpus, chosen_by=chosen_by, settings=settings)
+    out = MultiGpuOutlook(gpus=gpus, chosen_by=chosen_by, settings=settings, label=label(gpus))
     layers = mg.model_layers(tensors, tc)
     x = mg.split_inputs(layers, gpus, gpus_free, tc, tokens, batch, chunk, reserve,
                         ec_max_slots=ec_max_slots)  # fmt: skip

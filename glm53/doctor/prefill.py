@@ -1,8 +1,8 @@
 """The planner's prefill model per prompt length: chunk-major prefill (what the GPU engine runs),
 layer-major prefill (issue 28: its 6 GPU tests passed on an H200 on 2026-12-05, identity with
-stock exllamav3's chunk-major prefill, cancel and interleave among them; served without
---allow-unrun-modes, its benchmark rows not yet run) and the one-pass stream bound the issue's
-benchmark ratios are taken against.
+stock exllamav3's chunk-major prefill, cancel and interleave among them; in the store modes its
+GPU test passed on an H100 the same day; served without --allow-unrun-modes in exact, nvme-exact
+and nvme mode) and the one-pass stream bound the issue's benchmark ratios are taken against.
 
 Touched experts. Each token of a layer picks expert e with probability r_e, its rate on the
 popularity curve (costmodel._pick_rates: the slope of the decode popularity fit, summing to
@@ -63,10 +63,9 @@ from glm53.plan.layer_major import (
 PREFILL_PROMPTS = (512, 2048, 8192, 32768, 131072)
 CHUNK_TOKENS = 2048  # serve's --chunk-size default (exllamav3's too)
 LAYER_MAJOR_STATUS = (
-    "its 6 GPU tests passed (H200, 2026-12-05), its benchmark rows not yet run: exact mode with "
-    "--prefill layer-major on one GPU, no --allow-unrun-modes needed (in nvme-exact and nvme "
-    "mode it has not yet run on a GPU and needs the flag); serve runs chunk-major prefill by "
-    "default"
+    "its 6 GPU tests passed (H200, 2026-12-05), and in the store modes its GPU test (nvme-exact, "
+    "RAM 40 %, H100, 2026-12-05): --prefill layer-major on one GPU in exact, nvme-exact or nvme "
+    "mode, no --allow-unrun-modes needed; serve runs chunk-major prefill by default"
 )
 
 

@@ -137,7 +137,8 @@ def refuse_layer_major_off_gpu(settings: Settings, kind: str) -> None:
     if settings.prefill == "chunk" or kind == "gpu":
         return
     raise ConfigurationError(
-        f"--prefill {settings.prefill}: only the GPU engine (exact mode) prefills layer-major; "
+        f"--prefill {settings.prefill}: only the GPU engine (exact, nvme-exact and nvme mode) "
+        "prefills layer-major; "
         f"the {kind} engine would ignore it. Leave --prefill (GLM53_PREFILL) out"
     )
 

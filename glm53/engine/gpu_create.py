@@ -2,13 +2,12 @@
 engine's EngineOptions, once, before anything loads (what each mode serves and needs is
 glm53.modes' table; the checks of a value alone live in EngineOptions and LoadOptions). Here
 are the checks that need the Settings themselves: --allow-unrun-modes for what has not yet passed
-its GPU tests (glm53.modes.UNRUN; UNRUN_STATUS says where each stands), and the CPU lane's
-settings in a lane mode. Creating is cheap; GpuEngine.load does the heavy work (glm53.engine.gpu).
+its GPU tests (glm53.modes.UNRUN: the split over two or more distinct GPUs and the staging loan
+in fast mode; UNRUN_STATUS says where each stands), and the CPU lane's settings in a lane mode.
+Creating is cheap; GpuEngine.load does the heavy work (glm53.engine.gpu).
 """
 
 from __future__ import annotations
-
-import logging
 
 from glm53.config import ConfigurationError, Settings, cache_dir
 from glm53.engine.gpu import GpuEngine
@@ -18,8 +17,6 @@ from glm53.modes import UNRUN, UNRUN_STATUS, Mode, resolved, rule, served
 # The tier modes this build's GPU engine serves (glm53.modes' table; the doctor recommends
 # glm53.modes.recommended("gpu"): those not gated by UNRUN).
 SERVED_MODES = served("gpu")
-
-log = logging.getLogger("glm53.engine.gpu")
 
 
 def _unrun(key: str, setting: str, instead: str) -> ConfigurationError:
@@ -36,29 +33,20 @@ def _refuse_unrun(settings: Settings) -> None:
     if settings.allow_unrun_modes:
         return
     gpus, r = settings.gpus, rule("gpu", settings.mode)
-    # a mode that runs on one GPU only is refused as such (EngineOptions), flag or not
-    if gpus is not None and len(gpus) > 1 and r.served and not r.one_gpu:
+    # a mode that runs on one GPU only is refused as such (EngineOptions), flag or not; the
+    # split with every entry on one device (0,0) passed its GPU tests, over two or more
+    # distinct devices it has not run
+    if gpus is not None and len(set(gpus)) > 1 and r.served and not r.one_gpu:
         raise _unrun(
             "split",
             f"--gpus {','.join(map(str, gpus))}: ",
-            "Name one GPU, or run one replica per GPU behind a router (docs/fleet.md). The flag "
-            "is needed for any --gpus of two or more entries, 0,0 included.",
+            "Name one GPU (or one GPU more than once, as 0,0), or run one replica per GPU "
+            "behind a router (docs/fleet.md). The flag is needed for two or more distinct GPUs.",
         )
-    # layer-major outside exact, nvme-exact and nvme is refused as such (EngineOptions), flag
-    # or not; in exact mode it passed its GPU tests, in the store modes it has not run
-    if settings.prefill == "layer-major" and rule("gpu", settings.mode).load == "nvme-exact":
-        raise _unrun("store-layer-major", "", "Leave --prefill out (chunk).")
     # the loan outside exact's one-GPU load is refused as such (LoadOptions), flag or not; in
     # exact mode it passed its GPU tests, beside fast mode's lane it has not run
     if settings.ec_stage_loan and resolved("gpu", settings.mode) is Mode.FAST:
         raise _unrun("stage-loan", "--ec-stage-loan in --mode fast: ", "Leave --ec-stage-loan out.")
-    # prefetch outside the store modes is refused as such (EngineOptions), flag or not
-    if settings.nvme_prefetch != "off" and rule("gpu", settings.mode).load == "nvme-exact":
-        raise _unrun(
-            "nvme-prefetch",
-            f"--nvme-prefetch {settings.nvme_prefetch}: ",
-            "Leave --nvme-prefetch out (off).",
-        )
 
 
 def _lane_precision(settings: Settings) -> str:
@@ -73,30 +61,9 @@ def _lane_precision(settings: Settings) -> str:
         raise ConfigurationError(str(exc)) from None
 
 
-def _stage_gb(settings: Settings) -> float | None:
-    """--ec-stage-gb. In the store modes prefill staging reads ahead from the store
-    (UNRUN["store-staging"]), which has not yet passed its GPU tests (UNRUN_STATUS): there it
-    is off by default, a size given for it is refused, and --allow-unrun-modes gives it exact
-    mode's default."""
-    if settings.allow_unrun_modes or rule("gpu", settings.mode).load != "nvme-exact":
-        return settings.ec_stage_gb
-    if settings.ec_stage_gb:
-        raise _unrun(
-            "store-staging",
-            f"--ec-stage-gb {settings.ec_stage_gb:g} in --mode {settings.mode}: ",
-            "Leave --ec-stage-gb out (staging off in the store modes until its GPU tests pass).",
-        )
-    log.info(
-        "--mode %s prefills without staging (%s %s; --allow-unrun-modes turns it on)",
-        settings.mode, UNRUN["store-staging"], UNRUN_STATUS["store-staging"],
-    )  # fmt: skip
-    return 0.0
-
-
 def engine_options(settings: Settings) -> EngineOptions:
     """The GpuEngine's options for these Settings, every value checked once."""
     _refuse_unrun(settings)
-    stage_gb = _stage_gb(settings)
     lane = rule("gpu", settings.mode).served and rule("gpu", settings.mode).lane
     lane_kw = {}
     if lane:
@@ -111,7 +78,7 @@ def engine_options(settings: Settings) -> EngineOptions:
         chunk_size=settings.chunk_size,
         ec_max_slots=settings.ec_max_slots,
         ec_reserve_gb=settings.ec_reserve_gb,
-        ec_stage_gb=stage_gb,
+        ec_stage_gb=settings.ec_stage_gb,
         ec_freq_window=settings.ec_freq_window,
         ec_stage_loan=settings.ec_stage_loan,
         vram_budget=settings.vram_budget,

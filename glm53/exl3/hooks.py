@@ -17,8 +17,8 @@ output is bit-identical to stock exllamav3 with every expert in VRAM.
 nvme decode prefetch (`attach_nvme(..., prefetch=True)`): a decode call's hook first runs the
 next MoE module's own router on this layer's input (`predict_next`) and hands the predicted picks
 to glm53.exl3.nvme_device, which reads them from the store ahead; only where bytes are read
-from moves (it FAILED its first GPU run on 2026-12-05, with prefill staging on; not run since
-the staging fix, so --allow-unrun-modes only).
+from moves (it FAILED its first GPU run on 2026-12-05, with prefill staging on; after the staging
+fix its GPU tests passed on an H100 the same day).
 """
 
 from __future__ import annotations

@@ -3,8 +3,11 @@
 every decoded token torch.equal to stock exllamav3's Generator prefilling chunk-major, at 2,049,
 8,192 and 32,768 tokens), the short prompt keeping the Generator's path, each MoE layer a
 prefill runs staged once per pass (5 layers x 7 chunks), checkpoint reuse, cancel mid-prefill
-and a decoding stream going on during a long prefill. `glm53 serve --prefill layer-major` (exact
-mode, one GPU) needs no --allow-unrun-modes.
+and a decoding stream going on during a long prefill. In the store modes (the RAM tier read
+once per layer per prompt) tests/gpu/test_nvme_exact_gpu.py's layer-major case passed on an
+H100 on 2026-12-05 (nvme-exact, RAM 40 %, torch.equal to stock exllamav3's chunk-major
+prefill). `glm53 serve --prefill layer-major` (exact, nvme-exact or nvme mode, one GPU) needs no
+--allow-unrun-modes.
 
 How a prompt longer than one chunk is prefilled, over stock exllamav3 1.6.5 (unedited):
 

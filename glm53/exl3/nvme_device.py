@@ -2,9 +2,9 @@
 
 Its load and route ran on an H200 on 2026-12-02: tests/gpu/test_nvme_exact_gpu.py passed 6 of 6
 with prefill staging off (in-process and served, RAM caps 40 % and 70 %, torch.equal to stock
-exllamav3). Prefill staging and decode prefetch below have not yet passed theirs (below). The
-host logic it drives (glm53.tiers.gpu_home.RamHome) is tested in CI with the real RAM tier,
-store and O_DIRECT reads.
+exllamav3). Prefill staging and decode prefetch below passed theirs on an H100 on 2026-12-05
+(below). The host logic it drives (glm53.tiers.gpu_home.RamHome) is tested in CI with the real
+RAM tier, store and O_DIRECT reads.
 
 Per MoE layer, in exllamav3's routing hook (glm53.exl3.hooks):
 
@@ -28,21 +28,23 @@ warm-up) the ReadFault is raised with the rows that picked the expert, as before
 
 Prefill staging (a prefill chunk of at least the stager's min_rows, when --ec-stage-gb left staging
 on; glm53.tiers.prefill_ahead has the design and the ordering argument; it FAILED its first GPU run
-on 2026-12-05, a first-hook ordering bug fixed in f70a928, after which its in-process GPU tests
-passed on an H100 the same day; it is on only with --allow-unrun-modes until its served and
-read-fault tests pass): each layer's experts are read into the RAM tier ahead of it on
-the store's reader threads (AheadReads waves), the stager (glm53.tiers.vram_cache.PrefillStager,
-gather mode) copies layer L+1 into a staging buffer on its side stream while L computes, and only
-the picks that L's stage did not cover are pointed as above. Staging moves where a pick's bytes are
-read from, never the bytes, the picks or the kernels: the output is unchanged, bit for bit.
+on 2026-12-05, a first-hook ordering bug fixed in f70a928, after which its GPU tests passed on an
+H100 that day, in-process and served at RAM 40 % and 70 % and with the store's read faults; on
+by default in the store modes, as in exact mode): each layer's experts are read into the RAM
+tier ahead of it on the store's reader threads (AheadReads waves), the stager
+(glm53.tiers.vram_cache.PrefillStager, gather mode) copies layer L+1 into a staging buffer on its
+side stream while L computes, and only the picks that L's stage did not cover are pointed as
+above. Staging moves where a pick's bytes are read from, never the bytes, the picks or the
+kernels: the output is unchanged, bit for bit.
 
 Decode prefetch (--nvme-prefetch next-layer; glm53.tiers.decode_prefetch has the design and the
-eviction contract; both its cases FAILED their first GPU run on 2026-12-05, with prefill staging on,
-and have not run since that fix; --allow-unrun-modes only): in a decode forward the hook hands
-`route` layer L+1's picks as L+1's router predicts them from L's MoE input
-(glm53.exl3.hooks.predict_next); they and their VRAM slots join L's one copy. After L's resolve the
-predicted store misses of L+1 are queued on the store's reader threads (L's RAM picks pinned
-meanwhile), and at L+1's hook that wave is collected before the resolve, so its experts are hits.
+eviction contract; both its cases FAILED their first GPU run on 2026-12-05, with prefill staging on;
+after that fix they passed on an H100 the same day, alone and with the batch, at RAM 40 % and
+70 %; served without a flag, off by default): in a decode forward the hook hands `route` layer
+L+1's picks as L+1's router predicts them from L's MoE input (glm53.exl3.hooks.predict_next);
+they and their VRAM slots join L's one copy. After L's resolve the predicted store misses of L+1
+are queued on the store's reader threads (L's RAM picks pinned meanwhile), and at L+1's hook
+that wave is collected before the resolve, so its experts are hits.
 `end_forward` (after each Generator iteration) collects a wave a forward left over.
 
 nvme mode (glm53.tiers.nvme_lane has the design and the ordering argument): the layer's

@@ -1,12 +1,13 @@
 """Loading a glm5_next EXL3 checkpoint split over two or more `--gpus` entries (issue #20).
 
-RUN ONLY ON ONE GPU, NEVER OVER TWO DEVICES: written against exllamav3 1.6.5's loader as read
-(each module loads on a device of its own; `Module.prepare_for_device` moves the hidden state to
-it; cache layers allocate on their attention module's device). On an H200 on 2026-12-05,
-tests/gpu/test_multi_gpu.py ran it as `--gpus 0,0` (both layer ranges on that one GPU, this
-code path): equal to one GPU and to stock exllamav3, in-process and through the server. Its
-two-device case was skipped (one GPU), and bench/multi_gpu.py has not run. Over two or more
-entries it is served only with --allow-unrun-modes (glm53.modes.UNRUN["split"]).
+RUN ONLY ON ONE GPU, NEVER OVER TWO DISTINCT DEVICES: written against exllamav3 1.6.5's loader
+as read (each module loads on a device of its own; `Module.prepare_for_device` moves the hidden
+state to it; cache layers allocate on their attention module's device). On an H200 and on an
+H100 on 2026-12-05, tests/gpu/test_multi_gpu.py ran it as `--gpus 0,0` (both layer ranges on
+that one GPU, this code path): equal to one GPU and to stock exllamav3, in-process and through
+the server. Its two-device case was skipped both times (one GPU), and bench/multi_gpu.py has not
+run. With every entry on one device (0,0) it is served without a flag; over two or more distinct
+devices only with --allow-unrun-modes (glm53.modes.UNRUN["split"]).
 
 How it loads. The plan (glm53.plan.split.plan_split, from each device's free VRAM or --vram-budget
 per device) gives each entry a contiguous layer range. exllamav3's own `Model.load(device)` then

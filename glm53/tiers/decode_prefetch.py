@@ -3,9 +3,11 @@ layer's likely picks read from the store into the RAM tier while this layer comp
 
 On a GPU (H200, 2026-12-05) both in-process cases of tests/gpu/test_nvme_exact_gpu.py FAILED.
 They ran with prefill staging on, so prefill staging's first-hook bug (glm53.tiers.prefill_ahead,
-fixed since) is the likely cause, not proven; they have not run since that fix, so it stays
-behind --allow-unrun-modes (glm53.modes.UNRUN["nvme-prefetch"]). CI runs it with the real RAM
-tier, store and O_DIRECT reads and a mock of the device (tests/test_decode_prefetch.py).
+fixed since) is the likely cause, not proven. After that fix both passed on an H100 the same day,
+and again in the whole GPU suite run there (torch.equal to stock exllamav3 at RAM 40 % and 70 %,
+alone and with the batch admitted together): `--nvme-prefetch next-layer` is served without
+--allow-unrun-modes, off by default (not benchmarked). CI runs it with the real RAM tier, store
+and O_DIRECT reads and a mock of the device (tests/test_decode_prefetch.py).
 
 The prediction. In a decode forward, MoE layer L's routing hook also runs layer L+1's own
 router (its routing function and config) on L's MoE input (glm53.exl3.hooks): the seed project

@@ -68,9 +68,11 @@ the device (tests/test_prefill_ahead.py). On a GPU (H200, 2026-12-05) it FAILED:
 tests/gpu/test_nvme_exact_gpu.py's in-process staging-on cases. The cause was the first-hook
 ordering above (a forward's first staged hook began the next layer's wave before pinning its own
 zero-copy picks), fixed in f70a928 and proven by CPU tests. On an H100 later that day the
-in-process cases passed at RAM 40 % and 70 %, and the server at 40 %; the rest of the served and
-read-fault tests have not yet run, so staging from the store stays behind --allow-unrun-modes
-(glm53.modes.UNRUN["store-staging"]).
+in-process cases passed at RAM 40 % and 70 %, and in the whole GPU suite run there that day
+every case passed: in-process and served at RAM 40 % and 70 %, the store's verify, a read fault
+named, and a read fault failing only the request that picked the record (which a fully staged
+layer had failed before a768dc3). So staging from the store is served without
+--allow-unrun-modes, at exact mode's default size (--ec-stage-gb).
 """
 
 from __future__ import annotations

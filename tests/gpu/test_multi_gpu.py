@@ -4,9 +4,10 @@ the same total cache: greedy tokens and the logits they were sampled from are id
 
 `--gpus 0,0` runs the split code path with both halves on GPU 0 (two caches, two stagers,
 exllamav3's per-range loader) and needs one GPU; the two-device case skips unless torch sees
-two or more CUDA devices. On one H200 on 2026-12-05 the 0,0 cases passed (in-process and
-through the server) and the two-device case was skipped: the split has not run over two
-devices.
+two or more CUDA devices. On one H200 and on one H100 on 2026-12-05 the 0,0 cases passed
+(in-process and through the server) and the two-device case was skipped: the split has not run
+over two distinct devices. `glm53 serve --gpus 0,0` needs no --allow-unrun-modes since; two or
+more distinct devices still do.
 
 The reference runs in a subprocess (tools/exl3_reference.py, which never imports glm53): stock
 exllamav3 with every expert in VRAM, each prompt alone at max_batch_size 1; the prompts are
@@ -131,7 +132,7 @@ def test_server_with_halves_on_one_gpu_gives_stock_tokens_and_per_gpu_counters(c
     tmp = case["tmp"]
     args = ["--engine", "gpu", "--mode", "exact", "--model", case["path"], "--context",
             str(CONTEXT), "--chunk-size", str(CHUNK), "--max-batch", "4",
-            "--ec-max-slots", str(expert_slots(case["path"], SHARE)), "--gpus", "0,0", "--allow-unrun-modes"]  # fmt: skip
+            "--ec-max-slots", str(expert_slots(case["path"], SHARE)), "--gpus", "0,0"]  # fmt: skip
     srv = Server(args, env={"XDG_CACHE_HOME": str(tmp / "cache")}, log_path=tmp / "server.log")
     try:
         srv.wait_ready(timeout_s=900)

@@ -4,14 +4,15 @@ VRAM cache at the 24 GB card's 11.4 % share, with prefill staging (glm53.tiers.p
 by default in-process, EngineOptions.ec_stage_gb None) and without it (--ec-stage-gb 0), and
 with decode prefetch (--nvme-prefetch next-layer, glm53.tiers.decode_prefetch) at both caps,
 alone and with the batch admitted together, and with layer-major prefill (--prefill layer-major
-over the RAM tier, glm53.exl3.layer_major; written 2026-12-05, not yet run on a GPU) at 40 %.
+over the RAM tier, glm53.exl3.layer_major) at 40 %.
 The served cases, the store's verify and its read faults are test_nvme_exact_store_gpu.py
 (another group: its verify test flips store bytes).
 
 History: 6 of 6 on an H200 (2026-12-02, staging off). H200, 2026-12-05 at dc7ef0e: every
 in-process case with staging on failed (a forward's first staged hook let the next layer's wave
 evict the layer's own zero-copy picks in a full tier; fixed, tests/test_prefill_ahead.py). H100,
-2026-12-05 (later): all five in-process cases passed (72, 43, 50, 99 and 57 s).
+2026-12-05 (later): all five in-process cases passed (72, 43, 50, 99 and 57 s); in the whole GPU
+suite on an H100 that day all 6 passed, the layer-major case included.
 
 Every counter assertion prints the tier's stats. Needs GLM53_TEST_SLICE (a `glm53 synth --preset
 slice` checkpoint); the store is conftest.py's `slice_store`, packed once for the session unless
@@ -147,7 +148,7 @@ def test_in_process_nvme_exact_with_decode_prefetch_equals_stock_exllamav3(case,
 @pytest.mark.parametrize("share", RAM_SHARES[:1])  # 40 %: the most store reads; one case for
 def test_in_process_nvme_exact_layer_major_equals_stock_exllamav3(case, share):  # group e's time
     """--prefill layer-major over the RAM tier (glm53.exl3.layer_major in the store modes;
-    written 2026-12-05, its first GPU run is this test): the 5,000-token prompt (four forwards
+    written 2026-12-05, passed on an H100 in the whole GPU suite that day): the 5,000-token prompt (four forwards
     of the Generator's) runs one pass, every chunk of a layer resolving its picks in the RAM
     tier with the stager held (unstaged, read zero-copy) and the layer's records pinned until
     the pass leaves it, so the store is read once per layer per prompt. The pass sees no free
