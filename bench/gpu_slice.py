@@ -13,7 +13,8 @@ fixed shares of the misses on the lane (--fixed-splits, default 0, 10, 20, 30, 4
 the router against (ratios.fast_router_vs_best_fixed_split), again with the lane kept awake
 longer after each job for each --lane-spin-us value (figures.fast_fixed_split_c1_tok_s_by_spin:
 what the poller's and the workers' wake-ups cost); exact_layer_major (exact's load
-with layer-major prefill, issue 28, `--modes ...,exact_layer_major` only: not yet run on a GPU)
+with layer-major prefill, issue 28, `--modes ...,exact_layer_major` only: first run on an H100 on
+2026-12-05, bench/results/h100-gpu_slice-layer-major-long-2026-12-05.json)
 and stock_offload_stream (stock's offload with EXL3_MOE_STREAM_T pinned, --stream-t), with a
 32k prefill row (--long-prefill) for them and for stock and exact, against the one-pass stream
 bound (ratios.prefill8k_chunk2048_vs_stream_once, prefill32k_vs_stream_once) and exact's
@@ -272,7 +273,8 @@ def measure(loaded, vocab, quick=False, step=None, layer_major=None, shapes=PREF
 # in decode, glm53.tiers.vram_cache.StagingLoan); measured only when --modes names it
 # nvme_exact_ramNN_layer_major: nvme_exact_ramNN with layer-major prefill (the store read once
 # per layer per prompt, glm53.exl3.layer_major in the store modes); measured only when --modes
-# names it and --store is given (not yet run on a GPU)
+# names it and --store is given (first run, unstaged, on an H100 on 2026-12-05:
+# bench/results/h100-gpu_slice-nvme-layer-major-2026-12-05.json)
 ALL_MODES = ("stock", "zerocopy", "exact", "exact_clock", "stock_offload", "stock_offload_arena",
              "nvme_exact_ram70", "nvme_exact_ram40", "nvme_ram70", "nvme_ram40", "fast",
              "exact_layer_major", "stock_offload_stream", "nvme_exact_ram70_prefetch",
