@@ -371,3 +371,48 @@ def test_a_very_slow_cold_lane_waits_only_up_to_the_cap():
     assert router.split(0, 2, misses) == 0
     assert router.split(0, 2, misses) == 1
     assert router.layers[0].wait_ns == int(PROBE_WAIT_CAP_MS * 1e6)
+
+
+def test_a_fit_refits_every_sample_while_young_then_once_per_refit_every_samples():
+    """LinearFit(refit_every=k): under MIN_TAIL_SAMPLES samples at its newest fit it refits on
+    every read after a new sample; past that, only once k new samples have come, and that fit
+    is the one a fit refitting every sample gives over the same window (the same solve)."""
+    import numpy as np
+
+    from glm53.tiers.lane_router import MIN_TAIL_SAMPLES, LinearFit
+
+    def sample(i):
+        experts = 1 + i % 5
+        return (1.0, experts, 0.0), 0.1 + 0.3 * experts + 0.01 * ((i * 7) % 3)
+
+    lazy, eager = LinearFit((0.1, 0.4, 0.08), 64, refit_every=8), LinearFit((0.1, 0.4, 0.08), 64)
+    fits, last = 0, None
+    for i in range(MIN_TAIL_SAMPLES + 24):
+        x, ms = sample(i)
+        lazy.add(x, ms)
+        eager.add(x, ms)
+        theta = lazy.theta.copy()
+        if last is None or not np.array_equal(theta, last):
+            fits += 1
+        if i < MIN_TAIL_SAMPLES:  # young: every sample moves the fit
+            assert np.array_equal(theta, eager.theta), i
+        elif (i + 1 - MIN_TAIL_SAMPLES) % 8 == 0:  # the 8th new sample since the last fit
+            assert np.array_equal(theta, eager.theta), i
+            assert lazy.upper == eager.upper and lazy.lower == eager.lower
+        else:  # in between: the newest fit stands
+            assert np.array_equal(theta, last), i
+        last = theta
+    assert fits == MIN_TAIL_SAMPLES + 24 // 8
+    with pytest.raises(ValueError, match="refit_every"):
+        LinearFit((1.0,), refit_every=0)
+
+
+def test_the_router_refits_its_fits_once_per_refit_every_samples():
+    """The router's two fits take REFIT_EVERY (its default; refit_every=1 for every sample)."""
+    from glm53.tiers.lane_router import REFIT_EVERY
+
+    router = LaneRouter(2, EXPERT_BYTES)
+    assert REFIT_EVERY > 1 and router.refit_every == REFIT_EVERY
+    assert router.lane.refit_every == router.gpu.refit_every == REFIT_EVERY
+    eager = LaneRouter(2, EXPERT_BYTES, refit_every=1)
+    assert eager.lane.refit_every == eager.gpu.refit_every == 1

@@ -47,6 +47,14 @@ PRIOR_TAIL = 0.5
 COLD_WINDOW = 8
 COLD_PRIOR_MS = 2.0
 PROBE_WAIT_CAP_MS = 4.0
+# The router's fits refit once per REFIT_EVERY new samples once they hold MIN_TAIL_SAMPLES (every
+# sample before that). A refit (a least-squares solve, one pass of outlier rejection and two
+# quantiles over the window) took 96-115 us on the 2-vCPU CI host; FastLane.step runs between
+# Generator iterations, where the GPU waits for it, and with a lane job on every layer both fits
+# took new samples every step (on an H100 at one stream the lane path's host work left the GPU
+# idle 0.77 ms a token more than exact's path: bench/results/README.md). Rates move slowly:
+# a fit at most REFIT_EVERY - 1 samples old prices the lane as well.
+REFIT_EVERY = 8
 
 
 class LinearFit:
@@ -71,11 +79,18 @@ class LinearFit:
         prior_weight: float = 0.01,
         reject: float = 4.0,
         quantile: float = 0.99,
+        refit_every: int = 1,
     ):
         self.prior = np.asarray(prior, dtype=np.float64)
         self.samples: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
         self.prior_weight, self.reject, self.quantile = prior_weight, reject, quantile
         self.n = 0  # samples ever added
+        if refit_every < 1:
+            raise ValueError(f"refit_every must be at least 1, got {refit_every}")
+        # refit once per `refit_every` new samples, every sample while the window is young
+        # (under MIN_TAIL_SAMPLES samples at the newest fit): REFIT_EVERY
+        self.refit_every = int(refit_every)
+        self._fitted_n = 0  # self.n at the newest fit
         self.rejected = 0  # samples the newest fit left out
         self._theta = self.prior.copy()
         self._upper, self._lower = PRIOR_TAIL, -PRIOR_TAIL
@@ -86,9 +101,16 @@ class LinearFit:
         self.n += 1
         self._dirty = True
 
+    def _stale(self) -> bool:
+        """New samples the newest fit has not seen, and enough of them to refit."""
+        if not self._dirty:
+            return False
+        young = self._fitted_n < MIN_TAIL_SAMPLES
+        return young or self.n - self._fitted_n >= self.refit_every
+
     @property
     def theta(self) -> np.ndarray:
-        if self._dirty:
+        if self._stale():
             self._fit()
         return self._theta
 
@@ -96,14 +118,14 @@ class LinearFit:
     def upper(self) -> float:
         """The `quantile` of (measured - predicted) / predicted, at least 0: how much longer
         than predicted a sample may take."""
-        if self._dirty:
+        if self._stale():
             self._fit()
         return self._upper
 
     @property
     def lower(self) -> float:
         """The 1 - `quantile` quantile of the relative residual, at most 0."""
-        if self._dirty:
+        if self._stale():
             self._fit()
         return self._lower
 
@@ -113,6 +135,7 @@ class LinearFit:
 
     def _fit(self) -> None:
         self._dirty = False
+        self._fitted_n = self.n
         if not self.samples:
             return
         x = np.array([s[0] for s in self.samples], dtype=np.float64)
@@ -193,6 +216,7 @@ class LaneRouter:
     window: int = 128  # samples per fit
     warmup_jobs: int = 1  # lane jobs discarded per row count before fitting
     quantile: float = 0.99  # of the lane's relative misprediction that its upper bound covers
+    refit_every: int = REFIT_EVERY  # the fits' new samples per refit, once past MIN_TAIL_SAMPLES
     probe_after: int = 256
     ct_b: float | None = None  # --ct-b: pin the lane's ms per expert
     forced_share: float | None = None
@@ -202,11 +226,13 @@ class LaneRouter:
         r = self.rates
         # lane: ms = a + b * experts + c * (picks - experts)
         self.lane = LinearFit(
-            (r.lane_a_ms, r.lane_b_ms, r.tok * r.lane_b_ms), self.window, quantile=self.quantile
-        )
+            (r.lane_a_ms, r.lane_b_ms, r.tok * r.lane_b_ms), self.window, quantile=self.quantile,
+            refit_every=self.refit_every,
+        )  # fmt: skip
         # GPU share: ms = hit * n_hit + miss * n_zero_copy
         miss = r.hit_ms + self.expert_bytes / (r.link_gbps * 1e6)
-        self.gpu = LinearFit((r.hit_ms, miss), 2 * self.window, quantile=self.quantile)
+        self.gpu = LinearFit((r.hit_ms, miss), 2 * self.window, quantile=self.quantile,
+                             refit_every=self.refit_every)  # fmt: skip
         self.pickup_ms = r.pickup_ms
         self.tok = r.tok
         self.seen_by_rows = [0] * MAX_ROWS  # lane jobs seen per row count, warm-up included
