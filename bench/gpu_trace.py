@@ -12,7 +12,11 @@ Two open questions it is for, both measured on the H200 and not explained by a b
   have (docs/performance.md, "Prefill: where the time goes"). The stock row (every expert in
   VRAM) and the exact row run the same prompts (512; 8k in one chunk; 8k at 2,048-token chunks),
   and `figures.prefill_exact_vs_stock` splits exact's extra wall time into host lead and tail,
-  kernel time, copy not hidden under a kernel, and GPU idle.
+  kernel time, copy not hidden under a kernel, and GPU idle. On an H100 (2026-12-05) most of it
+  was kernel time: exllamav3's MoE kernels for few-token experts (exl3_moe_kernel<3, 256, 2,
+  16>) took 2.7-5.8x stock's, about 85 ms more a prompt at every prefill shape; the launches
+  that a copy overlapped are counted apart (`kernels[].beside_copy`) to tell whether the stage
+  copies running beside them are why.
 - issue 26: in fast mode any share of the misses on the lane cost about 0.5 ms a MoE layer
   (2026-12-05). The fast scenarios decode at 1 stream at the router's split and at fixed shares;
   `named.lane_wait` is how long each layer's wait kernel held the GPU for the lane, beside the

@@ -107,6 +107,12 @@ def test_summary_of_a_hand_built_trace():
     assert s["named"]["lane_wait"]["total_ms"] == approx(0.2)
     assert [k["name"] for k in s["kernels"]] == ["gemm_kernel<float, 128>", "wait_kernel"]
     assert s["kernels"][0]["count"] == 2 and s["kernels"][0]["share"] == approx(0.6)
+    # the copy (250-500) overlaps the first GEMM (100-300) and the wait, not the second GEMM
+    assert s["kernels"][0]["beside_copy"] == {"count": 1, "ms": approx(0.2)}
+    assert s["kernels"][1]["beside_copy"] == {"count": 1, "ms": approx(0.2)}
+    merged = [(0.0, 10.0), (20.0, 30.0)]
+    assert [tracelib.overlaps(iv, merged) for iv in ((10.0, 20.0), (5.0, 12.0), (25.0, 40.0),
+            (30.0, 31.0), (-5.0, 0.0), (12.0, 21.0))] == [False, True, True, False, False, True]  # fmt: skip
     assert tracelib.steps(hand_trace())["count"] == 2
 
 
