@@ -353,6 +353,9 @@ def layer_major_driver(args, loaded):
     with open(os.path.join(args.model, "config.json"), encoding="utf-8") as f:
         text_config = json.load(f)["text_config"]
     reserve = int(EC_RESERVE_GB * 2**30)
+    nvme = getattr(loaded, "nvme", None)
+    if nvme is not None:  # the store modes' rows measure the pass staging each layer once
+        nvme.pass_staging = True  # (glm53.modes.UNRUN["store-pass-staging"]; off: zero-copy)
     return lambda gen: LayerMajorPrefill(
         loaded, gen, gen.max_chunk_size, text_config, reserve, "cuda:0"
     )

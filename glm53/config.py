@@ -344,11 +344,14 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     allow_unrun_modes: Annotated[
         bool,
         _s(
-            "GPU engine: also run the two paths that have not yet passed their GPU tests: the "
+            "GPU engine: also run the three paths that have not yet passed their GPU tests: the "
             "layer split over two or more distinct GPUs (--gpus 0,1; run only as 0,0 on one "
-            "GPU) and the staging loan in fast mode (--ec-stage-loan; run in exact mode only); "
-            "for their GPU tests (tests/gpu/test_multi_gpu.py's two-device case). Without it "
-            "the GPU engine refuses them. Every other mode and path runs without it (prefill "
+            "GPU), the staging loan in fast mode (--ec-stage-loan; run in exact mode only), and "
+            "--prefill layer-major's staging of each layer once per pass in the store modes "
+            "(without the flag that pass reads each chunk's picks zero-copy, as its GPU test "
+            "passed); for their GPU tests (tests/gpu/test_multi_gpu.py's two-device case, "
+            "test_nvme_exact_gpu.py's layer-major case). Without it the GPU engine refuses the "
+            "first two. Every other mode and path runs without it (prefill "
             "staging from the store, --nvme-prefetch next-layer and --prefill layer-major in "
             "the store modes, --gpus 0,0: their GPU tests passed on an H100 on 2026-12-05).",
             group="tiers",

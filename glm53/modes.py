@@ -137,8 +137,14 @@ UNRUN = {
     "split": "the layer split over two or more distinct GPUs (docs/multi-gpu.md)",
     "stage-loan": "the staging loan in fast mode (--ec-stage-loan: the prefill staging buffers "
     "serve as expert-cache slots between prefills, glm53.tiers.vram_cache.StagingLoan)",
+    "store-pass-staging": "the store modes' layer-major pass staging each layer once (--prefill "
+    "layer-major in nvme-exact or nvme with staging on: the layer's resident experts copied into "
+    "a staging buffer at its first chunk, glm53.exl3.nvme_device)",
 }
 UNRUN_STATUS = {
+    "store-pass-staging": "was written on 2026-12-05 after layer-major's unstaged store path "
+    "passed its GPU test, and has not yet run on a GPU; without --allow-unrun-modes the pass "
+    "reads each chunk's picks zero-copy (the tested path)",
     "stage-loan": "passed its GPU tests in exact mode (H200, 2026-12-05: torch.equal to stock "
     "exllamav3's Generator); with fast mode's lane it has not yet run on a GPU",
     "split": "has run only with every --gpus entry on one GPU (--gpus 0,0: both layer ranges on "

@@ -181,12 +181,10 @@ def test_nvme_prefill_reads_the_store_once_per_layer_in_layer_major_order():
     chunk_extra = 32768 / row.chunk_major_tok_s - 32768 / free.chunk_major_tok_s
     layer_extra = 32768 / row.layer_major_tok_s - 32768 / free.layer_major_tok_s
     assert chunk_extra == pytest.approx(16 * layer_extra, rel=0.05)
-    # in the store modes a pass stages each layer once too, but on the main stream once its
-    # first chunk's picks are resident: the link crosses once, as in exact mode's pass (so
-    # faster than chunk-major, which pays it per chunk), and adds to each layer's compute
-    # instead of hiding behind the layer before (so slower than exact mode's pass)
-    assert free.chunk_major_tok_s == pytest.approx(ram.chunk_major_tok_s, rel=1e-9)
-    assert free.chunk_major_tok_s * 1.2 < free.layer_major_tok_s < ram.layer_major_tok_s
+    # in the store modes a pass reads each chunk's picks zero-copy (unstaged): the link is
+    # paid per chunk, as chunk-major pays it, not once as exact mode's staged pass does
+    assert free.layer_major_tok_s < ram.layer_major_tok_s
+    assert free.layer_major_tok_s == pytest.approx(free.chunk_major_tok_s, rel=0.15)
     assert math.isfinite(row.stream_once_tok_s)
 
 

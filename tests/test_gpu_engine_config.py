@@ -377,8 +377,10 @@ def test_layer_major_prefill_runs_in_exact_and_the_store_modes_on_one_gpu(tmp_pa
 @pytest.mark.parametrize("mode", ["nvme-exact", "nvme"])
 def test_layer_major_prefill_in_the_store_modes_is_served_without_the_unrun_flag(tmp_path, mode):
     """Over the RAM tier: its GPU test passed on an H100 (2026-12-05, nvme-exact at RAM
-    40 %), so no --allow-unrun-modes; it reaches the engine over the store modes' load, the
-    description says what ran, and the flag changes nothing."""
+    40 %, each chunk reading its picks zero-copy), so no --allow-unrun-modes; it reaches the
+    engine over the store modes' load and the description says what ran. The flag adds only
+    the pass staging each layer once (UNRUN["store-pass-staging"], not yet run on a GPU), and
+    the description says which of the two runs."""
     argv = ["--mode", mode, "--store", str(tmp_path), "--prefill", "layer-major"]
     e = create(settings(*argv), tmp_path)
     assert e.prefill == e.options.prefill == "layer-major" and e.layer_major is None
@@ -387,9 +389,12 @@ def test_layer_major_prefill_in_the_store_modes_is_served_without_the_unrun_flag
         "layer-major prefill over the RAM tier (its GPU test passed in nvme-exact at RAM 40 %, "
         "H100, 2026-12-05" in e.description
     )
-    assert "not yet run" not in e.description
+    assert e.options.store_pass_staging is False
+    assert "each chunk of a pass reading its picks zero-copy" in e.description
     flagged = create(settings(*argv, "--allow-unrun-modes"), tmp_path)
-    assert flagged.prefill == "layer-major" and flagged.description == e.description
+    assert flagged.prefill == "layer-major" and flagged.options.store_pass_staging is True
+    assert "each layer staged once per pass (was written on 2026-12-05" in flagged.description
+    assert "zero-copy (staging" not in flagged.description
 
 
 def test_layer_major_prefill_is_refused_off_the_gpu_engine():

@@ -75,7 +75,7 @@ def test_the_unrun_flag_gates_only_what_has_not_passed_on_a_gpu(tmp_path):
     refusal saying where it stands."""
     from glm53.engine.gpu_create import create
 
-    assert set(modes.UNRUN) == {"split", "stage-loan"}
+    assert set(modes.UNRUN) == {"split", "stage-loan", "store-pass-staging"}
     assert set(modes.UNRUN_STATUS) == set(modes.UNRUN)
     create(settings("--mode", "fast")[0], tmp_path)
     create(settings("--mode", "nvme-exact", "--store", str(tmp_path))[0], tmp_path)
@@ -87,6 +87,15 @@ def test_the_unrun_flag_gates_only_what_has_not_passed_on_a_gpu(tmp_path):
     for mode in ("nvme-exact", "nvme"):  # no flag: their GPU tests passed (H100, 2026-12-05)
         e = create(settings("--mode", mode, *store, "--prefill", "layer-major")[0], tmp_path)
         assert e.prefill == "layer-major" and e.options.load.mode == "nvme-exact"
+        # its pass stages each layer once only with the flag (UNRUN["store-pass-staging"]: not
+        # yet run on a GPU); without it the pass reads each chunk's picks zero-copy, as tested
+        assert e.options.store_pass_staging is False
+        assert modes.UNRUN_STATUS["store-pass-staging"] in e.description
+        assert "--allow-unrun-modes turns it on" in e.description
+        argv = ("--mode", mode, *store, "--prefill", "layer-major", "--allow-unrun-modes")
+        e = create(settings(*argv)[0], tmp_path)
+        assert e.options.store_pass_staging is True
+        assert "each layer staged once per pass" in e.description
         e = create(settings("--mode", mode, *store, "--nvme-prefetch", "next-layer")[0], tmp_path)
         assert e.options.load.nvme_prefetch == "next-layer"
         e = create(settings("--mode", mode, *store, "--ec-stage-gb", "2")[0], tmp_path)
@@ -106,7 +115,7 @@ def test_the_unrun_flags_help_says_what_it_gates():
     from glm53.config import setting_info
 
     text = setting_info("allow_unrun_modes").description
-    assert "two paths" in text
+    assert "three paths" in text and "each layer once per pass in the store modes" in text
     assert "split over two or more distinct GPUs" in text and "--ec-stage-loan" in text
     # what it no longer gates, named as running without it
     assert "Every other mode and path runs without it (prefill staging from the store" in text

@@ -498,6 +498,7 @@ def _reads_in_order(demo, good_store, monkeypatch, order, hold):
     stager = MockStager(home, ec, lib.calls)
     home.stager, home.ahead = stager, AheadReads(home.home, stager.buf_slots, working_set=32)
     stager.hold = hold
+    home.pass_staging = hold  # the store modes' pass staging (the GPU engine's flag)
     picks = {(c, layer): prefill(rows=24, seed=100 * c + layer)
              for c in range(4) for layer in range(LAYERS)}  # fmt: skip
     steps = [(c, layer) for c in range(4) for layer in range(LAYERS)]

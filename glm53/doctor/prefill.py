@@ -25,10 +25,9 @@ touched experts not in the RAM tier from the store first, one read after another
 
 - chunk-major: every chunk, every layer: the touched experts of that chunk cross per chunk.
 - layer-major: every layer once over the whole prompt: its touched experts cross once (in the
-  store modes too: the pass stages each layer once, at its first chunk, from the RAM tier; that
-  stage runs on the main stream once the chunk's picks are resident, so there the link adds to
-  the layer's compute instead of hiding behind the layer before; the store is read once per
-  prompt), while
+  store modes, each chunk reads its picks zero-copy from the RAM tier, so they cross per chunk
+  there, while the store is read once per prompt; staging each layer once per pass there runs
+  only with --allow-unrun-modes until its GPU test passes, and is not priced), while
   its compute is still every chunk's (each chunk through a layer is its own forward, paying
   the layer's fixed cost per chunk: chunked_compute_s), so a measured fixed cost keeps it at
   the chunk size's compute floor however long the prompt. The
@@ -129,14 +128,13 @@ def _step_s(
     resident_slots: float,
     states: HiddenStatePlan | None,
     compute_s: float | None = None,
-    serial_link: bool = False,
+    pcie_bytes: float | None = None,
 ) -> float:
     """One pass of `tokens` tokens through every layer: per layer the slower of compute and
     link, plus store reads. `compute_s`: the pass's GPU compute when it is not one chunk of
-    `tokens` (layer-major: every chunk of the prompt through each layer). `serial_link`: each
-    MoE layer's link is paid before its compute, not beside the layer before (layer-major in
-    the store modes: the pass stages a layer on the main stream once its first chunk's picks
-    are resident)."""
+    `tokens` (layer-major: every chunk of the prompt through each layer). `pcie_bytes`: a MoE
+    layer's expert bytes over the link when they are not the `tokens` tokens' touched experts
+    once (layer-major in the store modes: each chunk reads its picks zero-copy)."""
     eb, _, _ = _expert_ms(x, geo)
     if compute_s is None:
         compute_s = _chunk_compute_s(x, geo, tokens)
@@ -147,7 +145,9 @@ def _step_s(
     if x.ram_tier_slots is not None:
         near = (x.vram_slots + x.ram_tier_slots) / geo.num_moe_layers
     link = _moe_link(p, resident, near, eb)
-    if x.stage_records is not None and link.pcie_bytes > 0:  # the stage copies these records
+    if pcie_bytes is not None:
+        link = _Link(pcie_bytes, link.store_bytes)
+    elif x.stage_records is not None and link.pcie_bytes > 0:  # the stage copies these records
         link = _Link(x.stage_records * eb, link.store_bytes)
     rate = x.pcie_gbps * 1e9
     store = link.store_bytes / (x.store_gbps * 1e9) if x.store_gbps else 0.0
@@ -160,7 +160,7 @@ def _step_s(
         if states is not None:
             h2d += states.h2d_bytes_per_layer if layer > 0 else 0
             d2h = states.d2h_bytes_per_layer if layer < geo.num_layers - 1 else 0
-        if serial_link or (states is None and (layer == first_moe or not x.stage_overlap)):
+        if states is None and (layer == first_moe or not x.stage_overlap):
             # PrefillStager stages a chunk's first MoE layer on the main stream after its
             # router (nothing ran before it to hide the copy behind); an SM gather stage
             # (stage_overlap False) runs after the compute in every layer
@@ -191,10 +191,15 @@ def predict_prefill(
         else:
             lent = lent_cache_slots(plan, 0, eb)  # the doctor's slots leave no VRAM free
             compute_s = chunked_compute_s(x, geo, prompt_tokens, chunk_tokens)
-            # the store modes: each layer staged once per pass, on the main stream
-            serial = x.ram_tier_slots is not None
+            per_chunk = None
+            if x.ram_tier_slots is not None:  # the store modes: unstaged, zero-copy per chunk
+                resident = (x.vram_slots - lent) / geo.num_moe_layers
+                per_chunk = sum(
+                    _moe_link(touched(rates, n), resident, geo.experts_per_layer, eb).pcie_bytes
+                    for n in chunks
+                )
             step_s = _step_s(x, geo, prompt_tokens, x.vram_slots - lent, plan, compute_s,
-                             serial)  # fmt: skip
+                             per_chunk)  # fmt: skip
             layer_tok_s = prompt_tokens / step_s
             states, placement = plan.state_bytes, str(plan.placement)
             states_pcie = plan.h2d_bytes_per_prompt + plan.d2h_bytes_per_prompt

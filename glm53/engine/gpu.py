@@ -30,6 +30,7 @@ from glm53.engine import gpu_tiers
 from glm53.engine.base import EngineError, FinishReason, JobOutput
 from glm53.engine.gpu_options import EngineOptions
 from glm53.exl3 import PAGE
+from glm53.modes import UNRUN_STATUS
 from glm53.tiers.heat import read_heat
 from glm53.units import GIB
 
@@ -65,6 +66,14 @@ class GpuEngine:
                 ", layer-major prefill over the RAM tier (its GPU test passed in nvme-exact at "
                 "RAM 40 %, H100, 2026-12-05; in exact mode 6 of 6, H200)"
             )
+            status = UNRUN_STATUS["store-pass-staging"]
+            if o.store_pass_staging:
+                self.description += f", each layer staged once per pass ({status})"
+            else:
+                self.description += (
+                    f", each chunk of a pass reading its picks zero-copy (staging each layer once "
+                    f"per pass {status}; --allow-unrun-modes turns it on)"
+                )
         elif self.prefill == "layer-major":
             self.description += ", layer-major prefill (6 of 6 GPU tests passed, H200, 2026-12-05)"
         if o.nvme_prefetch != "off":
@@ -139,6 +148,9 @@ class GpuEngine:
             self.loaded, self.generator, self.chunk_size, text_config,
             int(self.options.ec_reserve_gb * GIB), self.device,
         )  # fmt: skip
+        nvme = getattr(self.loaded, "nvme", None)
+        if nvme is not None:  # the store modes: each layer staged once per pass, or zero-copy
+            nvme.pass_staging = self.options.store_pass_staging
 
     def _verify_nvme(self, num_samples: int):
         with self.loaded.nvme.lock:

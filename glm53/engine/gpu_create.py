@@ -89,6 +89,7 @@ def engine_options(settings: Settings) -> EngineOptions:
         read_timeout_s=settings.read_timeout,
         nvme_prefetch=settings.nvme_prefetch,
         prefill=settings.prefill,
+        store_pass_staging=settings.allow_unrun_modes,
         cache_dir=str(cache_dir(settings)),
         **lane_kw,
     )

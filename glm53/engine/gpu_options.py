@@ -107,6 +107,10 @@ class EngineOptions:
     lane_precision: str = "fast"
     ct_b: float | None = None
     prefill: str = "chunk"  # layer-major: glm53.exl3.layer_major
+    # layer-major in the store modes: each layer staged once per pass (glm53.exl3.nvme_device;
+    # not yet run on a GPU: on only with --allow-unrun-modes, UNRUN["store-pass-staging"]);
+    # without it the pass reads each chunk's picks zero-copy, as its GPU test passed
+    store_pass_staging: bool = False
     cache_dir: str | None = None  # heat lists live here (glm53.config.cache_dir; None: default)
     load: LoadOptions = field(init=False)
 

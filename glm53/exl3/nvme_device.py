@@ -123,6 +123,9 @@ class NvmeHome:
         # stage that were resident in the RAM tier then), and how many layers it staged
         self._pass_staged: tuple[int, np.ndarray] | None = None
         self.pass_stages = 0
+        # whether the pass stages at all (the GPU engine sets it from --allow-unrun-modes:
+        # glm53.modes.UNRUN["store-pass-staging"]); off: each chunk reads its picks zero-copy
+        self.pass_staging = False
         # decode prefetch (--nvme-prefetch next-layer, glm53.tiers.decode_prefetch)
         if prefetch not in PREFETCH_MODES:
             raise TierError(f"--nvme-prefetch {prefetch!r}: one of {', '.join(PREFETCH_MODES)}")
@@ -157,7 +160,8 @@ class NvmeHome:
         staged = self._staging(layer, decode, all_experts, num_rows, params, lane)
         passing = self.stager is not None and self.stager.hold
         in_pass = passing and not decode and not all_experts  # a layer-major pass's chunk
-        stage_now = in_pass and not self._pass_holds(layer)  # the pass's first chunk of layer
+        pass_stage = in_pass and self.pass_staging
+        stage_now = pass_stage and not self._pass_holds(layer)  # the pass's first chunk of layer
         parts = [routed, slots]
         if staged:  # the VRAM slots of the next two layers' experts, for their waves
             hi = min(layer + 3, self.ec.geo.n_layers)
@@ -191,7 +195,7 @@ class NvmeHome:
             self._pass_staged = None
         # a chunk of the pass after its layer's first: the experts its stage holds are read
         # from the staging buffer, neither looked up in the tier again nor pinned
-        covered = self._pass_staged[1] if in_pass and not stage_now else np.empty(0, np.int64)
+        covered = self._pass_staged[1] if pass_stage and not stage_now else np.empty(0, np.int64)
         reads = self.home.counters["ram_reads"]
         prefetched = ()  # the experts of this layer a prefetch wave made resident (pinned)
         if pf is not None and plain_decode:

@@ -145,19 +145,20 @@ def test_in_process_nvme_exact_with_decode_prefetch_equals_stock_exllamav3(case,
         e.close()
 
 
-@pytest.mark.parametrize("stage_gb", [None, 0.0])  # staging on (the default), off
+@pytest.mark.parametrize("pass_staging", [False, True])  # served default; the flag's path
 @pytest.mark.parametrize("share", RAM_SHARES[:1])  # 40 %: the most store reads; one share for
 def test_in_process_nvme_exact_layer_major_equals_stock_exllamav3(
-    case, share, stage_gb
+    case, share, pass_staging
 ):  # e's time
     """--prefill layer-major over the RAM tier (glm53.exl3.layer_major in the store modes;
     unstaged, it passed on an H100 in the whole GPU suite on 2026-12-05): the 5,000-token prompt
     (four forwards of the Generator's) runs one pass, every chunk of a layer resolving its picks
     in the RAM tier and the layer's records pinned until the pass leaves it, so the store is
-    read once per layer per prompt. With staging on (stage_gb None), each layer is staged once
-    per pass at its first chunk (NvmeHome._stage_pass_layer: written after that run, first run
-    here) and its later chunks read the stage; with staging off (0) every chunk reads its picks
-    zero-copy. The pass sees no free
+    read once per layer per prompt. Prefill staging is on (its default). Without pass staging
+    (served without --allow-unrun-modes) every chunk reads its picks zero-copy; with it
+    (EngineOptions.store_pass_staging, UNRUN["store-pass-staging"]: written after that run,
+    first run here) each layer is staged once per pass at its first chunk
+    (NvmeHome._stage_pass_layer) and its later chunks read the stage. The pass sees no free
     VRAM (as on a 24 GB card), so its streams take lent VRAM-cache slots, whose keys then point
     at their RAM homes or absent. Tokens and logits torch.equal to stock exllamav3's Generator
     prefilling chunk-major, at every length (the shorter prompts keep the Generator's path);
@@ -165,10 +166,10 @@ def test_in_process_nvme_exact_layer_major_equals_stock_exllamav3(
     check is clean."""
     e = GpuEngine(case["path"], EngineOptions(
         mode="nvme-exact", context=CONTEXT, max_batch=4, chunk_size=CHUNK,
-        ec_max_slots=case["slots"], heat_file=str(case["tmp"] / f"heat-{share}-{stage_gb}-lm.json"),
-        cache_dir=str(case["tmp"] / f"cache-{share}-{stage_gb}-lm"),
+        ec_max_slots=case["slots"], heat_file=str(case["tmp"] / f"heat-{share}-{pass_staging}-lm.json"),
+        cache_dir=str(case["tmp"] / f"cache-{share}-{pass_staging}-lm"),
         store=case["store"], ram_cap=case["cap"][share], prefill="layer-major",
-        ec_stage_gb=stage_gb,
+        store_pass_staging=pass_staging,
     ))  # fmt: skip
     e.load()
     e.layer_major.free_bytes = lambda: 0  # no VRAM beside the cache: the streams borrow slots
@@ -192,12 +193,10 @@ def test_in_process_nvme_exact_layer_major_equals_stock_exllamav3(
         passes = e.loaded.nvme.pass_stats()
         assert passes["pass_pinned"] == 0, passes
         stager = e.loaded.nvme.stager
-        if stage_gb is None:  # each MoE layer a prefill runs, staged once per pass
-            assert stager is not None and passes["pass_stages"] == stager.prefill_layers * len(
-                long
-            ), (passes, stager.prefill_layers)
-        else:
-            assert stager is None and passes["pass_stages"] == 0, passes
+        assert stager is not None and e.loaded.nvme.pass_staging is pass_staging
+        # with pass staging, each MoE layer a prefill runs staged once per pass; else none
+        stages = stager.prefill_layers * len(long) if pass_staging else 0
+        assert passes["pass_stages"] == stages, (passes, stager.prefill_layers)
         assert e.loaded.nvme.tier.clock.n_pinned == 0, ram
         check = e.verify_tiers(64)
         assert check.is_ok, f"{check.summary()}; ram {ram}"
