@@ -489,16 +489,18 @@ def test_a_wave_refused_for_a_stuck_hit_leaves_the_home_table_in_line_with_the_t
         tier.source.reader = real
 
 
-def _reads_in_order(demo, good_store, monkeypatch, order, hold):
+def _reads_in_order(demo, good_store, monkeypatch, order, hold, pass_staging=None):
     """Route one prompt's chunks (4 chunks of 24 rows, seeded picks per chunk and layer) in
     `order` ("chunk": every layer per chunk; "layer": every chunk per layer, as a layer-major
     pass runs them), the stager held (a pass) or not, over a RAM tier of 96 slots (the demo's
-    192 records: half); returns (store reads, the home, its calls)."""
+    192 records: half), the pass staging each layer once when `pass_staging` (default: when
+    held); returns (store reads, the home, its calls)."""
     home, ec, lib = mock_nvme_home(demo, good_store, monkeypatch, 96, RecordingReader)
     stager = MockStager(home, ec, lib.calls)
     home.stager, home.ahead = stager, AheadReads(home.home, stager.buf_slots, working_set=32)
     stager.hold = hold
-    home.pass_staging = hold  # the store modes' pass staging (the GPU engine's flag)
+    # the store modes' pass staging (the GPU engine sets it from --allow-unrun-modes)
+    home.pass_staging = hold if pass_staging is None else pass_staging
     picks = {(c, layer): prefill(rows=24, seed=100 * c + layer)
              for c in range(4) for layer in range(LAYERS)}  # fmt: skip
     steps = [(c, layer) for c in range(4) for layer in range(LAYERS)]
@@ -509,7 +511,7 @@ def _reads_in_order(demo, good_store, monkeypatch, order, hold):
         home.route(layer, picks[c, layer].clone(), decode=False, params={})
         check_pointed(home, ec, lib, layer, since, pinned=not hold)
         check_table(home, ec)
-        if hold:  # every pick is read from the pass's stage of the layer or pointed, not both
+        if hold and home.pass_staging:  # every pick read from the pass's stage or pointed
             check_pass_stage(home, stager, lib, layer, since, picks[c, layer])
     return home.home.counters["ram_reads"], home, lib, picks
 
@@ -562,3 +564,23 @@ def test_a_held_stager_reads_each_layer_once_per_prompt_in_layer_major_order(
     chunk_major, home2, _, _ = _reads_in_order(demo, good_store, monkeypatch, "chunk", hold=True)
     home2.close()
     assert chunk_major > reads, (chunk_major, reads)
+
+
+def test_a_pass_without_pass_staging_points_every_pick_and_reads_each_layer_once(
+    demo, good_store, monkeypatch
+):
+    """The served default (--allow-unrun-modes off: UNRUN["store-pass-staging"]): the pass
+    stages nothing, every chunk's picks are pointed at resident records (zero-copy), and the
+    store is still read once per touched expert, as its GPU test ran on an H100."""
+    reads, home, lib, picks = _reads_in_order(
+        demo, good_store, monkeypatch, "layer", hold=True, pass_staging=False
+    )
+    try:
+        touched = {(layer, int(e)) for (c, layer), p in picks.items() for e in p.reshape(-1)}
+        assert reads == len(touched), (reads, len(touched))
+        assert not [c for c in lib.calls if c[0] in ("stage_held", "stage_ahead")]
+        assert home.pass_stats()["pass_stages"] == 0 and home._pass_staged is None
+        pointed = {(c[1], e) for c in lib.calls if c[0] == "point_picks" for e in c[2]}
+        assert touched <= pointed  # every pick of every chunk pointed at its home
+    finally:
+        home.close()
