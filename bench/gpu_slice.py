@@ -10,7 +10,8 @@ together; without, the share's experts only, while exact also holds its staging 
 without and with its pinned arena; glm53 fast (exact's tiers + the CPU lane
 and its router, `--modes ...,fast` only), and on the same load a sweep of
 fixed shares of the misses on the lane (--fixed-splits, default 0, 10, 20, 30, 40 %) to compare
-the router against (ratios.fast_router_vs_best_fixed_split), again with the lane kept awake
+the router against (ratios.fast_router_vs_best_fixed_split: the router measured again right
+after the sweep, as the sweep is, figures.fast_router_after_sweep), again with the lane kept awake
 longer after each job for each --lane-spin-us value (figures.fast_fixed_split_c1_tok_s_by_spin:
 what the poller's and the workers' wake-ups cost); exact_layer_major (exact's load
 with layer-major prefill, issue 28, `--modes ...,exact_layer_major` only: first run on an H100 on
@@ -464,6 +465,10 @@ def measure_mode(args, mode) -> dict:
                     row["fixed_splits"] = fixed_split_sweep(
                         loaded, fast, args.fixed_splits, args.quick
                     )
+                    # the router again, right after the sweep and measured as it is: the row's
+                    # own figures come first, on a colder host (H100, 2026-12-05: its c1 144
+                    # against the sweep's share 0 at 160, exact's row at 153)
+                    row["router_after_sweep"] = lane_decode(loaded, fast, None, args.quick)
                     if args.lane_spin_us:
                         row["fixed_splits_by_spin"] = spin_sweep(
                             loaded, fast, args.fixed_splits, args.quick, args.lane_spin_us
@@ -494,27 +499,29 @@ def measure_mode(args, mode) -> dict:
 LANE_COUNTS = ("jobs", "fallbacks", "lane_picks")
 
 
+def lane_decode(loaded, fast, share: float | None, quick: bool) -> dict:
+    """fast mode's decode at concurrency 1 and 4 with `share` of each layer's misses forced on
+    the lane (None: the router's own split), and the lane's jobs, fallbacks and picks in it."""
+    n_new = 32 if quick else 128
+    vocab = loaded.config.vocab_size
+    fast.router.set_forced_share(share)
+    try:
+        before = fast.stats()
+        decode = {f"c{b}": decode_run(loaded, vocab, b, n_new=n_new, step=fast.step)
+                  for b in (1, 4)}  # fmt: skip
+        after = fast.stats()
+    finally:
+        fast.router.set_forced_share(None)
+    lane = {k: (after[k] - before[k]) if after[k] is not None else None for k in LANE_COUNTS}
+    lane.update(where_the_time_goes(before, after))
+    return {"decode": decode, "lane": lane}
+
+
 def fixed_split_sweep(loaded, fast, percents: list[int], quick: bool) -> dict:
     """fast mode at fixed shares of each layer's misses on the lane (the router's forced_share,
     its waits still predicted), on the row's load: per share (its percent as the key) decode
     tok/s at concurrency 1 and 4, and the lane's jobs, fallbacks and picks in those runs."""
-    out = {}
-    n_new = 32 if quick else 128
-    vocab = loaded.config.vocab_size
-    try:
-        for pct in percents:
-            fast.router.set_forced_share(pct / 100)
-            before = fast.stats()
-            decode = {f"c{b}": decode_run(loaded, vocab, b, n_new=n_new, step=fast.step)
-                      for b in (1, 4)}  # fmt: skip
-            after = fast.stats()
-            lane = {k: (after[k] - before[k]) if after[k] is not None else None
-                    for k in LANE_COUNTS}  # fmt: skip
-            lane.update(where_the_time_goes(before, after))
-            out[str(pct)] = {"decode": decode, "lane": lane}
-    finally:
-        fast.router.set_forced_share(None)
-    return out
+    return {str(pct): lane_decode(loaded, fast, pct / 100, quick) for pct in percents}
 
 
 def spin_sweep(loaded, fast, percents: list[int], quick: bool, spins_us: list[int]) -> dict:
@@ -900,6 +907,11 @@ def combine(results: list[dict], args) -> dict:
         us: {pct: s["lane"] for pct, s in sweep.items()} for us, sweep in by_spin.items()
     }
     best_fixed = max(figures["fast_fixed_split_c1_tok_s"].values(), default=None)
+    # the router measured right after the sweep, as the sweep is (rows before 2026-12-05's fifth
+    # session have none: the row's own c1, measured first)
+    after = (rows["fast"].get("router_after_sweep") or {}) if "fast" in rows else {}
+    figures["fast_router_after_sweep"] = after or None
+    router_c1 = after["decode"]["c1"]["per_stream_tok_s"] if after else c1("fast")
     ratios = {
         "exact_vs_roofline": ratio(ex, roof),
         "exact_vs_zerocopy": ratio(ex, c1("zerocopy")),
@@ -922,7 +934,7 @@ def combine(results: list[dict], args) -> dict:
         "fast_vs_exact": ratio(c1("fast"), ex),
         "fast_vs_best_stock_offload": ratio(c1("fast"), max(offload)) if offload else None,
         "fast_c4_aggregate_vs_exact": ratio(fast_c4_agg, c4_agg),
-        "fast_router_vs_best_fixed_split": ratio(c1("fast"), best_fixed),
+        "fast_router_vs_best_fixed_split": ratio(router_c1, best_fixed),
         "nvme_vs_nvme_exact_ram70": ratio(c1("nvme_ram70"), c1("nvme_exact_ram70")),
         "nvme_vs_nvme_exact_ram40": ratio(c1("nvme_ram40"), c1("nvme_exact_ram40")),
         "nvme_exact_ram70_prefetch_vs_off": ratio(c1("nvme_exact_ram70_prefetch"),

@@ -478,6 +478,13 @@ def test_gpu_slice_fast_row_gives_issue_16s_and_26s_ratios(tmp_path):
     assert figures["fast_fixed_split_lane_by_spin"]["5000"]["10"]["jobs"] == 200
     assert figures["fast_lane_time"]["wait_ms_per_timed_call"] is None  # no timed layers
     assert "fast" not in figures["predicted"]  # the cost model has no fast row here
+    assert figures["fast_router_after_sweep"] is None  # an older row: its own c1 above
+    # a row that measured the router again right after the sweep: that is what the ratio takes
+    rows["fast"]["router_after_sweep"] = split(57.0, 110.0, 300, 0)
+    r = combine(tmp_path, rows, dict(info, split=40))
+    assert r["ratios"]["fast_router_vs_best_fixed_split"] == 57.0 / 54.0
+    assert r["figures"]["fast_router_after_sweep"]["decode"]["c1"]["per_stream_tok_s"] == 57.0
+    assert r["ratios"]["fast_vs_exact"] == 52.0 / 40.0  # the row's own c1 still
 
 
 def test_gpu_slice_sweeps_the_lanes_idle_spin_and_puts_the_default_back(monkeypatch):
@@ -940,3 +947,34 @@ def test_gpu_slice_predicts_a_rows_prefill_with_the_layers_its_stager_staged():
     both = costmodel.exact_chunk_s(x, geo, 2048)
     every = costmodel.exact_chunk_s(msgspec.structs.replace(x, stage_last_layer=True), geo, 2048)
     assert every - both == pytest.approx(s - c)
+
+
+def test_gpu_slice_lane_decode_forces_the_share_and_puts_the_router_back(monkeypatch):
+    """lane_decode (the fixed-split sweep's runs, and the router's run right after it): the
+    share forced on the router (a MOCK of LaneRouter; the decode itself needs a GPU, MOCK too)
+    for the decode, None after, even when the decode raises; the lane's counts are the run's."""
+    gs = _gpu_slice()
+    shares = []
+    counts = iter([{"jobs": 10, "fallbacks": 1, "lane_picks": 20},
+                   {"jobs": 15, "fallbacks": 1, "lane_picks": 31}])  # fmt: skip
+    fast = types.SimpleNamespace(
+        router=types.SimpleNamespace(set_forced_share=shares.append),
+        stats=lambda: next(counts), step=None,
+    )  # fmt: skip
+    loaded = types.SimpleNamespace(config=types.SimpleNamespace(vocab_size=100))
+    monkeypatch.setattr(gs, "decode_run", lambda loaded, vocab, b, n_new, step: {"b": b})
+    monkeypatch.setattr(gs, "where_the_time_goes", lambda before, after: {"lane_ms": 1.0})
+    got = gs.lane_decode(loaded, fast, 0.3, quick=True)
+    assert shares == [0.3, None]
+    assert got == {"decode": {"c1": {"b": 1}, "c4": {"b": 4}},
+                   "lane": {"jobs": 5, "fallbacks": 0, "lane_picks": 11, "lane_ms": 1.0}}  # fmt: skip
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("a decode failed")
+
+    monkeypatch.setattr(gs, "decode_run", fails)
+    shares.clear()
+    with pytest.raises(RuntimeError, match="a decode failed"):
+        gs.lane_decode(loaded, types.SimpleNamespace(router=fast.router, stats=dict, step=None),
+                       None, quick=True)  # fmt: skip
+    assert shares == [None, None]
