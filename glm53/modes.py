@@ -132,7 +132,8 @@ NVME_PREFETCH = ("off", "next-layer")
 # on an H200), and in the whole GPU suite on an H100 on 2026-12-05 prefill staging from the
 # store, --prefill layer-major in the store modes, decode prefetch (--nvme-prefetch next-layer)
 # and the split with every --gpus entry on one device (0,0): not here. Still here: the loan
-# beside fast's lane and the split over two or more distinct devices (neither has run).
+# beside fast's lane, the split over two or more distinct devices and the store modes' pass
+# staging each layer once (none has run; without the flag that pass reads zero-copy, unrefused).
 UNRUN = {
     "split": "the layer split over two or more distinct GPUs (docs/multi-gpu.md)",
     "stage-loan": "the staging loan in fast mode (--ec-stage-loan: the prefill staging buffers "

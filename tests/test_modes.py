@@ -72,7 +72,8 @@ def test_the_unrun_flag_gates_only_what_has_not_passed_on_a_gpu(tmp_path):
     and the split with both halves on one GPU (0,0) passed, so they are served without
     --allow-unrun-modes. The split over two or more distinct GPUs (run only as 0,0) and the
     loan beside fast mode's lane (never run) have not, so only they still need the flag, each
-    refusal saying where it stands."""
+    refusal saying where it stands; the flag also turns on the store modes' layer-major pass
+    staging (never run), whose absence refuses nothing."""
     from glm53.engine.gpu_create import create
 
     assert set(modes.UNRUN) == {"split", "stage-loan", "store-pass-staging"}

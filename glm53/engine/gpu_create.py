@@ -3,7 +3,9 @@ engine's EngineOptions, once, before anything loads (what each mode serves and n
 glm53.modes' table; the checks of a value alone live in EngineOptions and LoadOptions). Here
 are the checks that need the Settings themselves: --allow-unrun-modes for what has not yet passed
 its GPU tests (glm53.modes.UNRUN: the split over two or more distinct GPUs and the staging loan
-in fast mode; UNRUN_STATUS says where each stands), and the CPU lane's settings in a lane mode.
+in fast mode, refused without it; the store modes' layer-major pass staging, which the flag turns
+on: EngineOptions.store_pass_staging; UNRUN_STATUS says where each stands), and the CPU lane's
+settings in a lane mode.
 Creating is cheap; GpuEngine.load does the heavy work (glm53.engine.gpu).
 """
 
