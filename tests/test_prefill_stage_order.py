@@ -1,8 +1,9 @@
 """The order of a prefill stage's work on its stream (glm53.tiers.vram_cache.PrefillStager._stage).
 The real stager needs CUDA; here its library, streams, events and buffers are mocks that record
-the calls, in order, with the stream each was queued on. The GPU side (that the copy now runs
-beside the MoE kernel, and that the tokens stay torch.equal to stock exllamav3's Generator) is
-tests/gpu/test_generator_parity.py, test_layer_major_gpu.py and bench/gpu_trace.py."""
+the calls, in order, with the stream each was queued on. PrefillStager.copy_first (the copy
+queued first) is off until its GPU side has run: tests/gpu/test_generator_parity.py's copy-first
+case (torch.equal to stock exllamav3's Generator) and bench/gpu_slice.py's exact_copy_first row
+(whether the copy then runs beside the MoE kernel)."""
 
 from types import SimpleNamespace
 
@@ -51,6 +52,7 @@ def make_stager(monkeypatch, dma: bool, n_experts: int = 8, buf_slots: int = 8):
     st.layer_home = [100_000 * (layer + 1) for layer in range(geo.n_layers)]
     st.side = SimpleNamespace(cuda_stream="side")
     st.stages, st.hold, st.held, st.unstaged, st.pending = 0, False, set(), None, {}
+    st.copy_first = True  # the order under test (the class default is off until its GPU test)
     return st, lib
 
 
@@ -94,11 +96,11 @@ def test_a_gather_stage_unstages_before_its_copy_kernels(monkeypatch, stream):
     assert names == ["ec_stage", "copy_jobs", "ec_unstage", "ec_stage", "copy_jobs"]
 
 
-def test_copy_first_off_queues_the_copy_after_the_unstage_as_before(monkeypatch):
-    """bench/gpu_slice.py's exact_copy_after row: the order before the change, for the same
-    run's before/after."""
+def test_the_default_order_queues_the_copy_after_the_unstage(monkeypatch):
+    """copy_first is off until its GPU test passes: the order every GPU test has run."""
+    assert PrefillStager.copy_first is False
     st, lib = make_stager(monkeypatch, dma=True)
-    st.copy_first = False
+    del st.copy_first  # the class's default
     st._stage(0, st.side)
     st._stage(2, st.side)
     assert [name for name, _ in lib.calls] == [
