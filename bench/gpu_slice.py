@@ -272,6 +272,9 @@ def measure(loaded, vocab, quick=False, step=None, layer_major=None, shapes=PREF
 # yet run on a GPU)
 # exact_loan: exact with the staging loan (--ec-stage-loan: the staging buffers are cache slots
 # in decode, glm53.tiers.vram_cache.StagingLoan); measured only when --modes names it
+# exact_copy_first: exact with its prefill stages queuing the copy before the unstage kernel
+# (PrefillStager.copy_first, not yet run on a GPU), against exact in the same run
+# (ratios.exact_copy_first_prefill*_vs_exact); measured only when --modes names it
 # nvme_exact_ramNN_layer_major: nvme_exact_ramNN with layer-major prefill (the store read once
 # per layer per prompt, glm53.exl3.layer_major in the store modes); measured only when --modes
 # names it and --store is given (first run, unstaged, on an H100 on 2026-12-05:
@@ -280,11 +283,12 @@ ALL_MODES = ("stock", "zerocopy", "exact", "exact_clock", "stock_offload", "stoc
              "nvme_exact_ram70", "nvme_exact_ram40", "nvme_ram70", "nvme_ram40", "fast",
              "exact_layer_major", "stock_offload_stream", "nvme_exact_ram70_prefetch",
              "nvme_exact_ram40_prefetch", "exact_loan", "nvme_exact_ram70_layer_major",
-             "nvme_exact_ram40_layer_major")  # fmt: skip
+             "nvme_exact_ram40_layer_major", "exact_copy_first")  # fmt: skip
 ON_REQUEST = ("fast", "exact_layer_major", "stock_offload_stream", "nvme_ram70",
               "nvme_ram40", "nvme_exact_ram70_prefetch",
               "nvme_exact_ram40_prefetch", "exact_loan", "nvme_exact_ram70_layer_major",
-              "nvme_exact_ram40_layer_major")  # not in the default --modes  # fmt: skip
+              "nvme_exact_ram40_layer_major",
+              "exact_copy_first")  # not in the default --modes  # fmt: skip
 NVME_RAM_SHARE = {"nvme_exact_ram70": 0.7, "nvme_exact_ram40": 0.4, "nvme_ram70": 0.7,
                   "nvme_ram40": 0.4, "nvme_exact_ram70_prefetch": 0.7,
                   "nvme_exact_ram40_prefetch": 0.4, "nvme_exact_ram70_layer_major": 0.7,
@@ -439,6 +443,8 @@ def measure_mode(args, mode) -> dict:
             mode=load_mode, cache_tokens=cache_tokens, max_batch=MAX_BATCH,
             max_chunk=MAX_CHUNK, **kw,
         ))  # fmt: skip
+        if mode == "exact_copy_first":
+            loaded.stager.copy_first = True
         fast = start_fast_row(args, loaded) if mode in LANE_ROWS else None
         load_s = time.perf_counter() - t0
         resident = (loaded.resident_bytes, loaded.load_peak_bytes)
@@ -920,6 +926,14 @@ def combine(results: list[dict], args) -> dict:
         "exact_vs_best_stock_offload": ratio(ex, max(offload)) if offload else None,
         "exact_vs_exact_clock": ratio(ex, c1("exact_clock")),
         "exact_loan_vs_exact": ratio(c1("exact_loan"), ex),
+        # the prefill stage's copy queued first (PrefillStager.copy_first) against exact's
+        # order (after the unstage kernel), in the same run
+        "exact_copy_first_prefill512_vs_exact": ratio(prefill("exact_copy_first", "p512"),
+                                                      prefill("exact", "p512")),
+        "exact_copy_first_prefill8k_vs_exact": ratio(prefill("exact_copy_first", "p8192"),
+                                                     prefill("exact", "p8192")),
+        "exact_copy_first_prefill8k_one_chunk_vs_exact": ratio(
+            prefill("exact_copy_first", "p8192_c8192"), prefill("exact", "p8192_c8192")),
         "exact_loan_c4_aggregate_vs_exact": ratio(
             figures["decode_c4_aggregate_tok_s"].get("exact_loan"), c4_agg
         ),

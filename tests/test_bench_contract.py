@@ -891,6 +891,30 @@ def test_gpu_slice_loan_row_is_predicted_with_the_lent_slots_in_decode_only(tmp_
     assert ratios["exact_loan_vs_best_stock_offload"] == 180.0 / 70.0
 
 
+def test_gpu_slice_copy_first_row_gives_the_stage_orders_side_by_side(tmp_path):
+    """MOCK exact and exact_copy_first rows (made-up figures): the row whose stages queue the
+    copy before the unstage kernel (PrefillStager.copy_first) against exact's prefill, per
+    shape; the copy_first row is on request only."""
+    from glm53.doctor.geometry import Geometry
+
+    gs = _gpu_slice()
+    assert "exact_copy_first" not in gs.parse_args(["--model", "/x"]).modes
+    geo = Geometry("slice", 8, 6, 288, 8, 9_437_184, 1_000_000_000, 3)
+    info = {"moe_layers": 6, "experts": 288, "record_bytes": 9_437_184, "device": "MOCK",
+            "geometry": {f: getattr(geo, f) for f in geo.__struct_fields__}}  # fmt: skip
+    cache = {"layer_hit_rate": [0.4] * 6}
+    rows = {
+        "exact": _mock_row(130.0, 90.0, 60.0, 240.0, 1200.0, 6000.0, 14000.0,
+                           decode_hit_rate=0.43, cache=cache, slots=197),
+        "exact_copy_first": _mock_row(131.0, 90.0, 60.0, 240.0, 1800.0, 7000.0, 16000.0,
+                                      decode_hit_rate=0.43, cache=cache, slots=197),
+    }  # fmt: skip
+    ratios = combine(tmp_path, rows, info)["ratios"]
+    assert ratios["exact_copy_first_prefill512_vs_exact"] == 1800.0 / 1200.0
+    assert ratios["exact_copy_first_prefill8k_vs_exact"] == 7000.0 / 6000.0
+    assert ratios["exact_copy_first_prefill8k_one_chunk_vs_exact"] == 16000.0 / 14000.0
+
+
 def test_gpu_slice_lane_rows_pin_as_the_server_does_unless_told_not_to():
     """The fast and nvme rows pin the driving thread and the lane's poller off the lane's cores
     (glm53.tiers.thread_pins.lane_threads_pinned, tested in tests/test_thread_pins.py) by default;

@@ -20,7 +20,7 @@
 # written on the CPU beforehand) is unpacked instead of synthesized while its synth sources'
 # hash (tools/synth-stamp.sh) matches these sources; otherwise it is synthesized, and the log
 # says why.
-# GLM53_SYNTH picks the checkpoints (default: the group's, else "demo slice slice-resharded"; also "deep", and "store": the slice's store), GLM53_GPU_TESTS narrows the tests (paths or node ids; default: the group's, else tests/gpu), GLM53_BENCH the benchmarks,
+# GLM53_SYNTH picks the checkpoints (default: the group's, else "demo slice slice-resharded"; also "deep", and "store": the slice's store), GLM53_GPU_TESTS narrows the tests (paths or node ids; default: the group's, else tests/gpu; one pytest process), GLM53_GPU_TESTS_<g> one side-by-side group's (e.g. GLM53_GPU_TESTS_e), GLM53_BENCH the benchmarks,
 # GLM53_BENCH_MODES the gpu_slice rows, GLM53_OFFLOAD_TIMEOUT its stock-offload subprocesses,
 # GLM53_GPU_SLICE_ARGS further gpu_slice arguments (e.g. "--model $GLM53_TEST_DEEP --vram-budget 24G"),
 # GLM53_GPU_TRACE_ARGS further gpu_trace arguments (GLM53_BENCH=gpu_trace: profiler traces).
@@ -253,7 +253,12 @@ if stage tests; then
     for g in "$@"; do
       GROUP=$g
       g_tests=()
-      for t in $(group_entries test); do g_tests+=("$REPO/tests/gpu/$t"); done
+      narrow=GLM53_GPU_TESTS_$g  # this group's tests narrowed (paths or node ids), if set
+      if [ -n "${!narrow:-}" ]; then
+        for t in ${!narrow}; do g_tests+=("$REPO/$t"); done
+      else
+        for t in $(group_entries test); do g_tests+=("$REPO/tests/gpu/$t"); done
+      fi
       g_synth=$(group_entries synth | tr '\n' ' ')
       (export GLM53_GPU_LIVE_LOG=$OUT/tests-live-$g.log
         # shellcheck disable=SC2086  # word splitting intended: a list of presets

@@ -463,6 +463,11 @@ class PrefillStager:
     halves of on_layer itself, `wait_staged` and `stage_ahead`, since a layer can be staged only
     once its records are resident in the RAM tier (glm53.tiers.prefill_ahead)."""
 
+    # True: a copy-engine stage queues its copy before the unstage kernel (see _stage). Not yet
+    # run on a GPU, so off until its GPU test passes (tests/gpu/test_generator_parity.py's
+    # copy-first case; bench/gpu_slice.py's exact_copy_first row measures it beside exact)
+    copy_first = False
+
     def __init__(
         self, cache: DeviceExpertCache, buf_slots: int, min_rows: int = 256, dma: bool | None = None,
         loan: bool = False, prefill_layers: int | None = None,
@@ -543,14 +548,27 @@ class PrefillStager:
 
         c = self.cache._cuda
         b, ec, s = layer % 2, self.cache._ptr, stream.cuda_stream
+        geo, buf = self.cache.geo, self.bufs[b].data_ptr()
+        if self.dma and self.copy_first:
+            # the copy first, then the two small kernels: the copy engine needs no SM, so the
+            # copy can run beside the MoE kernel the main stream starts now. Queued behind the
+            # unstage kernel, it waits for that kernel to get an SM, which it may get only once
+            # the MoE kernel leaves them, so copy and compute run one after the other (what
+            # the H100 trace of 2026-12-05 suggests: exact's 512-token prefill, copies 246 ms,
+            # MoE kernels 169 ms, 20 ms of them together; not yet confirmed by a trace with
+            # the copy first). Writing the buffer before its old layer's entries are unstaged
+            # is safe: the side stream starts after that layer's MoE kernel (stage_ahead's
+            # event), and nothing reads the old layer's entries before the unstage (main
+            # waits for it: wait_staged, or order_unstage between a pass's steps)
+            c.memcpy_async(buf, self.layer_home[layer], self.dma_count * geo.record_bytes, s)
         if self.owner[b] >= 0:
             c.ec_unstage(ec, self.owner[b], s)
             if stream is self.side:  # see order_unstage
                 self.unstaged = torch.cuda.Event()
                 self.unstaged.record(stream)
-        geo, buf = self.cache.geo, self.bufs[b].data_ptr()
         if self.dma:
-            c.memcpy_async(buf, self.layer_home[layer], self.dma_count * geo.record_bytes, s)
+            if not self.copy_first:
+                c.memcpy_async(buf, self.layer_home[layer], self.dma_count * geo.record_bytes, s)
             c.ec_stage_layer(ec, layer, buf, self.dma_count, s)
         else:
             c.ec_stage(ec, layer, buf, self.buf_slots, self.job_src[b].data_ptr(),

@@ -143,6 +143,26 @@ def test_batch_admitted_together_matches_the_generator_at_that_batch(case, engin
         assert_same(g, w, f"{case['name']} batch job {i} ({len(case['prompts'][2][i])} tokens)")
 
 
+def test_staging_with_the_copy_first_changes_no_output(case, engine):
+    """PrefillStager.copy_first (not yet the default): each copy-engine stage queues its copy
+    before the unstage kernel of the buffer's old layer, so the buffer is written while that
+    layer's entries still point into it (nothing reads them before the unstage). Every prompt
+    alone, at the page and chunk edges, then the batch, equal to the Generator."""
+    stager = engine.loaded.stager
+    assert stager is not None and stager.dma, "exact mode's staging is the copy engine's here"
+    stager.copy_first = True
+    try:
+        single = case["prompts"][0]
+        for n in LENGTHS:
+            (got,) = run_engine(engine, [single[n]], N_NEW)
+            assert_same(got, case["single"][n], f"{case['name']} copy first, prompt of {n}")
+        got = run_engine(engine, case["prompts"][2], N_NEW)
+        for i, (g, w) in enumerate(zip(got, case["batch"], strict=True)):
+            assert_same(g, w, f"{case['name']} copy first, batch job {i}")
+    finally:
+        del stager.copy_first  # the class's default again
+
+
 def test_staging_loan_changes_no_output(case, engine):
     """--ec-stage-loan: the staging buffers serve as cache slots in decode and go back to the
     stager before each staged prefill chunk. Every prompt alone, then the batch, equal to the
