@@ -151,16 +151,21 @@ def test_staging_with_the_copy_first_changes_no_output(case, engine):
     stager = engine.loaded.stager
     assert stager is not None and stager.dma, "exact mode's staging is the copy engine's here"
     stager.copy_first = True
+    engine.prefix_cache = False  # these prompts ran above: each is prefilled whole again
     try:
+        stages = stager.stages
         single = case["prompts"][0]
         for n in LENGTHS:
             (got,) = run_engine(engine, [single[n]], N_NEW)
             assert_same(got, case["single"][n], f"{case['name']} copy first, prompt of {n}")
+            assert got["cached"] == 0, got["cached"]
         got = run_engine(engine, case["prompts"][2], N_NEW)
         for i, (g, w) in enumerate(zip(got, case["batch"], strict=True)):
             assert_same(g, w, f"{case['name']} copy first, batch job {i}")
+        assert stager.stages > stages  # the prompts staged (with the copy first)
     finally:
         del stager.copy_first  # the class's default again
+        engine.prefix_cache = True
 
 
 def test_staging_loan_changes_no_output(case, engine):
