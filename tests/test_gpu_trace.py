@@ -169,6 +169,9 @@ def test_gpu_trace_arguments():
     gt = _bench("gpu_trace")
     a = gt.parse_args(["--model", "/m"])
     assert a.fast_shares == [None, 0, 20] and a.modes == "stock,exact,fast"
+    assert gt.parse_args(["--model", "/m", "--modes", "exact,exact_copy_first"]).modes == (
+        "exact,exact_copy_first"
+    )
     a = gt.parse_args(["--model", "/m", "--fast-shares", "router,30", "--lane-spin-us", "5000"])
     assert a.fast_shares == [None, 30] and a.lane_spin_us == [5000] and a.lane_pins is True
     assert gt.parse_args(["--model", "/m", "--no-lane-pins"]).lane_pins is False
@@ -202,6 +205,10 @@ def test_gpu_trace_ratios_and_prefill_breakdown_from_summaries():
     assert r["traced_vs_untraced"] == {"exact.p512": 1.25}
     assert out["prefill_exact_vs_stock"]["p512"]["wall_ms"] == pytest.approx(0.5)
     assert list(out["prefill_exact_vs_stock"]) == ["p512"]
+    assert out["prefill_copy_first_vs_stock"] == {}  # no exact_copy_first row
+    figures["exact_copy_first"] = {"p512": traced}
+    first = gt.combine(figures)["prefill_copy_first_vs_stock"]
+    assert first["p512"] == out["prefill_exact_vs_stock"]["p512"]
 
 
 def test_the_fast_hooks_ranges_appear_in_a_trace_only_when_turned_on(tmp_path):
