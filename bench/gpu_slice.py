@@ -81,12 +81,13 @@ import torch
 from glm53.config import parse_size
 from glm53.doctor import costmodel
 from glm53.doctor.geometry import GLM53_FLASH, Geometry, geometry_of
+from glm53.doctor.pcie_probe import pcie_h2d_gbps
 from glm53.tiers.thread_pins import lane_threads_pinned
 
 REAL_24GB_SHARE = 1376 / 12096  # the 24 GB RTX 3090's slots of GLM-5.3-Flash's experts (seed)
 # doctor's inputs for the H200 this bench runs on: the UVA read rate into the EXL3 kernels
 # (exllamav3.md App. A, 49.3-50.6 GB/s) and the spec sheet's HBM3e bandwidth and fp16 rate
-H200_PCIE_GBPS = 50.0
+H200_PCIE_GBPS = 50.0  # only for rows that measured no link rate (before 2026-12-06)
 H200_VRAM_GBPS = 4800.0
 H200_FP16_TFLOPS = 989.0
 
@@ -392,6 +393,9 @@ def measure_mode(args, mode) -> dict:
         "record_bytes": sum(geo.part_bytes),
         "device": torch.cuda.get_device_name(),
         "geometry": msgspec.to_builtins(geometry_of(args.model)),
+        # the link's pinned host-to-device rate as glm53 doctor measures it on a user's host
+        # (glm53/doctor/pcie_probe.py), the predictions' link input unless --predict-pcie-gbps
+        "pcie_h2d_gbps": pcie_h2d_gbps(0),
     }
     shapes, cache_tokens = row_prefill(args, mode)
     info["cache_tokens"] = cache_tokens
@@ -749,8 +753,23 @@ def full_model(args, vs_exact: dict | None, prefill: dict | None = None) -> dict
     return {"slots": slots, "predicted": pred, "scaled_by_measured": scaled}
 
 
+def link_input(results: list[dict], given: float | None) -> tuple[float, str]:
+    """The predictions' link rate (GB/s) and where it came from: --predict-pcie-gbps when given,
+    else the median of the rows' measured pinned host-to-device rate (pcie_h2d_gbps, what
+    glm53 doctor's probe measures on a user's host), else (rows from before 2026-12-06, which
+    measured none) the H200's assumed 50 GB/s."""
+    if given is not None:
+        return given, "--predict-pcie-gbps"
+    measured = sorted(r["info"]["pcie_h2d_gbps"] for r in results if r["info"].get("pcie_h2d_gbps"))
+    if measured:
+        return measured[len(measured) // 2], "measured: pinned host-to-device copies (pcie_probe)"
+    return H200_PCIE_GBPS, "assumed: the rows measured no link rate"
+
+
 def combine(results: list[dict], args) -> dict:
     """Figures and ratios of the rows measured (in one run or in several processes)."""
+    pcie_gbps, pcie_source = link_input(results, args.predict_pcie_gbps)
+    args = argparse.Namespace(**{**vars(args), "predict_pcie_gbps": pcie_gbps})
     rows = {r["mode"]: r["row"] for r in results if "decode" in r["row"]}
     errors = {r["mode"]: r["row"] for r in results if "decode" not in r["row"]}
     info = dict(results[0]["info"])
@@ -1006,6 +1025,7 @@ def combine(results: list[dict], args) -> dict:
         "vram_plan": info.get("vram_plan"),
         "prediction_inputs": {
             "pcie_gbps": args.predict_pcie_gbps,
+            "pcie_source": pcie_source,
             "vram_gbps": args.predict_vram_gbps,
             "fp16_tflops": args.predict_fp16_tflops,
         },
@@ -1090,7 +1110,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "card's, without --vram-budget; with it, as many as the budget holds)")  # fmt: skip
     ap.add_argument("--vram-budget", type=parse_size, default=None, metavar="SIZE",
                     help="plan exact mode within SIZE (e.g. 24G) as on a card that size")  # fmt: skip
-    ap.add_argument("--predict-pcie-gbps", type=float, default=H200_PCIE_GBPS)
+    ap.add_argument("--predict-pcie-gbps", type=float, default=None,
+                    help="the predictions' link rate (default: the rows' measured pinned "
+                    "host-to-device rate, glm53/doctor/pcie_probe.py)")  # fmt: skip
     ap.add_argument("--predict-vram-gbps", type=float, default=H200_VRAM_GBPS)
     ap.add_argument("--predict-fp16-tflops", type=float, default=H200_FP16_TFLOPS)
     ap.add_argument("--json", action="store_true")

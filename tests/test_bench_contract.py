@@ -915,6 +915,38 @@ def test_gpu_slice_copy_first_row_gives_the_stage_orders_side_by_side(tmp_path):
     assert ratios["exact_copy_first_prefill8k_one_chunk_vs_exact"] == 16000.0 / 14000.0
 
 
+def test_gpu_slice_predicts_at_the_link_rate_its_rows_measured(tmp_path):
+    """MOCK exact rows (made-up figures): each row records the link's pinned host-to-device rate
+    as glm53 doctor's probe measures it (info.pcie_h2d_gbps); the predictions take the rows'
+    median unless --predict-pcie-gbps names one, and rows that measured none keep the assumed
+    50 GB/s. A faster link predicts a faster exact decode (its misses cross it)."""
+    from glm53.doctor.geometry import Geometry
+
+    gs = _gpu_slice()
+    assert gs.parse_args(["--model", "/x"]).predict_pcie_gbps is None
+    geo = Geometry("slice", 8, 6, 288, 8, 9_437_184, 1_000_000_000, 3)
+    info = {"moe_layers": 6, "experts": 288, "record_bytes": 9_437_184, "device": "MOCK",
+            "geometry": {f: getattr(geo, f) for f in geo.__struct_fields__}}  # fmt: skip
+    cache = {"layer_hit_rate": [0.4] * 6}
+    row = _mock_row(150.0, 95.0, 55.0, 220.0, 1200.0, 6000.0, 14000.0, decode_hit_rate=0.42,
+                    cache=cache, slots=197)  # fmt: skip
+    rows = {"exact": row, "exact_clock": row, "exact_loan": dict(row, stage_loan={})}
+    rates = {"exact": 55.5, "exact_clock": 54.0, "exact_loan": 58.0}
+    (tmp_path / "m").mkdir()
+    measured = combine(tmp_path / "m", rows, lambda m: dict(info, pcie_h2d_gbps=rates[m]))
+    inputs = measured["config"]["prediction_inputs"]
+    assert inputs["pcie_gbps"] == 55.5 and inputs["pcie_source"].startswith("measured")
+    (tmp_path / "a").mkdir()
+    assumed = combine(tmp_path / "a", {"exact": row}, info)
+    a_inputs = assumed["config"]["prediction_inputs"]
+    assert a_inputs["pcie_gbps"] == 50.0 and a_inputs["pcie_source"].startswith("assumed")
+    fast = measured["figures"]["predicted"]["exact"]["decode_c1_tok_s"]
+    assert fast > assumed["figures"]["predicted"]["exact"]["decode_c1_tok_s"]
+    given = run_bench("gpu_slice", "--combine", str(tmp_path / "m"), "--predict-pcie-gbps", "50")
+    assert given["config"]["prediction_inputs"]["pcie_source"] == "--predict-pcie-gbps"
+    assert given["figures"]["predicted"]["exact"] == assumed["figures"]["predicted"]["exact"]
+
+
 def test_gpu_slice_lane_rows_pin_as_the_server_does_unless_told_not_to():
     """The fast and nvme rows pin the driving thread and the lane's poller off the lane's cores
     (glm53.tiers.thread_pins.lane_threads_pinned, tested in tests/test_thread_pins.py) by default;
