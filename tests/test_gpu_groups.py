@@ -148,6 +148,21 @@ def test_gpu_check_runs_several_groups_side_by_side(tmp_path):
         assert re.search(rf"start tests-{g}: timeout -s INT .*--junitxml=\S*gpu-tests-{g}.xml", log)
         assert all(f in log for f in files.split()), (g, log)
     assert not (out / "gpu-tests.xml").exists()
+    # GLM53_GPU_TESTS_<g> narrows one group (paths or node ids); the others run whole
+    narrowed = "tests/gpu/test_serve_gpu.py::test_nothing_here tests/gpu/test_exl3_gpu.py"
+    out3 = tmp_path / "o3"
+    subprocess.run(
+        ["bash", str(REPO / "tools" / "gpu-check.sh"), str(dev), str(out3), "tests"],
+        env={**env, "GLM53_GPU_GROUP": "c,a", "GLM53_GPU_TESTS_c": narrowed},
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    log = (out3 / "gpu-check.log").read_text()
+    line_c = next(x for x in log.splitlines() if "start tests-c:" in x)
+    assert line_c.endswith(
+        f"{REPO}/tests/gpu/test_serve_gpu.py::test_nothing_here {REPO}/tests/gpu/test_exl3_gpu.py"
+    ), line_c
+    line_a = next(x for x in log.splitlines() if "start tests-a:" in x)
+    assert all(f"tests/gpu/{f}" in line_a for f in groups()["a"]["test"]), line_a
     bad = subprocess.run(
         ["bash", str(REPO / "tools" / "gpu-check.sh"), str(dev), str(tmp_path / "o2"), "tests"],
         env={**env, "GLM53_GPU_GROUP": "a,z"}, capture_output=True, text=True, timeout=60,
