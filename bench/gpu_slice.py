@@ -393,9 +393,8 @@ def measure_mode(args, mode) -> dict:
         "record_bytes": sum(geo.part_bytes),
         "device": torch.cuda.get_device_name(),
         "geometry": msgspec.to_builtins(geometry_of(args.model)),
-        # the link's pinned host-to-device rate as glm53 doctor measures it on a user's host
-        # (glm53/doctor/pcie_probe.py), the predictions' link input unless --predict-pcie-gbps
-        "pcie_h2d_gbps": pcie_h2d_gbps(0),
+        # the run's link rate (main: measured once, before the first row loads)
+        "pcie_h2d_gbps": args.pcie_h2d_gbps,
     }
     shapes, cache_tokens = row_prefill(args, mode)
     info["cache_tokens"] = cache_tokens
@@ -1183,6 +1182,12 @@ def main(argv=None):
         results = [json.load(open(os.path.join(args.combine, f))) for f in files]
         results.sort(key=lambda r: ALL_MODES.index(r["mode"]))
     else:
+        # the link's pinned host-to-device rate as glm53 doctor measures it on a user's host
+        # (glm53/doctor/pcie_probe.py), the predictions' link input unless --predict-pcie-gbps:
+        # once a run, before any load, its buffers handed back so that no load plans around
+        # the allocator's cached block (glm53.exl3.loader reads the free VRAM)
+        args.pcie_h2d_gbps = pcie_h2d_gbps(0)
+        torch.cuda.empty_cache()
         modes = [m for m in args.modes.split(",") if m]
         results = []
         for mode in modes:

@@ -307,6 +307,23 @@ def run_engine(engine, prompts: list, n_new: int) -> list[dict]:
 
 
 @functools.cache
+@contextlib.contextmanager
+def copy_first_uncached(engine):
+    """An exact-mode engine's prefill stages with PrefillStager.copy_first (the copy queued
+    before the unstage kernel; not yet the default) and its prefix cache off, so that prompts
+    that ran before are prefilled and staged whole again; both back as they were after.
+    Yields the stager."""
+    stager = engine.loaded.stager
+    assert stager is not None and stager.dma, "exact mode's staging is the copy engine's here"
+    stager.copy_first = True
+    engine.prefix_cache = False
+    try:
+        yield stager
+    finally:
+        del stager.copy_first  # the class's default again
+        engine.prefix_cache = True
+
+
 def _reference_tool():
     """tools/exl3_reference.py as a module (it is a script, not in a package)."""
     import importlib.util

@@ -27,6 +27,7 @@ from gpu_kit import (  # noqa: E402
     assert_same,
     batch_prompts,
     checkpoint_dir,
+    copy_first_uncached,
     expert_slots,
     random_ids,
     reference_spec,
@@ -148,11 +149,7 @@ def test_staging_with_the_copy_first_changes_no_output(case, engine):
     before the unstage kernel of the buffer's old layer, so the buffer is written while that
     layer's entries still point into it (nothing reads them before the unstage). Every prompt
     alone, at the page and chunk edges, then the batch, equal to the Generator."""
-    stager = engine.loaded.stager
-    assert stager is not None and stager.dma, "exact mode's staging is the copy engine's here"
-    stager.copy_first = True
-    engine.prefix_cache = False  # these prompts ran above: each is prefilled whole again
-    try:
+    with copy_first_uncached(engine) as stager:  # these prompts ran above: whole again
         stages = stager.stages
         single = case["prompts"][0]
         for n in LENGTHS:
@@ -163,9 +160,6 @@ def test_staging_with_the_copy_first_changes_no_output(case, engine):
         for i, (g, w) in enumerate(zip(got, case["batch"], strict=True)):
             assert_same(g, w, f"{case['name']} copy first, batch job {i}")
         assert stager.stages > stages  # the prompts staged (with the copy first)
-    finally:
-        del stager.copy_first  # the class's default again
-        engine.prefix_cache = True
 
 
 def test_staging_loan_changes_no_output(case, engine):

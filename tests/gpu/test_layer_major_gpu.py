@@ -28,6 +28,7 @@ from gpu_kit import (  # noqa: E402
     assert_same,
     bounded,
     checkpoint_dir,
+    copy_first_uncached,
     expert_slots,
     iteration_limit,
     random_ids,
@@ -131,20 +132,13 @@ def test_layer_major_prefill_with_the_copy_first_matches_the_generator(case, eng
     before the unstage kernel of the buffer's old layer; the decode steps between the pass's
     steps wait for that unstage (order_unstage), copy included. Every length, torch.equal to
     the Generator."""
-    stager = engine.loaded.stager
-    assert stager is not None and stager.dma, "exact mode's staging is the copy engine's here"
-    stager.copy_first = True
-    engine.prefix_cache = False  # these prompts ran above: each pass runs whole again
-    try:
+    with copy_first_uncached(engine):  # these prompts ran above: each pass runs whole again
         before = _lm(engine)["passes"]
         for n in LENGTHS:
             (got,) = run_engine(engine, [case["prompts"][n]], N_NEW)
             assert_same(got, case["ref"][n], f"layer-major, copy first, prompt of {n}")
             assert got["cached"] == 0, got["cached"]
         assert _lm(engine)["passes"] == before + len(LENGTHS)
-    finally:
-        del stager.copy_first  # the class's default again
-        engine.prefix_cache = True
 
 
 def test_a_short_prompt_keeps_the_generators_path(case, engine):
