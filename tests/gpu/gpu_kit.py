@@ -306,7 +306,6 @@ def run_engine(engine, prompts: list, n_new: int) -> list[dict]:
     return [outs[i] for i in range(len(prompts))]
 
 
-@functools.cache
 @contextlib.contextmanager
 def copy_first_uncached(engine):
     """An exact-mode engine's prefill stages with PrefillStager.copy_first (the copy queued
@@ -324,6 +323,7 @@ def copy_first_uncached(engine):
         engine.prefix_cache = True
 
 
+@functools.cache
 def _reference_tool():
     """tools/exl3_reference.py as a module (it is a script, not in a package)."""
     import importlib.util
